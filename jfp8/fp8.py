@@ -1,0 +1,168 @@
+"""E4M3 quantization with DeepSeek-V3 scaling granularities (report §3.3, "Fine-Grained Quantization").
+
+`quantize` is the single definition of how a tensor becomes FP8 in jfp8. The Pallas quantization
+kernels in `pallas_kernels.quantize` reproduce it bit for bit, so every rule below (the amax clamp,
+the order of operations, the clip before the cast, the handling of non-finite blocks) is part of
+the numerics contract, not an implementation detail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, TypeAlias
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8_math import (
+    AMAX_FLOOR,
+    E4M3_MAX,
+    FP8_DTYPE,
+    TILE,
+    abs_for_amax,
+    encode,
+    scale_from_amax,
+)
+
+Block: TypeAlias = tuple[int, int] | None
+BlockName = Literal["tile", "column", "block", "tensor"]
+
+#: The scaling layouts of the recipe: 1x128 activation tiles along the last axis, 128x1 tiles along
+#: rows (the Wgrad layout, 128 tokens per scale), 128x128 weight blocks, and one scale per matrix.
+BLOCKS: dict[BlockName, Block] = {
+    "tile": (1, TILE),
+    "column": (TILE, 1),
+    "block": (TILE, TILE),
+    "tensor": None,
+}
+
+
+def _check_block(block: Block) -> None:
+    if block is None:
+        return
+    if (
+        not isinstance(block, tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and b >= 1 for b in block)
+    ):
+        raise ValueError(
+            f"block must be None (per-tensor) or a pair of positive ints such as (1, {TILE}), "
+            f"({TILE}, 1) or ({TILE}, {TILE}); got {block!r}"
+        )
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Fp8Tensor:
+    """An E4M3 tensor with one FP32 scale per block of its last two axes.
+
+    Attributes:
+      data: float8_e4m3fn, shape `(..., Mp, Kp)`: the logical `(M, K)` zero-padded up to whole
+        blocks. Leading axes are batch axes.
+      scale: float32, shape `(..., Mp // bm, Kp // bk)` for `block=(bm, bk)`, or `(..., 1, 1)` for
+        a per-tensor (per-matrix) scale. The represented value is `data * scale`, blockwise.
+      block: static: the scaling block `(bm, bk)`, or None for one scale per matrix.
+      logical: static: the logical sizes `(M, K)` of the last two axes (padding excluded).
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    block: Block
+    logical: tuple[int, int]
+
+    def tree_flatten(self):
+        return (self.data, self.scale), (self.block, self.logical)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape: batch axes of `data`, then `logical`."""
+        return tuple(self.data.shape[:-2]) + tuple(self.logical)
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def mT(self) -> Fp8Tensor:
+        """The matrix transpose of the last two axes, with the scaling block transposed too.
+
+        Exact (no requantization): `quantize(x, (128, 1)).mT` equals `quantize(x.mT, (1, 128))`
+        bit for bit. This is how the Wgrad operands, scaled per 128 tokens, become NT operands.
+        """
+        block = None if self.block is None else (self.block[1], self.block[0])
+        return Fp8Tensor(
+            jnp.swapaxes(self.data, -1, -2),
+            jnp.swapaxes(self.scale, -1, -2),
+            block,
+            (self.logical[1], self.logical[0]),
+        )
+
+    def expanded_scale(self, dtype=jnp.float32) -> jax.Array:
+        """The scales broadcast to the padded data shape `(..., Mp, Kp)`."""
+        s = self.scale.astype(dtype)
+        if self.block is None:
+            return jnp.broadcast_to(s, self.data.shape)
+        bm, bk = self.block
+        return jnp.repeat(jnp.repeat(s, bm, axis=-2), bk, axis=-1)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """`data * scale` in `dtype`, cut back to the logical shape."""
+        x = self.data.astype(dtype) * self.expanded_scale(dtype)
+        m, k = self.logical
+        return x[..., :m, :k]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.size * self.data.dtype.itemsize + self.scale.size * 4)
+
+
+def quantize(x: jax.Array, block: Block = (1, TILE), *, pow2_scale: bool = False) -> Fp8Tensor:
+    """Online E4M3 quantization of the last two axes of `x`, one FP32 scale per block.
+
+    Args:
+      x: floating array of shape `(..., M, K)` (bf16, f16, f32 or f64); leading axes are batch.
+      block: `(1, 128)` tile-wise (per row, 128 along the last axis: activations), `(128, 1)` (per
+        column, 128 rows: the Wgrad layout), `(128, 128)` block-wise (weights), any other
+        `(bm, bk)`, or None for one scale per matrix (per-tensor, the baseline).
+      pow2_scale: round every scale up to a power of two (UE8M0-compatible).
+
+    Returns:
+      An `Fp8Tensor` whose `data` is padded with zeros up to whole blocks and whose `logical` holds
+      `(M, K)`. A block that contains NaN or ±Inf gets a NaN scale and NaN data.
+    """
+    _check_block(block)
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"quantize needs a floating-point array (bf16, f16, f32 or f64), got {x.dtype}; "
+            "cast integer data with x.astype(jnp.float32) first"
+        )
+    if x.ndim < 2:
+        raise ValueError(
+            f"quantize works on the last two axes and needs x.ndim >= 2, got shape {x.shape}; "
+            "use x[None, :] for a vector"
+        )
+    *batch, m, k = x.shape
+    if block is None:
+        # One scale per matrix: the amax runs over both axes, nothing is padded.
+        amax = jnp.max(abs_for_amax(x), axis=(-2, -1), keepdims=True, initial=0.0)
+        scale = scale_from_amax(amax, pow2_scale)
+        return Fp8Tensor(encode(x, scale), scale, None, (m, k))
+
+    bm, bk = block
+    mp, kp = _round_up(m, bm), _round_up(k, bk)
+    pad = [(0, 0)] * len(batch) + [(0, mp - m), (0, kp - k)]
+    xp = jnp.pad(x, pad)
+    blocks = xp.reshape(*batch, mp // bm, bm, kp // bk, bk)  # [..., rows, bm, cols, bk]
+    amax = jnp.max(abs_for_amax(blocks), axis=(-3, -1), initial=0.0)  # [..., rows, cols]
+    scale = scale_from_amax(amax, pow2_scale)
+    data = encode(blocks, scale[..., :, None, :, None]).reshape(*batch, mp, kp)
+    return Fp8Tensor(data, scale, block, (m, k))
