@@ -1,0 +1,61 @@
+"""Small helpers shared by the Mosaic GPU kernels: interpret mode and CUDA lowering off-GPU."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import AbstractDevice, AbstractMesh
+
+# The machine the kernels are written for; used to lower (and to size persistent grids) on a
+# machine without a GPU.
+H100_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
+H100_NUM_SMS = 132
+
+
+def h100_abstract_mesh() -> AbstractMesh:
+    """A one-device abstract mesh that looks like an H100 (132 SMs), for lowering without a GPU."""
+    device = AbstractDevice(device_kind=H100_DEVICE_KIND, num_cores=H100_NUM_SMS, platform="gpu")
+    return AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+def interpret_params(*, detect_races: bool = False) -> plgpu.InterpretGPUParams:
+    """GPU-interpreter settings for tests: every buffer the kernel allocates, its outputs included,
+    starts as NaN (so a tile the kernel forgets to write shows up), and out-of-bounds reads raise."""
+    return plgpu.InterpretGPUParams(
+        uninitialized_memory="nan", out_of_bounds_reads="raise", detect_races=detect_races
+    )
+
+
+@contextlib.contextmanager
+def interpret_mode(interpret: bool, *, detect_races: bool = False):
+    """Run the Mosaic GPU kernels in the enclosed calls in the GPU interpreter when `interpret`."""
+    if not interpret:
+        yield
+        return
+    with plgpu.force_gpu_interpret_mode(interpret_params(detect_races=detect_races)):
+        yield
+
+
+def num_sms() -> int:
+    """SM count for persistent grids: the abstract device's when lowering off-GPU, the real GPU's
+    when there is one, else an H100's (interpreter runs on CPU)."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:
+        return abstract.num_cores
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        return device.core_count
+    return H100_NUM_SMS
+
+
+def lower_for_cuda(fn, *args, **kwargs) -> str:
+    """StableHLO text of `jax.jit(fn)(*args, **kwargs)` lowered for CUDA, on any machine.
+
+    Lowering is where Mosaic GPU checks real Hopper limits (wgmma layouts, TMA sizes and
+    alignment, shared-memory budgets) that the interpreter does not.
+    """
+    with jax.sharding.use_abstract_mesh(h100_abstract_mesh()):
+        lowered = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+    return lowered.as_text()

@@ -1,0 +1,44 @@
+"""Problem shapes shared by the kernel tests (CUDA lowering) and the benchmarks.
+
+DeepSeek-V3's M=4096 GEMM shapes (N x K of its projections, as DeepGEMM benchmarks them), a square
+8192^3, and MoE grouped shapes. Tests lower every kernel at these shapes; `experiments/bench_gemm.py`
+times them.
+"""
+
+from typing import NamedTuple
+
+
+class GemmShape(NamedTuple):
+    m: int
+    n: int
+    k: int
+
+
+class GroupedShape(NamedTuple):
+    groups: int
+    rows_per_group: int  # tokens per expert (equal groups for the benchmark baselines)
+    n: int
+    k: int
+
+
+DENSE_SHAPES: tuple[GemmShape, ...] = (
+    GemmShape(4096, 2112, 7168),
+    GemmShape(4096, 24576, 1536),
+    GemmShape(4096, 7168, 16384),
+    GemmShape(4096, 4096, 7168),
+    GemmShape(4096, 7168, 2048),
+    GemmShape(8192, 8192, 8192),
+)
+
+GROUPED_SHAPES: tuple[GroupedShape, ...] = (
+    GroupedShape(8, 4096, 4096, 7168),
+    GroupedShape(4, 8192, 4096, 7168),
+    GroupedShape(8, 4096, 7168, 2048),
+)
+
+# Small shapes for CPU runs of the benchmark (XLA paths only) and quick checks.
+CPU_DENSE_SHAPES: tuple[GemmShape, ...] = (
+    GemmShape(256, 256, 512),
+    GemmShape(512, 512, 1024),
+    GemmShape(1024, 1024, 1024),
+)
