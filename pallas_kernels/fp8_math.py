@@ -14,16 +14,20 @@ AMAX_FLOOR = 1e-4
 # DeepSeek-V3's scaling tile and its promotion interval N_C: one FP32 scale per 128 contraction
 # elements, and partial sums are promoted to FP32 every 128 K-elements.
 TILE = 128
+# Scales are computed as amax * (1 / 448) with this f32 constant rather than amax / 448: XLA
+# rewrites division by a constant into this multiplication under jit but not eagerly, so writing
+# the multiplication ourselves keeps jit, eager and kernels bit-identical.
+INV_E4M3_MAX = float(1.0 / jnp.float32(E4M3_MAX))
 
 
 def scale_from_amax(amax: jax.Array, pow2_scale: bool) -> jax.Array:
     """The FP32 scale of a block from its amax (max |x|, +inf when the block holds a NaN or Inf).
 
-    scale = max(amax, AMAX_FLOOR) / E4M3_MAX, optionally rounded up to a power of two (UE8M0), and
+    scale = max(amax, AMAX_FLOOR) * (1 / E4M3_MAX), optionally rounded up to a power of two (UE8M0), and
     NaN for a non-finite block so that the whole block dequantizes to NaN instead of to a silently
     wrong finite number. Shared by `quantize` and the Pallas quantization kernels.
     """
-    scale = jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) / jnp.float32(E4M3_MAX)
+    scale = jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) * jnp.float32(INV_E4M3_MAX)
     if pow2_scale:
         # Round a positive normal float up to a power of two with integer arithmetic, which is
         # exact everywhere (no log2/exp2): add all-ones to the mantissa, then clear it.

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test suite, from a clean clone: sets up .venv (pinned jax 0.11.2, CPU) and runs pytest.
+# Tests marked `gpu` skip themselves without a Hopper GPU. Extra arguments go to pytest.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$repo/scripts/env.sh"
+cd "$repo"
+set +e
+python -m pytest -q "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no tests: treating that as a failure" >&2
+    exit 1
+fi
+exit "$rc"

@@ -1,0 +1,197 @@
+"""jfp8.quantize: round-trip bounds, scales, zero/huge/NaN blocks, tails, batch axes, bad input."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jfp8
+from jfp8 import E4M3_MAX, TILE, Fp8Tensor, quantize
+
+BLOCKS = [(1, TILE), (TILE, 1), (TILE, TILE), None, (4, 32)]
+# E4M3 keeps 3 mantissa bits: round-to-nearest error is at most 2^-4 relative in the normal range,
+# and half the smallest subnormal step (2^-9 / 2) times the scale below it.
+REL_HALF_ULP = 2.0**-4
+SUBNORMAL_HALF_STEP = 2.0**-10
+
+
+def _rng():
+    """A fresh generator per test, with its seed for the failure message."""
+    seed = int(np.random.SeedSequence().generate_state(1)[0])
+    return np.random.default_rng(seed), seed
+
+
+def _check_roundtrip_bound(x: np.ndarray, t: Fp8Tensor, seed: int) -> None:
+    deq = np.asarray(t.dequantize(jnp.float32), np.float64)
+    scale = np.asarray(t.expanded_scale(), np.float64)[..., : x.shape[-2], : x.shape[-1]]
+    xf = x.astype(np.float64)
+    bound = np.maximum(np.abs(xf) * REL_HALF_ULP, scale * SUBNORMAL_HALF_STEP) * (1 + 1e-6)
+    err = np.abs(deq - xf)
+    assert np.all(err <= bound), (
+        f"seed {seed}: worst excess {np.max(err - bound)} at {np.unravel_index(np.argmax(err - bound), err.shape)}"
+    )
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 130), (257, 300), (128, 256), (2, 3, 70, 129)], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_roundtrip_within_e4m3_bound(shape, block, dtype):
+    rng, seed = _rng()
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 100)).astype(np.float32)
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # what quantize sees
+    t = quantize(jnp.asarray(x, dtype), block)
+    chex.assert_type(t.data, jnp.float8_e4m3fn)
+    chex.assert_type(t.scale, jnp.float32)
+    assert t.shape == shape and t.logical == shape[-2:]
+    _check_roundtrip_bound(x, t, seed)
+
+
+class TestQuantizeVariants(chex.TestCase):
+    """Same numerics with and without jit."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_scales_and_padding(self):
+        rng, seed = _rng()
+        x = rng.standard_normal((130, 300)).astype(np.float32)
+        q = self.variant(lambda v: quantize(v, (1, TILE)))(jnp.asarray(x))
+        chex.assert_shape(q.data, (130, 384))  # K padded with zeros to whole tiles
+        chex.assert_shape(q.scale, (130, 3))
+        np.testing.assert_array_equal(np.asarray(q.data[:, 300:], np.float32), 0.0)
+        # scale = amax * f32(1/448) per 128-wide row tile (amax >= the 1e-4 floor here)
+        xp = np.pad(x, ((0, 0), (0, 84))).reshape(130, 3, TILE)
+        expect = np.abs(xp).max(-1) * np.float32(1 / np.float32(E4M3_MAX))
+        np.testing.assert_array_equal(np.asarray(q.scale), expect, err_msg=f"seed {seed}")
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_pow2_scales_are_powers_of_two_and_round_up(self):
+        rng, seed = _rng()
+        x = jnp.asarray(rng.standard_normal((64, 512)) * 10.0 ** rng.uniform(-3, 3, (64, 1)), jnp.float32)
+        exact = quantize(x, (1, TILE))
+        p2 = self.variant(lambda v: quantize(v, (1, TILE), pow2_scale=True))(x)
+        s, se = np.asarray(p2.scale, np.float64), np.asarray(exact.scale, np.float64)
+        mant, _ = np.frexp(s)
+        np.testing.assert_array_equal(mant, 0.5, err_msg=f"seed {seed}: not powers of two")
+        assert np.all(s >= se) and np.all(s < 2 * se), f"seed {seed}: not the next power of two"
+        # with a power-of-two scale nothing can exceed the E4M3 range, and the round trip is bounded
+        _check_roundtrip_bound(np.asarray(x), p2, seed)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_zero_blocks_get_finite_scales(self):
+        x = jnp.zeros((256, 256), jnp.float32).at[:128, :128].set(1.0)
+        for block in BLOCKS:
+            q = self.variant(lambda v, b=block: quantize(v, b))(x)
+            assert np.all(np.isfinite(np.asarray(q.scale))) and np.all(np.asarray(q.scale) > 0)
+            np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(x))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_huge_values_saturate_not_nan(self):
+        rng, _ = _rng()
+        x = rng.standard_normal((4, 256)).astype(np.float32)
+        x[0, 3] = 3e38  # the amax; without the clip, rounding would push x/scale past 448 -> NaN
+        x[1, :] *= 1e30
+        q = self.variant(lambda v: quantize(v, (1, TILE)))(jnp.asarray(x))
+        deq = np.asarray(q.dequantize())
+        assert np.all(np.isfinite(deq))
+        np.testing.assert_allclose(deq[0, 3], 3e38, rtol=2**-4)
+        assert np.max(np.abs(np.asarray(q.data, np.float32))) <= E4M3_MAX
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_nan_and_inf_poison_their_block_only(self):
+        x = np.ones((256, 384), np.float32)
+        x[5, 130] = np.nan  # tile (5, 1); block (0, 1)
+        x[200, 300] = np.inf  # tile (200, 2); block (1, 2)
+        x[7, 10] = -np.inf  # tile (7, 0); block (0, 0)
+        for block, bad in [
+            ((1, TILE), {(5, 1), (200, 2), (7, 0)}),
+            ((TILE, TILE), {(0, 1), (1, 2), (0, 0)}),
+        ]:
+            q = self.variant(lambda v, b=block: quantize(v, b))(jnp.asarray(x))
+            s = np.asarray(q.scale)
+            nan_at = set(zip(*np.nonzero(np.isnan(s))))
+            assert nan_at == bad, (block, nan_at)
+            deq = np.asarray(q.dequantize())
+            bm, bk = block
+            for r, c in bad:
+                assert np.all(np.isnan(deq[r * bm : (r + 1) * bm, c * bk : (c + 1) * bk]))
+            assert np.isfinite(deq).sum() == deq.size - len(bad) * bm * bk
+        q = self.variant(lambda v: quantize(v, None))(jnp.asarray(x))
+        assert np.all(np.isnan(np.asarray(q.dequantize())))
+
+
+def test_batch_axes_are_independent():
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((3, 2, 40, 200)), jnp.float32)
+    for block in BLOCKS:
+        q = quantize(x, block)
+        for i in range(3):
+            for j in range(2):
+                qi = quantize(x[i, j], block)
+                np.testing.assert_array_equal(
+                    np.asarray(q.data[i, j]).view(np.uint8), np.asarray(qi.data).view(np.uint8)
+                )
+                np.testing.assert_array_equal(np.asarray(q.scale[i, j]), np.asarray(qi.scale))
+
+
+def test_column_layout_transposes_exactly():
+    rng, _ = _rng()
+    x = jnp.asarray(rng.standard_normal((300, 70)), jnp.float32)
+    a, b = quantize(x, (TILE, 1)).mT, quantize(x.T, (1, TILE))
+    assert a.block == b.block == (1, TILE) and a.logical == b.logical == (70, 300)
+    np.testing.assert_array_equal(np.asarray(a.data).view(np.uint8), np.asarray(b.data).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
+
+
+def test_fp8tensor_is_a_pytree_that_jit_and_vmap_carry():
+    rng, _ = _rng()
+    x = jnp.asarray(rng.standard_normal((4, 50, 260)), jnp.float32)
+    q = jax.jit(lambda v: quantize(v, (1, TILE)))(x)
+    leaves, treedef = jax.tree.flatten(q)
+    assert len(leaves) == 2
+    q2 = jax.tree.unflatten(treedef, leaves)
+    assert q2.block == (1, TILE) and q2.shape == (4, 50, 260)
+    per_item = jax.vmap(lambda v: quantize(v, (1, TILE)))(x)
+    np.testing.assert_array_equal(np.asarray(per_item.scale), np.asarray(q.scale))
+    deq = jax.vmap(lambda t: t.dequantize())(q)
+    chex.assert_shape(deq, (4, 50, 260))
+
+
+def test_outliers_only_hurt_their_own_tiles():
+    rng, seed = _rng()
+    x = rng.standard_normal((64, 1024)).astype(np.float32)
+    x[:, 5] *= 1e5  # one outlier channel, inside K tile 0
+    clean = np.s_[:, TILE:]
+    deq = np.asarray(quantize(jnp.asarray(x), (1, TILE)).dequantize(), np.float64)
+    err_tile = np.linalg.norm(deq[clean] - x[clean]) / np.linalg.norm(x[clean])
+    deq_t = np.asarray(quantize(jnp.asarray(x), None).dequantize(), np.float64)
+    err_tensor = np.linalg.norm(deq_t[clean] - x[clean]) / np.linalg.norm(x[clean])
+    assert err_tile < 0.03, (seed, err_tile)  # the clean E4M3 error (~2.6 %)
+    assert err_tensor > 10 * err_tile, (seed, err_tensor, err_tile)
+
+
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (jnp.ones((4, 4), jnp.int32), TypeError, "floating-point"),
+        (jnp.ones((4, 4), jnp.complex64), TypeError, "floating-point"),
+        (jnp.ones((4,), jnp.float32), ValueError, "ndim >= 2"),
+    ],
+)
+def test_bad_input_is_a_clear_error(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        quantize(bad)
+
+
+@pytest.mark.parametrize("block", [(0, 128), (128,), (1.0, 128), "tile"])
+def test_bad_block_is_a_clear_error(block):
+    with pytest.raises(ValueError, match="block must be"):
+        quantize(jnp.ones((4, 4)), block)
+
+
+def test_empty_input():
+    q = quantize(jnp.zeros((0, 300)), (1, TILE))
+    assert q.shape == (0, 300) and q.dequantize().shape == (0, 300)
+
+
+def test_public_constants_come_from_finfo():
+    assert jfp8.E4M3_MAX == float(jnp.finfo(jnp.float8_e4m3fn).max) == 448.0

@@ -1,0 +1,194 @@
+"""The reference GEMMs against the float64 oracle and against the exact product of the inputs."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jfp8 import (
+    TILE,
+    dequantize_f64,
+    grouped_scaled_matmul_reference,
+    grouped_wgrad_reference,
+    quantize,
+    scaled_matmul_oracle,
+    scaled_matmul_reference,
+)
+
+PAIRINGS = {
+    "tile x block": ((1, TILE), (TILE, TILE)),  # Fprop, Dgrad
+    "tile x tile": ((1, TILE), (1, TILE)),  # Wgrad (operands already transposed to NT)
+    "tensor x tensor": (None, None),
+    "block x block": ((TILE, TILE), (TILE, TILE)),
+}
+U = 2.0**-4  # E4M3 relative half-ulp
+
+
+def _rng():
+    seed = int(np.random.SeedSequence().generate_state(1)[0])
+    return np.random.default_rng(seed), seed
+
+
+def _elementwise_quant_error_bound(x: np.ndarray, q) -> np.ndarray:
+    """Per-element bound on |dequantize(q) - x|: half an ulp, or half the subnormal step."""
+    scale = np.asarray(q.expanded_scale(), np.float64)[: x.shape[0], : x.shape[1]]
+    return np.maximum(np.abs(x) * U, scale * 2.0**-10) * (1 + 1e-6)
+
+
+def _gemm_quant_bound(x, w, qa, qb) -> np.ndarray:
+    """|Q(x) Q(w)^T - x w^T| <= ex |w|^T + |x| ew^T + ex ew^T, elementwise (f64)."""
+    ex, ew = _elementwise_quant_error_bound(x, qa), _elementwise_quant_error_bound(w, qb)
+    ax, aw = np.abs(x), np.abs(w)
+    return ex @ aw.T + ax @ ew.T + ex @ ew.T
+
+
+@pytest.mark.parametrize("pairing", PAIRINGS, ids=str)
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 1, 1), (65, 200, 128), (130, 70, 384), (64, 256, 1024), (33, 129, 4096), (17, 300, 700)]
+)
+def test_reference_matches_oracle_and_quantization_bound(pairing, m, n, k):
+    rng, seed = _rng()
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 1)).astype(np.float32)
+    a_block, b_block = PAIRINGS[pairing]
+    qa, qb = quantize(jnp.asarray(x), a_block), quantize(jnp.asarray(w), b_block)
+    out = np.asarray(scaled_matmul_reference(qa, qb, jnp.float32), np.float64)
+    chex.assert_shape(out, (m, n))
+    oracle = scaled_matmul_oracle(qa, qb)
+    # Same FP8 operands: only the f32 accumulation differs from the oracle.
+    mag = np.abs(dequantize_f64(qa)) @ np.abs(dequantize_f64(qb)).T
+    assert np.all(np.abs(out - oracle) <= 2e-6 * mag + 1e-30), f"seed {seed}"
+    # Against the unquantized inputs: within the E4M3 quantization bound, element by element.
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = _gemm_quant_bound(x.astype(np.float64), w.astype(np.float64), qa, qb) + 2e-6 * mag
+    assert np.all(np.abs(out - exact) <= bound), f"seed {seed}: {np.max(np.abs(out - exact) - bound)}"
+
+
+class TestReferenceVariants(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_bf16_output_is_the_rounded_f32_output(self):
+        rng, seed = _rng()
+        qa = quantize(jnp.asarray(rng.standard_normal((40, 512)), jnp.float32))
+        qb = quantize(jnp.asarray(rng.standard_normal((72, 512)), jnp.float32), (TILE, TILE))
+        f = self.variant(scaled_matmul_reference, static_argnums=2)
+        f32 = f(qa, qb, jnp.float32)
+        bf16 = f(qa, qb, jnp.bfloat16)
+        chex.assert_type(bf16, jnp.bfloat16)
+        chex.assert_trees_all_equal(bf16, f32.astype(jnp.bfloat16))
+        rel = np.linalg.norm(np.asarray(f32) - scaled_matmul_oracle(qa, qb)) / np.linalg.norm(
+            scaled_matmul_oracle(qa, qb)
+        )
+        assert rel < 1e-6, f"seed {seed}: {rel}"
+
+
+def test_promotion_is_per_chunk_in_order():
+    """The accumulation is sum_c (dot_c * s_a,c * s_b,c) in chunk order, not one long dot."""
+    rng, seed = _rng()
+    qa = quantize(jnp.asarray(rng.standard_normal((8, 512)), jnp.float32))
+    qb = quantize(jnp.asarray(rng.standard_normal((16, 512)), jnp.float32), (TILE, TILE))
+    a = np.asarray(qa.data, np.float32)
+    b = np.asarray(qb.data, np.float32)[:16]  # the data is padded to whole 128-row blocks
+    sa, sb = np.asarray(qa.scale), np.repeat(np.asarray(qb.scale), TILE, axis=0)[:16]
+    acc = np.zeros((8, 16), np.float32)
+    for c in range(4):
+        part = (a[:, c * TILE : (c + 1) * TILE] @ b[:, c * TILE : (c + 1) * TILE].T).astype(np.float32)
+        acc = acc + part * (sa[:, c, None] * sb[None, :, c])
+    np.testing.assert_allclose(
+        np.asarray(scaled_matmul_reference(qa, qb, jnp.float32)), acc, rtol=1e-6, err_msg=f"seed {seed}"
+    )
+
+
+def test_column_scaled_operands_via_mT():
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((300, 64)), jnp.float32)  # tokens x features
+    dy = jnp.asarray(rng.standard_normal((300, 48)), jnp.float32)
+    xt, dyt = quantize(x, (TILE, 1)).mT, quantize(dy, (TILE, 1)).mT
+    dw = np.asarray(scaled_matmul_reference(xt, dyt, jnp.float32), np.float64)
+    exact = np.asarray(x, np.float64).T @ np.asarray(dy, np.float64)
+    assert np.linalg.norm(dw - exact) / np.linalg.norm(exact) < 0.06, f"seed {seed}"
+    with pytest.raises(ValueError, match="mT"):
+        scaled_matmul_reference(quantize(x, (TILE, 1)), quantize(dy, (TILE, 1)))
+
+
+@pytest.mark.parametrize(
+    "sizes", [[100, 0, 150, 20], [0, 0, 300, 0], [1, 2, 3, 4], [128, 128, 0, 44]], ids=str
+)
+def test_grouped_references_match_the_oracle(sizes):
+    rng, seed = _rng()
+    t, k, n = 300, 256, 200
+    g = len(sizes)
+    x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((g, n, k)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = quantize(x), quantize(w, (TILE, TILE))
+    out = np.asarray(grouped_scaled_matmul_reference(lhs, rhs, gs, jnp.float32), np.float64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    xd, wd = dequantize_f64(lhs), dequantize_f64(rhs)
+    for gi in range(g):
+        rows = slice(starts[gi], starts[gi + 1])
+        ref = xd[rows] @ wd[gi].T
+        np.testing.assert_allclose(out[rows], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(initial=1))
+    assert np.all(out[starts[-1] :] == 0), "rows past the groups must be zero"
+
+    dy = jnp.asarray(rng.standard_normal((t, n)), jnp.float32)
+    xt, dyt = quantize(x, (TILE, 1)).mT, quantize(dy, (TILE, 1)).mT
+    dw = np.asarray(grouped_wgrad_reference(xt, dyt, gs), np.float64)
+    chex.assert_shape(dw, (g, k, n))
+    xtd, dytd = dequantize_f64(xt), dequantize_f64(dyt)
+    for gi in range(g):
+        cols = slice(starts[gi], starts[gi + 1])
+        ref = xtd[:, cols] @ dytd[:, cols].T
+        np.testing.assert_allclose(dw[gi], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(initial=1), err_msg=f"seed {seed}")
+
+
+def test_grouped_wgrad_skips_chunks_of_other_groups():
+    """A NaN in another group's 128-token chunk must not leak into this group's gradient."""
+    x = np.ones((256, 8), np.float32)
+    x[200, 0] = np.nan  # chunk 1 belongs to group 1 only
+    xt = quantize(jnp.asarray(x), (TILE, 1)).mT
+    dyt = quantize(jnp.ones((256, 8), jnp.float32), (TILE, 1)).mT
+    dw = np.asarray(grouped_wgrad_reference(xt, dyt, jnp.asarray([128, 128], jnp.int32)))
+    assert np.all(np.isfinite(dw[0])) and np.all(np.isnan(dw[1][0]))
+    np.testing.assert_allclose(dw[0], 128.0, rtol=1e-6)  # scales are amax * f32(1/448)
+
+
+@pytest.mark.parametrize(
+    "a_shape,b_shape,kwargs,exc,match",
+    [
+        ((4, 256), (8, 128), {}, ValueError, "contraction sizes differ"),
+        ((4, 256), (8, 256), {"out_dtype": jnp.float16}, ValueError, "out_dtype"),
+    ],
+)
+def test_bad_input_is_a_clear_error(a_shape, b_shape, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        scaled_matmul_reference(quantize(jnp.ones(a_shape)), quantize(jnp.ones(b_shape)), **kwargs)
+
+
+def test_non_fp8_operand_is_a_clear_error():
+    with pytest.raises(TypeError, match="Fp8Tensor"):
+        scaled_matmul_reference(jnp.ones((4, 128)), quantize(jnp.ones((4, 128))))
+    with pytest.raises(ValueError, match="vmap"):
+        scaled_matmul_reference(quantize(jnp.ones((2, 4, 128))), quantize(jnp.ones((4, 128))))
+
+
+def test_group_sizes_checks():
+    lhs, rhs = quantize(jnp.ones((10, 128))), quantize(jnp.ones((2, 8, 128)), (TILE, TILE))
+    with pytest.raises(ValueError, match="shape \\(2,\\)"):
+        grouped_scaled_matmul_reference(lhs, rhs, jnp.asarray([5, 5, 0], jnp.int32))
+    with pytest.raises(ValueError, match="more than the 10 rows"):
+        grouped_scaled_matmul_reference(lhs, rhs, jnp.asarray([6, 5], jnp.int32))
+    with pytest.raises(TypeError, match="integers"):
+        grouped_scaled_matmul_reference(lhs, rhs, jnp.asarray([5.0, 5.0]))
+
+
+def test_reference_under_vmap_for_batches():
+    rng, _ = _rng()
+    x = jnp.asarray(rng.standard_normal((3, 20, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((30, 256)), jnp.float32)
+    qb = quantize(w, (TILE, TILE))
+    out = jax.vmap(lambda xi: scaled_matmul_reference(quantize(xi), qb, jnp.float32))(x)
+    for i in range(3):
+        np.testing.assert_array_equal(
+            np.asarray(out[i]), np.asarray(scaled_matmul_reference(quantize(x[i]), qb, jnp.float32))
+        )
