@@ -1,9 +1,12 @@
 """jfp8: DeepSeek-V3's FP8 training recipe in JAX and Pallas (Mosaic GPU).
 
 Numerics core: `quantize` -> `Fp8Tensor`, the reference GEMM `scaled_matmul_reference` (chunked FP32
-accumulation, the numerics every kernel reproduces) and the float64 oracle.
+accumulation, the numerics every kernel reproduces) and the float64 oracle. GEMMs:
+`scaled_matmul`, `grouped_scaled_matmul`, `grouped_wgrad_matmul`, each with `impl="xla" | "mosaic" |
+"auto"`.
 """
 
+from jfp8.backend import Impl, is_hopper
 from jfp8.fp8 import AMAX_FLOOR, BLOCKS, E4M3_MAX, FP8_DTYPE, TILE, Fp8Tensor, quantize
 from jfp8.reference import (
     dequantize_f64,
@@ -12,8 +15,14 @@ from jfp8.reference import (
     scaled_matmul_oracle,
     scaled_matmul_reference,
 )
+from jfp8.matmul import grouped_scaled_matmul, grouped_wgrad_matmul, scaled_matmul
 
 __all__ = [
+    "Impl",
+    "is_hopper",
+    "scaled_matmul",
+    "grouped_scaled_matmul",
+    "grouped_wgrad_matmul",
     "AMAX_FLOOR",
     "BLOCKS",
     "E4M3_MAX",
