@@ -1,0 +1,271 @@
+"""The Hopper tile-scaled GEMM kernel (`pallas_kernels.gemm`) against the reference GEMM.
+
+On CPU the kernel runs in the Mosaic GPU interpreter, which fills every buffer it allocates (the
+output included) with NaN, so a tile the kernel fails to write cannot pass an equality check;
+lowering for CUDA then checks the Hopper limits the interpreter ignores (wgmma layouts, TMA
+boxes and strides, the SMEM budget).
+
+Comparison strength, found by experiment:
+- Bit-identical (`_assert_bitwise_equal`) when every 128-element chunk product is exact in f32:
+  data that are small integers (|q| <= 16, so |partial| <= 128 * 256 < 2**24), with the real
+  scales of `jfp8.quantize`. Then only the promotion `out + partial * (sa * sb)`, its order over
+  K chunks and the final cast can differ, and they are reproduced exactly.
+- Relative Frobenius error <= 1e-6 for Gaussian data quantized by `jfp8.quantize`: a chunk
+  product of general E4M3 values is not exact in f32, and the reference's XLA CPU dot sums it in
+  an order that changes with the matrix shape (e.g. N=200 vs N=256), unlike the interpreter's
+  per-tile matmul, so the last bit of some outputs differs. Those tests use f32 outputs, since a
+  one-ulp f32 difference can flip a bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+    reset_gpu_interpret_mode_state,
+)
+
+from jfp8.fp8 import Fp8Tensor, quantize
+from jfp8.reference import scaled_matmul_reference
+from pallas_kernels import _mgpu, gemm
+from pallas_kernels.fp8_math import FP8_DTYPE, TILE
+from pallas_kernels.shapes import DENSE_SHAPES
+
+# The weight pairing (b_block_rows = 128, Fprop/Dgrad) and the tile pairing (1, Wgrad).
+B_BLOCKS = {TILE: (TILE, TILE), 1: (1, TILE)}
+# |q| <= 16: integers that E4M3 holds exactly, with chunk products exact in f32.
+SMALL_INT = 16
+
+
+# Jitted: eager dispatch compiles every small op per shape, which dominates these small tests.
+_reference = jax.jit(scaled_matmul_reference, static_argnums=2)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _quantize_pair(x, w, b_block_rows):
+    return quantize(x, (1, TILE)), quantize(w, B_BLOCKS[b_block_rows])
+
+
+def _seed() -> int:
+    return int(np.random.default_rng().integers(2**31))
+
+
+def _operands(seed: int, m: int, n: int, k: int, b_block_rows: int, *, exact: bool):
+    """(a, b) Fp8Tensors: a = quantize(x, (1, 128)), b = quantize(w, (128, 128) or (1, 128)).
+
+    Rows of x and w get random magnitudes so that the scales vary. With `exact`, the data are
+    replaced by small integers (zero in the padding, as quantize leaves it) under the same scales.
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)) * np.exp(rng.normal(size=(m, 1)))
+    w = rng.standard_normal((n, k)) * np.exp(rng.normal(size=(n, 1)))
+    a, b = _quantize_pair(
+        jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), b_block_rows
+    )
+    if exact:
+        a, b = (_small_int_data(t, rng) for t in (a, b))
+    return a, b
+
+
+def _small_int_data(t: Fp8Tensor, rng: np.random.Generator) -> Fp8Tensor:
+    q = rng.integers(-SMALL_INT, SMALL_INT + 1, size=t.data.shape).astype(np.float32)
+    rows, k = t.logical
+    q[rows:, :] = 0
+    q[:, k:] = 0
+    return dataclasses.replace(t, data=jnp.asarray(q).astype(FP8_DTYPE))
+
+
+def _interpret(fn, *args, **kwargs):
+    """`fn(...)` with its Mosaic GPU kernels in the interpreter (NaN-initialised buffers)."""
+    try:
+        with _mgpu.interpret_mode(True):
+            return jax.block_until_ready(fn(*args, **kwargs))
+    except Exception:
+        reset_gpu_interpret_mode_state()  # the interpreter's state is unusable after a failure
+        raise
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _kernel(a: Fp8Tensor, b: Fp8Tensor, b_block_rows: int, out_dtype, config=None):
+    return gemm.scaled_matmul(
+        a.data, a.scale, b.data, b.scale,
+        n=b.logical[0], b_block_rows=b_block_rows, out_dtype=out_dtype, config=config,
+    )
+
+
+def _assert_bitwise_equal(out, ref, seed):
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, seed)
+    bits = {2: np.uint16, 4: np.uint32}[out.dtype.itemsize]
+    diff = out.view(bits) != ref.view(bits)
+    assert not diff.any(), (
+        f"seed={seed}: {diff.sum()} of {diff.size} outputs differ "
+        f"({np.isnan(out).sum()} NaN), first at {np.argwhere(diff)[0]}"
+    )
+
+
+# (M, N, K, b_block_rows, out_dtype): M/N tails within and past one tile, b with padded rows
+# (N=200 and 136 under 128x128 blocks), K tails (K=200 -> 2 chunks), 1 and 4 chunks.
+EXACT_CASES = [
+    (64, 128, 256, TILE, jnp.float32),
+    (65, 200, 200, TILE, jnp.bfloat16),
+    (65, 200, 200, 1, jnp.float32),
+    (1, 24, 128, 1, jnp.bfloat16),
+    (72, 136, 512, TILE, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("m,n,k,b_block_rows,out_dtype", EXACT_CASES)
+def test_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype):
+    seed = _seed()
+    a, b = _operands(seed, m, n, k, b_block_rows, exact=True)
+    out = _interpret(_kernel, a, b, b_block_rows, out_dtype)
+    _assert_bitwise_equal(out, _reference(a, b, out_dtype), seed)
+
+
+def test_bit_identical_with_another_tiling():
+    """tile_m=128 (two wgmma row blocks in one warpgroup), tile_n=64, no TMA overlap."""
+    seed = _seed()
+    config = gemm.GemmConfig(tile_m=128, tile_n=64, max_concurrent_steps=1)
+    a, b = _operands(seed, 130, 100, 256, 1, exact=True)
+    out = _interpret(_kernel, a, b, 1, jnp.float32, config)
+    _assert_bitwise_equal(out, _reference(a, b, jnp.float32), seed)
+
+
+@pytest.mark.parametrize("m,n,k,b_block_rows", [(96, 160, 300, TILE), (40, 72, 256, 1)])
+def test_quantized_gaussian_matches_reference(m, n, k, b_block_rows):
+    seed = _seed()
+    a, b = _operands(seed, m, n, k, b_block_rows, exact=False)
+    out = np.asarray(_interpret(_kernel, a, b, b_block_rows, jnp.float32))
+    ref = np.asarray(_reference(a, b, jnp.float32))
+    assert out.shape == (m, n)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err <= 1e-6, f"seed={seed}: relative Frobenius error {err}"
+
+
+def test_interpreter_poisons_unwritten_output():
+    """A launch that covers only the first of two row tiles leaves the second tile NaN.
+
+    This is what makes the equality tests above meaningful: an output tile the kernel forgot to
+    store would be NaN, never an accidentally right value.
+    """
+    seed = _seed()
+    config = gemm.GemmConfig()
+    m, n = 2 * config.tile_m, config.tile_n
+    a, b = _operands(seed, m, n, TILE, 1, exact=True)
+    operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, 1)
+    call = gemm._gemm_call((m, n), jnp.float32, config, grid=(1, 1))
+    out = np.asarray(_interpret(call, *operands))
+    ref = np.asarray(_reference(a, b, jnp.float32))
+    _assert_bitwise_equal(out[: config.tile_m], ref[: config.tile_m], seed)
+    assert np.isnan(out[config.tile_m :]).all()
+
+
+@pytest.mark.parametrize("m,n,kp", [(0, 16, 128), (16, 0, 128), (0, 0, 128), (4, 16, 0)])
+def test_empty_problem_returns_zeros_without_launch(m, n, kp):
+    """Outside the interpreter: a launch on this CPU would raise "Only interpret mode..."."""
+    chunks = kp // TILE
+    out = gemm.scaled_matmul(
+        jnp.zeros((m, kp), FP8_DTYPE), jnp.ones((m, chunks), jnp.float32),
+        jnp.zeros((n, kp), FP8_DTYPE), jnp.ones((n, chunks), jnp.float32),
+        n=n, b_block_rows=1, out_dtype=jnp.float32,
+    )
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    assert not np.asarray(out).any()
+
+
+def _valid_args():
+    return dict(
+        a_data=jnp.zeros((8, 256), FP8_DTYPE),
+        a_scale=jnp.ones((8, 2), jnp.float32),
+        b_data=jnp.zeros((128, 256), FP8_DTYPE),
+        b_scale=jnp.ones((1, 2), jnp.float32),
+        n=100,
+        b_block_rows=TILE,
+    )
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(a_data=jnp.zeros((8, 256), jnp.bfloat16)), TypeError, "a_data must be"),
+        (dict(b_data=jnp.zeros((128, 256), jnp.float8_e5m2)), TypeError, "b_data must be"),
+        (dict(a_scale=jnp.ones((8, 2), jnp.bfloat16)), TypeError, "a_scale must be float32"),
+        (dict(out_dtype=jnp.float16), ValueError, "out_dtype"),
+        (dict(b_block_rows=64), ValueError, "b_block_rows"),
+        (
+            dict(a_data=jnp.zeros((8, 200), FP8_DTYPE), b_data=jnp.zeros((128, 200), FP8_DTYPE)),
+            ValueError,
+            "multiple of 128",
+        ),
+        (dict(b_data=jnp.zeros((128, 384), FP8_DTYPE)), ValueError, "Kp differs"),
+        (dict(n=129), ValueError, "n must be"),
+        (dict(a_scale=jnp.ones((8, 3), jnp.float32)), ValueError, "a_scale must have shape"),
+        (dict(b_scale=jnp.ones((128, 2), jnp.float32)), ValueError, "b_scale must have shape"),
+        (dict(b_block_rows=1), ValueError, "b_scale must have shape"),
+    ],
+)
+def test_invalid_inputs_raise(change, error, match):
+    args = _valid_args() | change
+    with pytest.raises(error, match=match):
+        gemm.scaled_matmul(**args)
+
+
+@pytest.mark.parametrize(
+    "fields", [dict(tile_m=96), dict(tile_m=512), dict(tile_n=8), dict(tile_n=320),
+               dict(max_concurrent_steps=0)]
+)
+def test_invalid_config_raises(fields):
+    with pytest.raises(ValueError):
+        gemm.GemmConfig(**fields)
+
+
+LOWERING_CASES = (
+    [(s.m, s.n, s.k, TILE, jnp.bfloat16) for s in DENSE_SHAPES]
+    + [(s.m, s.n, s.k, 1, jnp.float32) for s in DENSE_SHAPES[:2]]
+    + [
+        (1, 1, 128, 1, jnp.bfloat16),
+        (65, 200, 384, TILE, jnp.float32),
+        (3, 201, 200, 1, jnp.bfloat16),
+        (129, 13, 128, TILE, jnp.float32),
+        (4097, 2111, 7168, TILE, jnp.bfloat16),
+    ]
+)
+
+
+@pytest.mark.parametrize("m,n,k,b_block_rows,out_dtype", LOWERING_CASES)
+def test_lowers_for_hopper(m, n, k, b_block_rows, out_dtype):
+    text = gemm.lower_scaled_matmul(m, n, k, b_block_rows=b_block_rows, out_dtype=out_dtype)
+    assert "mosaic_gpu" in text
+
+
+def test_lowers_with_deeper_pipeline():
+    config = gemm.GemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4)
+    text = gemm.lower_scaled_matmul(8192, 8192, 8192, b_block_rows=TILE, config=config)
+    assert "mosaic_gpu" in text
+
+
+def test_lowering_rejects_a_config_over_the_smem_budget():
+    """4 stages of (128 + 256) x 128 fp8 plus a 128 x 256 f32 output tile exceed 227 KiB."""
+    config = gemm.GemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=4)
+    with pytest.raises(ValueError, match="shared memory"):
+        gemm.lower_scaled_matmul(
+            4096, 4096, 7168, b_block_rows=TILE, out_dtype=jnp.float32, config=config
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
+@pytest.mark.parametrize("b_block_rows", [TILE, 1])
+def test_on_gpu_matches_reference(b_block_rows):
+    seed = _seed()
+    a, b = _operands(seed, 1000, 1500, 2000, b_block_rows, exact=False)
+    out = np.asarray(_kernel(a, b, b_block_rows, jnp.float32))
+    ref = np.asarray(_reference(a, b, jnp.float32))
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err <= 1e-5, f"seed={seed}: relative Frobenius error {err}"
