@@ -15,9 +15,16 @@ from jfp8.reference import (
     scaled_matmul_oracle,
     scaled_matmul_reference,
 )
+from jfp8.ops import fp8_dot_general, fp8_linear, grouped_fp8_linear, make_fp8_dot_general
+from jfp8.recipe import Fp8Recipe
 from jfp8.matmul import grouped_scaled_matmul, grouped_wgrad_matmul, scaled_matmul
 
 __all__ = [
+    "Fp8Recipe",
+    "fp8_dot_general",
+    "fp8_linear",
+    "grouped_fp8_linear",
+    "make_fp8_dot_general",
     "Impl",
     "is_hopper",
     "scaled_matmul",

@@ -68,6 +68,24 @@ def chunk_operand(t: Fp8Tensor, kp: int) -> tuple[jax.Array, jax.Array]:
     return data, s.astype(jnp.float32)
 
 
+def zeros_accumulator(*rows_and_cols: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """An f32 [rows, cols] zero accumulator typed like its operands.
+
+    Built from each (row operand, column operand) pair, as empty sums, rather than with
+    `jnp.zeros`, so that inside `shard_map` it varies over the same mesh axes as the operands (a
+    scan carry must keep its type). Each argument is `(r, c)` with r [rows, ...] and c [cols, ...].
+    """
+
+    def empty_sum(x):  # [len(x), 1] of +0.0, typed like x
+        return x[:, :0].astype(jnp.float32).sum(axis=1, keepdims=True)
+
+    acc = None
+    for r, c in rows_and_cols:
+        z = empty_sum(r) + empty_sum(c).T
+        acc = z if acc is None else acc + z
+    return acc
+
+
 def scaled_matmul_reference(a: Fp8Tensor, b: Fp8Tensor, out_dtype=jnp.bfloat16) -> jax.Array:
     """`a @ b.T` with DeepSeek-V3's chunked FP32 accumulation.
 
@@ -98,7 +116,7 @@ def scaled_matmul_reference(a: Fp8Tensor, b: Fp8Tensor, out_dtype=jnp.bfloat16) 
         )  # [M, N]
         return acc + partial * (sa_c[:, None] * sb_c[None, :]), None
 
-    acc0 = jnp.zeros((m, n), jnp.float32)
+    acc0 = zeros_accumulator((a_data, b_data), (sa, sb))
     acc, _ = jax.lax.scan(promote, acc0, (a_chunks, b_chunks, sa.T, sb.T))
     return acc.astype(out_dtype)
 
@@ -116,7 +134,8 @@ def scaled_matmul_oracle(a: Fp8Tensor, b: Fp8Tensor) -> np.ndarray:
     return dequantize_f64(a) @ np.swapaxes(dequantize_f64(b), -1, -2)
 
 
-def _check_group_sizes(group_sizes: jax.Array, groups: int, rows: int) -> None:
+def check_group_sizes(group_sizes: jax.Array, groups: int, rows: int) -> None:
+    """Shape (groups,), integer dtype, and (when concrete) a sum of at most `rows`."""
     if group_sizes.ndim != 1 or group_sizes.shape[0] != groups:
         raise ValueError(
             f"group_sizes must have shape ({groups},), one size per group, got {group_sizes.shape}"
@@ -153,7 +172,7 @@ def grouped_scaled_matmul_reference(
     if rhs.ndim != 3:
         raise ValueError(f"rhs must be (G, N, K), got shape {rhs.shape}")
     g, n, k = rhs.shape
-    _check_group_sizes(jnp.asarray(group_sizes), g, lhs.logical[0])
+    check_group_sizes(jnp.asarray(group_sizes), g, lhs.logical[0])
     ids = group_ids(group_sizes, lhs.logical[0])
 
     def one_group(carry, gi):
@@ -182,7 +201,7 @@ def grouped_wgrad_reference(
     kdim, t = lhs_t.logical
     n = rhs_t.logical[0]
     sizes = jnp.asarray(group_sizes)
-    _check_group_sizes(sizes, sizes.shape[0], t)
+    check_group_sizes(sizes, sizes.shape[0], t)
     tp = -(-t // TILE) * TILE
     chunks = tp // TILE
     a_data, sa = chunk_operand(lhs_t, tp)  # [K, Tp], [K, C]
@@ -202,7 +221,7 @@ def grouped_wgrad_reference(
             )
             return jnp.where(live, acc + partial * (sa_i[:, None] * sb_i[None, :]), acc), None
 
-        acc0 = jnp.zeros((kdim, n), jnp.float32)
+        acc0 = zeros_accumulator((a_data, b_data), (sa, sb))
         acc, _ = jax.lax.scan(promote, acc0, (a_c, b_c, sa.T, sb.T, in_g.any(axis=1)))
         return acc
 

@@ -18,6 +18,7 @@ TILE = 128
 # rewrites division by a constant into this multiplication under jit but not eagerly, so writing
 # the multiplication ourselves keeps jit, eager and kernels bit-identical.
 INV_E4M3_MAX = float(1.0 / jnp.float32(E4M3_MAX))
+F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def scale_from_amax(amax: jax.Array, pow2_scale: bool) -> jax.Array:
@@ -37,18 +38,35 @@ def scale_from_amax(amax: jax.Array, pow2_scale: bool) -> jax.Array:
     return jnp.where(amax == jnp.inf, jnp.float32(jnp.nan), scale)
 
 
-def encode(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """x / scale, clipped to ±E4M3_MAX and cast to E4M3 (XLA's cast does not saturate).
+def reciprocal(scale: jax.Array) -> jax.Array:
+    """1 / scale, computed once per block (NaN stays NaN)."""
+    return jnp.float32(1) / scale
 
-    `scale` is broadcastable to `x`. A NaN scale gives NaN data.
+
+def encode_scaled(x: jax.Array, inv_scale: jax.Array) -> jax.Array:
+    """x * (1 / scale), clipped to ±E4M3_MAX and cast to E4M3 (XLA's cast does not saturate).
+
+    Multiplying by the per-block reciprocal rather than dividing is deliberate: XLA rewrites
+    `x / broadcast(scale)` into exactly this under jit, so writing it ourselves makes jit, eager
+    and the kernels agree bit for bit (a true division can move the quotient by one ulp and flip
+    an E4M3 rounding tie). `inv_scale` is broadcastable to `x`; NaN there gives NaN data.
     """
-    q = x.astype(jnp.float32) / scale
-    q = jnp.clip(q, -E4M3_MAX, E4M3_MAX)
-    q = jnp.where(jnp.isnan(scale), jnp.float32(jnp.nan), q)
+    q = jnp.clip(x.astype(jnp.float32) * inv_scale, -E4M3_MAX, E4M3_MAX)
+    q = jnp.where(jnp.isnan(inv_scale), jnp.float32(jnp.nan), q)
     return q.astype(FP8_DTYPE)
 
 
+def encode(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`encode_scaled(x, reciprocal(scale))`; `scale` is broadcastable to `x` and its reciprocal is
+    taken before broadcasting (once per block)."""
+    return encode_scaled(x, reciprocal(scale))
+
+
 def abs_for_amax(x: jax.Array) -> jax.Array:
-    """|x| in f32, with NaN and ±Inf mapped to +Inf so that any max-reduction flags them."""
-    x = x.astype(jnp.float32)
-    return jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.float32(jnp.inf))
+    """|x| in f32, with NaN and ±Inf mapped to +Inf so that any max-reduction flags them.
+
+    Written as `|x| <= f32 max` (false exactly for ±Inf and NaN) because Mosaic GPU has no
+    `is_finite` lowering: the kernels call this very function.
+    """
+    a = jnp.abs(x.astype(jnp.float32))
+    return jnp.where(a <= jnp.float32(F32_MAX), a, jnp.float32(jnp.inf))

@@ -56,3 +56,18 @@ def test_error_table_outlier_claims():
     for g in ("per-tensor", "tile x block", "block x block"):
         assert err[(1e3, g)] < 1.2 * err[(1.0, g)], table
     assert all(r.accumulation_error < 1e-5 for r in rows), table
+
+
+@pytest.mark.parametrize(
+    "a_block,b_block",
+    [((1, 128), (128, 128)), ((1, 128), (1, 128)), (None, None), ((128, 128), (128, 128))],
+    ids=str,
+)
+def test_front_door_runs_the_kernel_in_the_interpreter(a_block, b_block):
+    """Every pairing the front door accepts reaches the Mosaic GPU kernel laid out correctly."""
+    rng = np.random.default_rng()
+    a = jfp8.quantize(jnp.asarray(rng.standard_normal((70, 300)), jnp.float32), a_block)
+    b = jfp8.quantize(jnp.asarray(rng.standard_normal((130, 300)), jnp.float32), b_block)
+    out = jax.jit(lambda a, b: jfp8.scaled_matmul(a, b, out_dtype=jnp.float32, interpret=True))(a, b)
+    ref = jfp8.scaled_matmul_reference(a, b, jnp.float32)
+    assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) <= 1e-6

@@ -1,0 +1,252 @@
+"""FP8 training ops: `fp8_linear`, `fp8_dot_general` (drop-in for Flax) and `grouped_fp8_linear`.
+
+Each is a `jax.custom_vjp` whose three GEMMs follow DeepSeek-V3 §3.3 (Figure 6):
+  Fprop  y  = x · W      x in 1x128 tiles, W in 128x128 blocks
+  Dgrad  dx = dy · Wᵀ    dy in 1x128 tiles, the same W blocks transposed
+  Wgrad  dW = xᵀ · dy    both scaled per 128 tokens; x comes from the FP8 copy saved in the
+                         forward pass, dequantized and re-tiled (§3.5.2); dW in FP32
+The residuals are FP8 data + scales (about half the bytes of bf16 inputs), not the inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfp8.fp8 import Fp8Tensor, quantize
+from jfp8.matmul import grouped_scaled_matmul, grouped_wgrad_matmul, scaled_matmul
+from jfp8.recipe import Fp8Recipe
+from jfp8.reference import check_group_sizes
+
+DEFAULT_RECIPE = Fp8Recipe()
+_IO_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def _check_float(name: str, x: jax.Array) -> None:
+    if jnp.dtype(x.dtype) not in _IO_DTYPES:
+        raise TypeError(
+            f"{name} must be bfloat16 or float32, got {x.dtype}; cast it first (e.g. x.astype(jnp.bfloat16))"
+        )
+
+
+def _plain_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """The non-FP8 GEMM: inputs in x's dtype, FP32 accumulation, output in x's dtype."""
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _vary_like(a: jax.Array, *others: jax.Array) -> jax.Array:
+    """`a + 0`, the zero an empty sum over each of `others`.
+
+    Inside `shard_map`, a replicated weight used with sharded activations must enter a custom_vjp
+    typed as varying over the activations' mesh axes: its FP8 gradient, computed from sharded
+    tensors, varies over them, and autodiff then inserts the psum (the transpose of this implicit
+    broadcast) exactly as it does for a plain matmul. Outside shard_map this is a no-op.
+    """
+    zero = sum(o.ravel()[:0].astype(a.dtype).sum() for o in others)
+    return a + zero
+
+
+def _q(x: jax.Array, block, recipe: Fp8Recipe) -> Fp8Tensor:
+    return quantize(x, block, pow2_scale=recipe.pow2_scale)
+
+
+def _mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype, recipe: Fp8Recipe) -> jax.Array:
+    return scaled_matmul(a, b, out_dtype=out_dtype, impl=recipe.impl, interpret=recipe.interpret)
+
+
+def _wgrad_operand(saved: Fp8Tensor, recipe: Fp8Recipe) -> Fp8Tensor:
+    """xᵀ scaled per 128 tokens, from the FP8 x saved by Fprop (dequantize, re-tile, §3.5.2)."""
+    if recipe.wgrad_block is None and saved.block is None:
+        return saved.mT  # one scale per tensor transposes exactly
+    return _q(saved.dequantize(jnp.float32), recipe.wgrad_block, recipe).mT
+
+
+# ------------------------------------------------------------------------------ dense linear
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _linear(x: jax.Array, w: jax.Array, recipe: Fp8Recipe) -> jax.Array:
+    return _linear_fwd(x, w, recipe)[0]
+
+
+def _linear_fwd(x, w, recipe: Fp8Recipe):
+    """x [M, K], w [K, N] -> y [M, N]; residuals are FP8 where the backward GEMM is FP8."""
+    qx = _q(x, recipe.activation_block, recipe) if (recipe.fprop or recipe.wgrad) else None
+    qw = _q(w, recipe.weight_block, recipe) if (recipe.fprop or recipe.dgrad) else None  # [K, N]
+    y = _mm(qx, qw.mT, x.dtype, recipe) if recipe.fprop else _plain_dot(x, w)
+    return y, (qx if recipe.wgrad else x, qw if recipe.dgrad else w)
+
+
+def _linear_bwd(recipe: Fp8Recipe, residuals, dy):
+    x_res, w_res = residuals
+    x_dtype = dy.dtype  # y, hence dy, has x's dtype
+    if recipe.dgrad:  # dx [M, K] = dy [M, N] · Wᵀ: b is W [K, N] itself (contracted on N)
+        dx = _mm(_q(dy, recipe.grad_block, recipe), w_res, x_dtype, recipe)
+    else:
+        dx = _plain_dot(dy, w_res.T)
+    if recipe.wgrad:  # dW [K, N] = xᵀ [K, M] · dy [M, N], both scaled per 128 tokens
+        dy_t = _q(dy, recipe.wgrad_block, recipe).mT
+        dw = _mm(_wgrad_operand(x_res, recipe), dy_t, jnp.float32, recipe)
+    else:
+        dw = jnp.dot(x_res.T, dy, preferred_element_type=jnp.float32)
+    return dx.astype(x_dtype), dw
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def fp8_linear(x: jax.Array, w: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE) -> jax.Array:
+    """`x @ w` with DeepSeek-V3's FP8 Fprop, Dgrad and Wgrad.
+
+    Args:
+      x: (..., K) bfloat16 or float32; leading axes are batch axes (any number, size 0 too).
+      w: (K, N) master weight (float32 or bfloat16).
+      recipe: an `Fp8Recipe`; `Fp8Recipe.off()` is a plain matmul in x's dtype.
+
+    Returns:
+      (..., N) in x's dtype. Gradients: dx in x's dtype, dW computed in FP32 (cast to w's dtype).
+    """
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    _check_float("x", x)
+    _check_float("w", w)
+    if w.ndim != 2:
+        raise ValueError(f"w must be a (K, N) matrix, got shape {w.shape}")
+    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"contraction sizes differ: x is {x.shape}, w is {w.shape} (x[..., K] @ w[K, N])")
+    if not recipe.enabled:
+        return _plain_dot(x, w)
+    # The op sees an FP32 weight so that its FP32 dW is the cotangent as computed; autodiff of the
+    # cast hands a bf16 master weight its gradient in bf16.
+    x2, w32 = x.reshape(-1, x.shape[-1]), w.astype(jnp.float32)
+    y = _linear(_vary_like(x2, w32), _vary_like(w32, x2), recipe)
+    return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+# ------------------------------------------------------------------------------ dot_general
+
+
+def fp8_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    out_sharding=None,
+    *,
+    recipe: Fp8Recipe = DEFAULT_RECIPE,
+) -> jax.Array:
+    """A drop-in for `jax.lax.dot_general` in dense layers: `nnx.Linear(..., dot_general=
+    jfp8.fp8_dot_general)` or linen `nn.Dense(dot_general=...)` then train in FP8.
+
+    Handles `x[..., K] · w[K, N]` (lhs's last axis with rhs axis 0, as Flax's Dense calls it) and
+    `x[..., K] · w[N, K]` (rhs axis 1), no batch dimensions; other patterns raise
+    `NotImplementedError`. `precision` has no meaning for FP8 GEMMs and is ignored;
+    `preferred_element_type` sets the output dtype. Use `make_fp8_dot_general(recipe)` for a
+    recipe other than the default.
+    """
+    del precision
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc = tuple(lc), tuple(rc)
+    if lb or rb or len(lc) != 1 or lc[0] != lhs.ndim - 1 or rhs.ndim != 2 or rc not in ((0,), (1,)):
+        raise NotImplementedError(
+            f"fp8_dot_general handles x[..., K]·w[K, N] (contracting lhs's last axis with rhs axis "
+            f"0 or 1, no batch axes); got lhs {lhs.shape}, rhs {rhs.shape}, dimension_numbers="
+            f"{dimension_numbers}. Use jax.lax.dot_general (or jfp8.grouped_fp8_linear for experts)."
+        )
+    w = rhs if rc == (0,) else rhs.T
+    y = fp8_linear(lhs, w, recipe)
+    if preferred_element_type is not None:
+        y = y.astype(preferred_element_type)
+    if out_sharding is not None:
+        y = jax.lax.with_sharding_constraint(y, out_sharding)
+    return y
+
+
+def make_fp8_dot_general(recipe: Fp8Recipe):
+    """`fp8_dot_general` bound to `recipe`, for `nnx.Linear(dot_general=...)`."""
+    return functools.partial(fp8_dot_general, recipe=recipe)
+
+
+# ------------------------------------------------------------------------------ grouped (MoE)
+
+
+def _ragged(x, w, group_sizes):
+    return jax.lax.ragged_dot(
+        x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32
+    ).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped(x, w, group_sizes, recipe: Fp8Recipe):
+    return _grouped_fwd(x, w, group_sizes, recipe)[0]
+
+
+def _gmm(a, b, group_sizes, out_dtype, recipe):
+    return grouped_scaled_matmul(
+        a, b, group_sizes, out_dtype=out_dtype, impl=recipe.impl, interpret=recipe.interpret
+    )
+
+
+def _grouped_fwd(x, w, group_sizes, recipe: Fp8Recipe):
+    """x [T, K] sorted by group, w [G, K, N] -> y [T, N]."""
+    qx = _q(x, recipe.activation_block, recipe) if (recipe.fprop or recipe.wgrad) else None
+    qw = _q(w, recipe.weight_block, recipe) if (recipe.fprop or recipe.dgrad) else None
+    y = _gmm(qx, qw.mT, group_sizes, x.dtype, recipe) if recipe.fprop else _ragged(x, w, group_sizes)
+    return y, (qx if recipe.wgrad else x, qw if recipe.dgrad else w, group_sizes)
+
+
+def _grouped_bwd(recipe: Fp8Recipe, residuals, dy):
+    x_res, w_res, group_sizes = residuals
+    x_dtype = dy.dtype
+    if recipe.dgrad:  # dx [T, K] = dy [T, N] · W_gᵀ: b is W [G, K, N] (contracted on N)
+        dx = _gmm(_q(dy, recipe.grad_block, recipe), w_res, group_sizes, x_dtype, recipe)
+    else:
+        dx = _ragged(dy, jnp.swapaxes(w_res, 1, 2), group_sizes)
+    if recipe.wgrad:  # dW_g [K, N] = x_gᵀ · dy_g, grouped along the token axis
+        dw = grouped_wgrad_matmul(
+            _wgrad_operand(x_res, recipe), _q(dy, recipe.wgrad_block, recipe).mT, group_sizes,
+            out_dtype=jnp.float32, impl=recipe.impl, interpret=recipe.interpret,
+        )
+    else:  # ragged_dot is linear in w: its VJP at any point is the grouped xᵀ·dy
+        w_zero = jnp.zeros((group_sizes.shape[0], x_res.shape[1], dy.shape[1]), jnp.float32)
+        _, vjp = jax.vjp(lambda w: _ragged(x_res.astype(jnp.float32), w, group_sizes), w_zero)
+        (dw,) = vjp(dy.astype(jnp.float32))
+    zero_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
+    return dx.astype(x_dtype), dw, zero_sizes
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def grouped_fp8_linear(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE
+) -> jax.Array:
+    """MoE experts in FP8, mirroring `jax.lax.ragged_dot(x, w, group_sizes)`.
+
+    Args:
+      x: (T, K) bfloat16/float32 tokens sorted by expert.
+      w: (G, K, N) expert weights.
+      group_sizes: (G,) int32 tokens per expert; sum <= T, rows past the sum give zeros.
+      recipe: the FP8 recipe (Fprop grouped GEMM; Dgrad grouped GEMM with transposed blocks;
+        Wgrad grouped along the token axis, FP32).
+
+    Returns:
+      (T, N) in x's dtype.
+    """
+    x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
+    _check_float("x", x)
+    _check_float("w", w)
+    if x.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"x must be (T, K) and w (G, K, N); got x {x.shape}, w {w.shape}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"contraction sizes differ: x is {x.shape}, w is {w.shape} (x[T, K], w[G, K, N])")
+    check_group_sizes(group_sizes, w.shape[0], x.shape[0])
+    group_sizes = group_sizes.astype(jnp.int32)
+    if not recipe.enabled:
+        return _ragged(x, w, group_sizes)
+    w32 = w.astype(jnp.float32)
+    x, w32 = _vary_like(x, w32, group_sizes), _vary_like(w32, x, group_sizes)
+    return _grouped(x, w32, _vary_like(group_sizes, x, w32), recipe)

@@ -1,0 +1,82 @@
+"""`Fp8Recipe`: which GEMMs of a linear layer run in FP8, and how their operands are scaled."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jfp8.backend import IMPLS, Impl
+from jfp8.fp8 import TILE, Block, _check_block
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """The FP8 recipe of a linear layer (DeepSeek-V3 §3.3 by default).
+
+    Attributes:
+      activation_block: scaling of x in Fprop: `(1, 128)` tiles (default), `(128, 128)` or None.
+      weight_block: scaling of W in Fprop and (transposed) Dgrad: `(128, 128)` blocks.
+      grad_block: scaling of dy in Dgrad: `(1, 128)` tiles; Appendix B.2 reports that `(128, 128)`
+        blocks here made a 16B MoE diverge.
+      fprop, dgrad, wgrad: which of the three GEMMs run in FP8; the others run as plain
+        `x.dtype` matmuls with an FP32 accumulator.
+      promotion_interval: N_C, the K-elements between FP32 promotions; 128 (the scaling tile).
+      pow2_scale: round every scale up to a power of two (UE8M0).
+      impl: "auto" (Mosaic GPU kernels on Hopper, XLA reference elsewhere), "xla" or "mosaic".
+      interpret: run the kernels in the Mosaic GPU interpreter (tests).
+    """
+
+    activation_block: Block = (1, TILE)
+    weight_block: Block = (TILE, TILE)
+    grad_block: Block = (1, TILE)
+    fprop: bool = True
+    dgrad: bool = True
+    wgrad: bool = True
+    promotion_interval: int = TILE
+    pow2_scale: bool = False
+    impl: Impl = "auto"
+    interpret: bool = False
+
+    def __post_init__(self):
+        for name in ("activation_block", "weight_block", "grad_block"):
+            block = getattr(self, name)
+            _check_block(block)
+            if block is not None and block[1] != TILE:
+                raise ValueError(
+                    f"{name}={block}: scaling blocks must span {TILE} contraction elements "
+                    f"((1, {TILE}), ({TILE}, {TILE})) or be None (per tensor)"
+                )
+        if self.promotion_interval != TILE:
+            raise NotImplementedError(
+                f"promotion_interval={self.promotion_interval}: the GEMMs promote every {TILE} "
+                "K-elements (one scaling tile); other intervals exist only in the accumulation "
+                "simulator"
+            )
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """True when any GEMM runs in FP8."""
+        return self.fprop or self.dgrad or self.wgrad
+
+    @property
+    def wgrad_block(self) -> Block:
+        """Scaling of both Wgrad operands along the token axis: 128 tokens per scale, or per tensor
+        for the per-tensor baseline."""
+        return None if self.activation_block is None else (TILE, 1)
+
+    @classmethod
+    def deepseek(cls, **overrides) -> Fp8Recipe:
+        """DeepSeek-V3's recipe: 1x128 activation/gradient tiles, 128x128 weight blocks, all
+        three GEMMs in FP8."""
+        return cls(**overrides)
+
+    @classmethod
+    def per_tensor(cls, **overrides) -> Fp8Recipe:
+        """The baseline DeepSeek-V3 improves on: one scale per tensor everywhere."""
+        return cls(**{"activation_block": None, "weight_block": None, "grad_block": None, **overrides})
+
+    @classmethod
+    def off(cls, **overrides) -> Fp8Recipe:
+        """No FP8: plain matmuls in the inputs' dtype (the BF16 baseline for bf16 inputs)."""
+        return cls(**{"fprop": False, "dgrad": False, "wgrad": False, **overrides})

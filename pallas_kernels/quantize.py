@@ -1,0 +1,463 @@
+"""Fused FP8 (E4M3) quantization kernels for Hopper, in Pallas Mosaic GPU.
+
+Each kernel reads its input once and writes E4M3 data plus one FP32 scale per block, bit-identical
+to `jfp8.quantize` (DeepSeek-V3 §3.3, "Fine-Grained Quantization") because both call the same
+elementwise rules of `fp8_math` (`abs_for_amax`, `scale_from_amax`, `reciprocal`,
+`encode_scaled`). Raw arrays in, raw arrays out; `jfp8` wraps them in `Fp8Tensor`s.
+
+  quantize_tile            (1, 128) tiles along the last axis: activations.
+  quantize_block           (128, 128) blocks: weights.
+  quantize_column          (128, 1) tiles (128 rows per scale): the Wgrad operand, optionally
+                           written transposed, the layout the Wgrad GEMM consumes.
+  retile_tile_to_column_t  the backward-pass re-tiling (§3.5.2): dequantize a (1, 128)-tiled
+                           tensor, transpose it and requantize it as (128, 1) tiles, in one pass.
+
+Structure: grids of one-warpgroup CTAs (one CTA per tile of the output, no persistent schedule).
+- Row-scale kernels (`quantize_tile`, transposed `quantize_column`, `retile_tile_to_column_t`):
+  grid (cdiv(R, rows), cdiv(C, chunks)) over R output rows and C output chunks of 128 columns; a
+  CTA owns `rows` x `chunks` chunks (64 x 4 by default) and stores their scales with one TMA copy.
+  The transposing ones quantize in the stored orientation (amax down columns) and transpose the
+  E4M3 result through SMEM.
+- Column kernels (`quantize_block`, `quantize_column`): grid (Mp / 128, cdiv(K, 128 *
+  column_chunks)); a CTA owns 128 rows x `column_chunks` chunks of 128 columns and reduces each
+  chunk over its rows (across the four warps).
+A CTA issues all its TMA loads at once (one barrier per chunk, so later chunks stream in while
+earlier ones are computed), quantizes each chunk in registers (WGMMA layout), stages the E4M3 chunk
+in SMEM and TMA-stores it. TMA also does the tails: loads past the end of the input are
+zero-filled, exactly `jfp8.quantize`'s zero padding, and stores past the end of an output are
+dropped. The wrappers pad or slice only where TMA's 16-byte stride rule forces it (see
+`_tma_aligned` and the scale slices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8_math import (
+    FP8_DTYPE,
+    TILE,
+    abs_for_amax,
+    encode_scaled,
+    reciprocal,
+    scale_from_amax,
+)
+
+# TMA: every GMEM stride but the innermost, and the innermost extent of a copy, must be a multiple
+# of 16 bytes.
+_TMA_ALIGN_BYTES = 16
+# f32 scales per 16 bytes: a TMA copy of scales spans a multiple of this along their last axis.
+_SCALE_GROUP = _TMA_ALIGN_BYTES // 4
+# Rows of a WGMMA-layout register array come in multiples of a warpgroup's 64.
+_WG_ROWS = 64
+# The column kernels reduce a [128, 128] chunk as two [128, 64] halves (64 f32 values per thread).
+_HALF = TILE // 2
+_INPUT_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+_WGMMA = plgpu.Layout.WGMMA
+_WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)  # [rows] of a WGMMA-layout [rows, cols] array
+_ZEROS = plgpu.OOBFillMode.ZEROS
+# Lane semantics: layouts are explicit (WGMMA and its reductions); the default warpgroup semantics
+# failed to infer layouts for these reductions and broadcasts.
+_COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    """Tiling of the quantization kernels (a CTA is one warpgroup).
+
+    Not every combination fits the 227 KiB of SMEM for every input dtype (e.g. rows=128 fits
+    `quantize_tile` on 16-bit input and `retile_tile_to_column_t`, not f32 input nor the
+    transposed `quantize_column`); lowering raises a clear error when one does not.
+
+    Attributes:
+      rows: output rows per CTA in the kernels with one scale per output row and 128-wide chunk
+        (`quantize_tile`, transposed `quantize_column`, `retile_tile_to_column_t`); 64 or 128.
+      chunks: 128-wide chunks per CTA in those kernels; a multiple of 4 so that a CTA's f32 scales
+        span whole 16-byte TMA units.
+      column_chunks: [128, 128] chunks per CTA in `quantize_block` / `quantize_column`; all are in
+        SMEM at once (80 KiB each for f32 input).
+    """
+
+    rows: int = 64
+    chunks: int = 4
+    column_chunks: int = 2
+
+    def __post_init__(self):
+        if self.rows not in (_WG_ROWS, TILE):
+            raise ValueError(f"rows must be {_WG_ROWS} or {TILE}, got {self.rows}")
+        if self.chunks < 1 or self.chunks % _SCALE_GROUP:
+            raise ValueError(
+                f"chunks must be a positive multiple of {_SCALE_GROUP}, got {self.chunks}"
+            )
+        if self.column_chunks < 1:
+            raise ValueError(f"column_chunks must be positive, got {self.column_chunks}")
+
+
+def _load_f32(ref) -> jax.Array:
+    # optimized=False: the SMEM tiles are unswizzled (TMA boxes of any width), which the optimized
+    # (bank-conflict-free) transfer planner rejects.
+    return plgpu.load(ref, layout=_WGMMA, optimized=False).astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels with one scale per output row and 128-wide chunk: tile, transposed column, retile.
+
+
+def _rows_chunk(x_ref, *, pow2_scale: bool):
+    """x_ref [rows, 128] → E4M3 [rows, 128] and scales [rows] (amax along the row)."""
+    rows = x_ref.shape[0]
+    x = _load_f32(x_ref)
+    scale = scale_from_amax(jnp.max(abs_for_amax(x), axis=1), pow2_scale)
+    q = encode_scaled(x, jax.lax.broadcast_in_dim(reciprocal(scale), (rows, TILE), (0,)))
+    return q, scale
+
+
+def _transposed_chunk(x_ref, xs_ref, bounce_refs, *, pow2_scale: bool):
+    """x_ref [128, rows] → E4M3 of its transpose [rows, 128], scales [rows] (amax down columns).
+
+    Quantizes in the stored orientation (reduction over rows, across warps), then transposes the
+    E4M3 result through SMEM as f16 (exact for every E4M3 value): Hopper transposes 16-bit tiles
+    with ldmatrix.trans, but has no transposed 8- or 32-bit SMEM transfer. `bounce_refs` are the
+    SMEM buffers for that: f16 [128, rows] and f32 [rows]. With `xs_ref` [128] (the
+    input's (1, 128) scales of these 128 rows) the input is E4M3 and is dequantized first, exactly
+    as `Fp8Tensor.dequantize`: data.astype(f32) * scale.
+    """
+    rows = x_ref.shape[1]
+    x = _load_f32(x_ref)  # [128, rows]
+    if xs_ref is not None:
+        s_in = plgpu.load(xs_ref, layout=_WGMMA_ROW, optimized=False)
+        x = x * jax.lax.broadcast_in_dim(s_in, (TILE, rows), (0,))
+    scale = scale_from_amax(jnp.max(abs_for_amax(x), axis=0), pow2_scale)  # [rows]
+    q = encode_scaled(x, jax.lax.broadcast_in_dim(reciprocal(scale), (TILE, rows), (1,)))
+    q_ref, scale_ref = bounce_refs
+    q_ref[...] = q.astype(jnp.float16)
+    q_t = plgpu.load(q_ref.T, layout=_WGMMA, optimized=False).astype(FP8_DTYPE)
+    # The scales come out of the reduction in the column layout (pairs of values per thread),
+    # which cannot be stored into a strided SMEM column; a contiguous round trip turns them into
+    # the row layout of `_rows_chunk`.
+    scale_ref[...] = scale
+    return q_t, plgpu.load(scale_ref, layout=_WGMMA_ROW, optimized=False)
+
+
+def _row_scale_body(*refs, cfg: QuantizeConfig, transposed: bool, dequant: bool, pow2_scale: bool):
+    """One CTA: output rows [rows i, rows (i + 1)) x `chunks` 128-wide output chunks.
+
+    Output element (r, c) is input element (r, c), or (c, r) when `transposed`. Outputs: data
+    [R, chunks_total * 128] and scales [R, >= chunks_total], one per output row and chunk.
+    """
+    if dequant:
+        x_gmem, xs_gmem, d_gmem, s_gmem, x_smem, xs_smem, *bounce, d_smem, s_smem, bars = refs
+    elif transposed:
+        x_gmem, d_gmem, s_gmem, x_smem, *bounce, d_smem, s_smem, bars = refs
+    else:
+        x_gmem, d_gmem, s_gmem, x_smem, d_smem, s_smem, bars = refs
+    rows, chunks = cfg.rows, cfg.chunks
+    i, j = jax.lax.axis_index("rows"), jax.lax.axis_index("chunks")
+    out_rows = pl.ds(i * rows, rows)
+
+    def chunk(c):
+        return pl.ds((j * chunks + c) * TILE, TILE)
+
+    # dequant: the input's (1, 128) scale column covering input columns `out_rows`, fetched as
+    # part of a 16-byte group of scale columns.
+    in_chunk = i * rows // TILE
+    group = pl.ds(in_chunk // _SCALE_GROUP * _SCALE_GROUP, _SCALE_GROUP)
+
+    @pl.loop(0, chunks)  # every load in flight at once
+    def _(c):
+        src = x_gmem.at[chunk(c), out_rows] if transposed else x_gmem.at[out_rows, chunk(c)]
+        plgpu.copy_gmem_to_smem(src, x_smem.at[c], bars.at[c], oob_mode=_ZEROS)
+        if dequant:
+            plgpu.copy_gmem_to_smem(
+                xs_gmem.at[chunk(c), group], xs_smem.at[c], bars.at[c], oob_mode=_ZEROS
+            )
+
+    @pl.loop(0, chunks)
+    def _(c):
+        plgpu.barrier_wait(bars.at[c])
+        if transposed:
+            xs = xs_smem.at[c, :, in_chunk % _SCALE_GROUP] if dequant else None
+            q, scale = _transposed_chunk(x_smem.at[c], xs, bounce, pow2_scale=pow2_scale)
+        else:
+            q, scale = _rows_chunk(x_smem.at[c], pow2_scale=pow2_scale)
+        d_smem[c] = q
+        s_smem[:, c] = scale
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(d_smem.at[c], d_gmem.at[out_rows, chunk(c)])
+    plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[out_rows, pl.ds(j * chunks, chunks)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _row_scale_call(inputs, *, out_rows: int, out_chunks: int, transposed: bool, pow2_scale: bool,
+                    cfg: QuantizeConfig):
+    """Runs `_row_scale_body` → data [out_rows, out_chunks * 128], scale [out_rows, out_chunks].
+
+    `inputs` is (x,) or, to dequantize first, (E4M3 data, its scales padded to 16-byte rows).
+    """
+    rows, chunks = cfg.rows, cfg.chunks
+    dequant = len(inputs) == 2
+    x = inputs[0]
+    bounce = [plgpu.SMEM((TILE, rows), jnp.float16), plgpu.SMEM((rows,), jnp.float32)]
+    scratch = [
+        plgpu.SMEM((chunks, TILE, rows) if transposed else (chunks, rows, TILE), x.dtype),
+        *([plgpu.SMEM((chunks, TILE, _SCALE_GROUP), jnp.float32)] if dequant else []),
+        *(bounce if transposed else []),
+        plgpu.SMEM((chunks, rows, TILE), FP8_DTYPE),
+        plgpu.SMEM((rows, chunks), jnp.float32),
+        plgpu.Barrier(num_arrivals=len(inputs), num_barriers=chunks),
+    ]
+    kernel = plgpu.kernel(
+        functools.partial(
+            _row_scale_body, cfg=cfg, transposed=transposed, dequant=dequant, pow2_scale=pow2_scale
+        ),
+        out_type=(
+            jax.ShapeDtypeStruct((out_rows, out_chunks * TILE), FP8_DTYPE),
+            # Scale rows padded to 16 bytes (a TMA rule); sliced below. Small: 1/32 of the data.
+            jax.ShapeDtypeStruct((out_rows, _round_up(out_chunks, _SCALE_GROUP)), jnp.float32),
+        ),
+        grid=(pl.cdiv(out_rows, rows), pl.cdiv(out_chunks, chunks)),
+        grid_names=("rows", "chunks"),
+        scratch_types=scratch,
+        compiler_params=_COMPILER_PARAMS,
+    )
+    data, scale = kernel(*inputs)
+    return data, scale[:, :out_chunks]
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels whose CTA owns 128 rows and reduces down columns: block and (non-transposed) column.
+
+
+def _column_chunk(x_ref, d_ref, *, per_column: bool, pow2_scale: bool):
+    """Quantizes one SMEM chunk [128, 128] into `d_ref`, in two [128, 64] halves.
+
+    Returns the two halves' [64] column scales when `per_column`, else the chunk's one scale.
+    """
+    halves = [pl.ds(h * _HALF, _HALF) for h in range(TILE // _HALF)]
+    col_amax = [jnp.max(abs_for_amax(_load_f32(x_ref.at[:, h])), axis=0) for h in halves]
+    if per_column:
+        scale = [scale_from_amax(a, pow2_scale) for a in col_amax]
+        inv = [jax.lax.broadcast_in_dim(reciprocal(s), (TILE, _HALF), (1,)) for s in scale]
+    else:
+        scale = scale_from_amax(jnp.maximum(*[jnp.max(a, axis=0) for a in col_amax]), pow2_scale)
+        inv = [jnp.broadcast_to(reciprocal(scale), (TILE, _HALF))] * len(halves)
+    for h, inv_h in zip(halves, inv):
+        d_ref[:, h] = encode_scaled(_load_f32(x_ref.at[:, h]), inv_h)
+    return scale
+
+
+def _column_body(x_gmem, d_gmem, s_gmem, x_smem, d_smem, s_smem, bars, *, chunks: int,
+                 per_column: bool, pow2_scale: bool):
+    """One CTA: rows [128 i, 128 i + 128) x `chunks` chunks of 128 columns.
+
+    `per_column`: (128, 1) tiles, one scale per column; else one scale per (128, 128) block,
+    written straight to GMEM (a single f32 is below the 16-byte TMA minimum).
+    """
+    i, j = jax.lax.axis_index("rows"), jax.lax.axis_index("chunks")
+    rows = pl.ds(i * TILE, TILE)
+
+    def chunk(c):
+        return pl.ds((j * chunks + c) * TILE, TILE)
+
+    @pl.loop(0, chunks)  # every load in flight at once
+    def _(c):
+        src = x_gmem.at[rows, chunk(c)]
+        plgpu.copy_gmem_to_smem(src, x_smem.at[c], bars.at[c], oob_mode=_ZEROS)
+
+    @pl.loop(0, chunks)
+    def _(c):
+        plgpu.barrier_wait(bars.at[c])
+        scale = _column_chunk(
+            x_smem.at[c], d_smem.at[c], per_column=per_column, pow2_scale=pow2_scale
+        )
+        if per_column:
+            for h, s in enumerate(scale):
+                s_smem[c, 0, pl.ds(h * _HALF, _HALF)] = s
+        else:
+            s_gmem[i, j * chunks + c] = scale
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(d_smem.at[c], d_gmem.at[rows, chunk(c)])
+        if per_column:
+            plgpu.copy_smem_to_gmem(s_smem.at[c], s_gmem.at[pl.ds(i, 1), chunk(c)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: QuantizeConfig):
+    """Runs `_column_body` on x [M, K] → data [Mp, out_cols] and scale [Mp // 128, ...]."""
+    chunks = cfg.column_chunks
+    row_blocks = pl.cdiv(x.shape[0], TILE)
+    grid = (row_blocks, pl.cdiv(out_cols, chunks * TILE))
+    # Block scales are stored one by one for every chunk of the grid, the last CTA's spare chunks
+    # included; the caller slices them off.
+    scale_cols = out_cols if per_column else grid[1] * chunks
+    kernel = plgpu.kernel(
+        functools.partial(
+            _column_body, chunks=chunks, per_column=per_column, pow2_scale=pow2_scale
+        ),
+        out_type=(
+            jax.ShapeDtypeStruct((row_blocks * TILE, out_cols), FP8_DTYPE),
+            jax.ShapeDtypeStruct((row_blocks, scale_cols), jnp.float32),
+        ),
+        grid=grid,
+        grid_names=("rows", "chunks"),
+        scratch_types=[
+            plgpu.SMEM((chunks, TILE, TILE), x.dtype),
+            plgpu.SMEM((chunks, TILE, TILE), FP8_DTYPE),
+            plgpu.SMEM((chunks, 1, TILE), jnp.float32),
+            plgpu.Barrier(num_barriers=chunks),
+        ],
+        compiler_params=_COMPILER_PARAMS,
+    )
+    return kernel(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API.
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _check_input(x: jax.Array) -> None:
+    if jnp.dtype(x.dtype) not in _INPUT_DTYPES:
+        raise TypeError(f"x must be bf16, f16 or f32, got {x.dtype}; cast it first")
+    if x.ndim != 2:
+        raise ValueError(
+            f"x must be 2-D (rows, cols), got shape {x.shape}; the jfp8 layer maps batch axes"
+        )
+
+
+def _tma_aligned(x: jax.Array) -> jax.Array:
+    """Zero-pads the last axis of `x` so that its rows are a multiple of 16 bytes (a TMA rule).
+
+    An extra pass over memory, only for odd widths (K not a multiple of 8 in bf16, of 4 in f32).
+    The padding is zeros, which the quantizer pads with anyway.
+    """
+    k = x.shape[-1]
+    kp = _round_up(k, _TMA_ALIGN_BYTES // x.dtype.itemsize)
+    return x if kp == k else jnp.pad(x, ((0, 0), (0, kp - k)))
+
+
+def _empty(data_shape, scale_shape):
+    return jnp.zeros(data_shape, FP8_DTYPE), jnp.zeros(scale_shape, jnp.float32)
+
+
+def quantize_tile(
+    x: jax.Array, *, pow2_scale: bool = False, config: QuantizeConfig = QuantizeConfig()
+):
+    """(1, 128) tile-wise E4M3 quantization along the last axis: `jfp8.quantize(x, (1, 128))`.
+
+    Args:
+      x: [M, K] bf16, f16 or f32.
+      pow2_scale: round every scale up to a power of two.
+
+    Returns:
+      data [M, Kp] float8_e4m3fn (Kp = K rounded up to 128, zero padded), scale [M, Kp // 128] f32.
+    """
+    _check_input(x)
+    m, k = x.shape
+    kp = _round_up(k, TILE)
+    if m == 0 or k == 0:
+        return _empty((m, kp), (m, kp // TILE))
+    return _row_scale_call(
+        (_tma_aligned(x),), out_rows=m, out_chunks=kp // TILE, transposed=False,
+        pow2_scale=pow2_scale, cfg=config,
+    )
+
+
+def quantize_block(
+    x: jax.Array, *, pow2_scale: bool = False, config: QuantizeConfig = QuantizeConfig()
+):
+    """(128, 128) block-wise E4M3 quantization: `jfp8.quantize(x, (128, 128))`.
+
+    Args:
+      x: [M, K] bf16, f16 or f32.
+
+    Returns:
+      data [Mp, Kp] float8_e4m3fn (both axes zero padded up to 128), scale [Mp // 128, Kp // 128].
+    """
+    _check_input(x)
+    m, k = x.shape
+    mp, kp = _round_up(m, TILE), _round_up(k, TILE)
+    if m == 0 or k == 0:
+        return _empty((mp, kp), (mp // TILE, kp // TILE))
+    data, scale = _column_call(
+        _tma_aligned(x), out_cols=kp, per_column=False, pow2_scale=pow2_scale, cfg=config
+    )
+    return data, scale[:, : kp // TILE]
+
+
+def quantize_column(x: jax.Array, *, pow2_scale: bool = False, transpose: bool = False,
+                    config: QuantizeConfig = QuantizeConfig()):
+    """(128, 1) E4M3 quantization, one scale per column and 128 rows: `jfp8.quantize(x, (128, 1))`.
+
+    Args:
+      x: [M, K] bf16, f16 or f32.
+      transpose: write the transposed layout, `jfp8.quantize(x, (128, 1)).mT`, the one the Wgrad
+        GEMM consumes: it contracts over tokens (M), which FP8 wgmma needs as the contiguous axis.
+
+    Returns:
+      data [Mp, K] and scale [Mp // 128, K]; with `transpose`, data [K, Mp] and scale
+      [K, Mp // 128]. Mp = M rounded up to 128 (zero padded).
+    """
+    _check_input(x)
+    m, k = x.shape
+    mp = _round_up(m, TILE)
+    if m == 0 or k == 0:
+        return _empty((k, mp), (k, mp // TILE)) if transpose else _empty((mp, k), (mp // TILE, k))
+    if transpose:
+        return _row_scale_call(
+            (_tma_aligned(x),), out_rows=k, out_chunks=mp // TILE, transposed=True,
+            pow2_scale=pow2_scale, cfg=config,
+        )
+    # E4M3 rows must be 16-byte aligned too: for K not a multiple of 16 the kernel writes a wider
+    # array that is sliced here (an extra pass over the output, for such widths only).
+    k16 = _round_up(k, _TMA_ALIGN_BYTES)
+    data, scale = _column_call(
+        _tma_aligned(x), out_cols=k16, per_column=True, pow2_scale=pow2_scale, cfg=config
+    )
+    return (data, scale) if k16 == k else (data[:, :k], scale[:, :k])
+
+
+def retile_tile_to_column_t(data: jax.Array, scale: jax.Array, *, m: int, k: int,
+                            pow2_scale: bool = False, config: QuantizeConfig = QuantizeConfig()):
+    """Re-tiles a (1, 128)-quantized tensor into transposed (128, 1) tiles (DeepSeek-V3 §3.5.2).
+
+    Dequantizes (`data.astype(f32) * scale`, as `Fp8Tensor.dequantize`), transposes and requantizes
+    in one kernel: `quantize(Fp8Tensor(data, scale, (1, 128), (m, k)).dequantize(), (128, 1)).mT`.
+
+    Args:
+      data: [m, Kp] float8_e4m3fn, Kp = k rounded up to 128.
+      scale: [m, Kp // 128] f32.
+      m, k: the logical shape.
+      pow2_scale: round every new scale up to a power of two.
+
+    Returns:
+      data [k, Mp] float8_e4m3fn and scale [k, Mp // 128] f32, Mp = m rounded up to 128.
+    """
+    kp, mp = _round_up(k, TILE), _round_up(m, TILE)
+    if data.dtype != FP8_DTYPE or scale.dtype != jnp.float32:
+        raise TypeError(
+            f"need float8_e4m3fn data and f32 scales, got {data.dtype} and {scale.dtype}"
+        )
+    if data.shape != (m, kp) or scale.shape != (m, kp // TILE):
+        raise ValueError(
+            f"for the logical shape ({m}, {k}) with (1, {TILE}) tiles, data must be {(m, kp)} and "
+            f"scale {(m, kp // TILE)}; got {data.shape} and {scale.shape}"
+        )
+    if m == 0 or k == 0:
+        return _empty((k, mp), (k, mp // TILE))
+    # The kernel fetches the input's scales in 16-byte groups (TMA): pad the (small) scale array
+    # to whole groups; an extra pass over the scales only, when Kp // 128 is not a multiple of 4.
+    groups = _round_up(kp // TILE, _SCALE_GROUP)
+    scale = jnp.pad(scale, ((0, 0), (0, groups - kp // TILE)))
+    return _row_scale_call(
+        (data, scale), out_rows=k, out_chunks=mp // TILE, transposed=True, pow2_scale=pow2_scale,
+        cfg=config,
+    )

@@ -1,0 +1,41 @@
+"""Test session setup: 8 simulated CPU devices (for shard_map/mesh tests) and the `gpu` marker."""
+
+import os
+
+# Must happen before jax initialises its backends. Only the host platform is split; a real GPU
+# machine keeps its devices.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    from jfp8.backend import is_hopper
+
+    if is_hopper():
+        return
+    skip = pytest.mark.skip(reason="needs a Hopper GPU (H100/H200); runs on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter_after_failure():
+    """The Mosaic GPU interpreter must be reset after an exception inside a kernel."""
+    yield
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+            reset_gpu_interpret_mode_state,
+        )
+    except ImportError:  # pragma: no cover - the private path moved
+        return
+    reset_gpu_interpret_mode_state()
+
+
+def cpu_devices() -> list:
+    return jax.devices("cpu")

@@ -1,0 +1,452 @@
+"""The grouped (MoE) FP8 kernels (`pallas_kernels.grouped_gemm`) against the grouped references.
+
+On CPU the kernels run in the Mosaic GPU interpreter, which fills every buffer it allocates (the
+output included) with NaN: an output row the kernel fails to write cannot pass a comparison.
+Lowering for CUDA then checks the Hopper limits the interpreter ignores.
+
+Comparison strength:
+- Bit-identical for "exact" operands: every nonzero E4M3 magnitude is in [16, 448] (values whose
+  magnitudes lie within a factor 16 of their scaling block's amax), so the values are even, every
+  product a multiple of 4, and every 128-term chunk sum below 2**24 * 4: exact in f32 whatever
+  the summation order. Then only the promotion, its chunk order and the final cast can differ,
+  and they must match bit for bit.
+- For Gaussian operands a chunk sum is not exact in f32, and XLA's CPU dot (reference) and the
+  interpreter's matmul (kernel) sum in different orders: each output must then be within
+  1e-6 * sum |a_i b_i| (f64) of the reference, the scale of a summation-order difference.
+
+Each interpreted call costs seconds whatever its size, so each call covers several edge cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+    reset_gpu_interpret_mode_state,
+)
+
+from jfp8.fp8 import Fp8Tensor, quantize
+from jfp8.reference import (
+    dequantize_f64,
+    group_ids,
+    grouped_scaled_matmul_reference,
+    grouped_wgrad_reference,
+)
+from pallas_kernels import _mgpu
+from pallas_kernels.fp8_math import FP8_DTYPE, TILE
+from pallas_kernels.grouped_gemm import (
+    GroupedGemmConfig,
+    grouped_scaled_matmul,
+    grouped_wgrad,
+    row_tile_work,
+)
+from pallas_kernels.shapes import GROUPED_SHAPES
+
+# Jitted once per shape: eager quantization and references would compile op by op in every test.
+_quantize = jax.jit(quantize, static_argnums=1)
+_matmul_reference = jax.jit(grouped_scaled_matmul_reference, static_argnums=3)
+_wgrad_reference = jax.jit(grouped_wgrad_reference, static_argnums=3)
+
+# Magnitudes in [1/EXACT_RANGE, 1] times a factor that is constant over each scaling block.
+EXACT_RANGE = 16
+# Summation-order tolerance, relative to sum |a_i b_i|.
+ORDER_RTOL = 1e-6
+# On a GPU the tensor core sums a chunk with less than f32 precision (why the recipe promotes).
+GPU_RTOL = 1e-3
+
+
+def _seed() -> int:
+    return int(np.random.default_rng().integers(2**31))
+
+
+def _values(rng: np.random.Generator, shape, exact: bool) -> np.ndarray:
+    if exact:
+        return rng.choice([-1.0, 1.0], shape) * rng.uniform(1 / EXACT_RANGE, 1, shape)
+    return rng.standard_normal(shape)
+
+
+def _sizes(rng: np.random.Generator, groups: int, total: int) -> np.ndarray:
+    """Random group sizes summing to `total`, with at least one empty group when G >= 3."""
+    cuts = np.sort(rng.integers(0, total + 1, groups - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [total]]))
+    if groups >= 3:
+        zero = rng.integers(groups)
+        sizes[(zero + 1) % groups] += sizes[zero]
+        sizes[zero] = 0
+    return sizes.astype(np.int32)
+
+
+def _interpret(fn, *args, **kwargs):
+    """`fn(...)` with its Mosaic GPU kernels in the interpreter (NaN-initialised buffers)."""
+    try:
+        with _mgpu.interpret_mode(True):
+            return jax.block_until_ready(fn(*args, **kwargs))
+    except Exception:
+        reset_gpu_interpret_mode_state()  # the interpreter's state is unusable after a failure
+        raise
+
+
+def _assert_bitwise_equal(out, ref, seed):
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, seed)
+    bits = {2: np.uint16, 4: np.uint32}[out.dtype.itemsize]
+    diff = out.view(bits) != ref.view(bits)
+    assert not diff.any(), (
+        f"seed={seed}: {diff.sum()} of {diff.size} outputs differ "
+        f"({np.isnan(out).sum()} NaN), first at {np.argwhere(diff)[0]}"
+    )
+
+
+def _assert_within(out, ref, abs_product, rtol, seed):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape, seed)
+    excess = np.abs(out - ref) - rtol * abs_product
+    assert (excess <= 0).all(), (
+        f"seed={seed}: {(excess > 0).sum()} outputs off by more than {rtol} * sum|a b| "
+        f"(worst at {np.unravel_index(np.argmax(excess), excess.shape)})"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# grouped_scaled_matmul (Fprop / Dgrad)
+# ------------------------------------------------------------------------------------------------
+
+
+def _row_operands(seed, t, k, n, sizes, *, exact):
+    """lhs = quantize(x, (1, 128)) with per-row magnitudes; rhs = quantize(w, (128, 128)), one
+    magnitude per group (so every 128x128 block stays within the exact range)."""
+    rng = np.random.default_rng(seed)
+    x = _values(rng, (t, k), exact) * np.exp(rng.normal(size=(t, 1)))
+    w = _values(rng, (len(sizes), n, k), exact) * np.exp(rng.normal(size=(len(sizes), 1, 1)))
+    lhs = _quantize(jnp.asarray(x, jnp.float32), (1, TILE))
+    rhs = _quantize(jnp.asarray(w, jnp.float32), (TILE, TILE))
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+
+
+def _matmul(lhs: Fp8Tensor, rhs: Fp8Tensor, sizes, out_dtype, config=None):
+    return grouped_scaled_matmul(
+        lhs.data, lhs.scale, rhs.data, rhs.scale, sizes,
+        n=rhs.shape[1], out_dtype=out_dtype, config=config,
+    )
+
+
+def _matmul_abs_product(lhs: Fp8Tensor, rhs: Fp8Tensor, sizes) -> np.ndarray:
+    """(T, N) f64: sum_k |lhs[t, k] rhs[g(t), :, k]|, zero past the groups."""
+    a, b = np.abs(dequantize_f64(lhs)), np.abs(dequantize_f64(rhs))  # [T, K], [G, N, K]
+    ids = np.asarray(group_ids(sizes, a.shape[0]))
+    out = np.zeros((a.shape[0], b.shape[1]))
+    for g in range(b.shape[0]):
+        out[ids == g] = a[ids == g] @ b[g].T
+    return out
+
+
+# (T, K, N, group sizes or G for random sizes, rows past the groups, out_dtype, tile_m):
+# odd T (padded rows), three chunks, an N tail over two N tiles, random groups straddling row
+# tiles, an empty group, rows past the groups; a group holding every row next to empty ones,
+# one chunk; T = 1 with K = 1 (one zero-padded chunk).
+EXACT_MATMUL_CASES = [
+    (203, 384, 200, 3, 9, jnp.float32, 128),
+    (130, 128, 128, [0, 130, 0], 0, jnp.bfloat16, 64),
+    (1, 1, 24, [0, 1], 0, jnp.bfloat16, 64),
+]
+
+
+@pytest.mark.parametrize("t,k,n,groups,past,out_dtype,tile_m", EXACT_MATMUL_CASES)
+def test_matmul_bit_identical_to_reference(t, k, n, groups, past, out_dtype, tile_m):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    sizes = _sizes(rng, groups, t - past) if isinstance(groups, int) else groups
+    lhs, rhs, sizes = _row_operands(seed, t, k, n, sizes, exact=True)
+    config = GroupedGemmConfig(tile_m=tile_m)
+    out = _interpret(_matmul, lhs, rhs, sizes, out_dtype, config)
+    ref = _matmul_reference(lhs, rhs, sizes, out_dtype)
+    _assert_bitwise_equal(out, ref, f"{seed} sizes={sizes}")
+
+
+def test_matmul_gaussian_within_summation_order():
+    seed = _seed()
+    sizes = _sizes(np.random.default_rng(seed), 3, 120)
+    lhs, rhs, sizes = _row_operands(seed, 128, 256, 72, sizes, exact=False)
+    out = _interpret(_matmul, lhs, rhs, sizes, jnp.float32)
+    ref = _matmul_reference(lhs, rhs, sizes, jnp.float32)
+    _assert_within(out, ref, _matmul_abs_product(lhs, rhs, sizes), ORDER_RTOL, seed)
+
+
+def test_row_tile_work_writes_every_row_once_with_its_group():
+    """The work items cover each row exactly once, with its group (G past the groups)."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    work = jax.jit(row_tile_work, static_argnums=(1, 2))
+    for rows, groups, tile_m in [(1, 1, 64), (300, 4, 64), (513, 8, 128)]:
+        for _ in range(5):
+            sizes = _sizes(rng, groups, int(rng.integers(0, rows + 1)))
+            items = map(np.asarray, work(jnp.asarray(sizes), rows, tile_m))
+            owner = np.full(rows, -1)
+            for g, tile, lo, hi in zip(*items):
+                assert tile * tile_m <= lo <= hi <= (tile + 1) * tile_m, (seed, sizes)
+                assert (owner[lo:hi] == -1).all(), f"seed={seed} sizes={sizes}: row stored twice"
+                owner[lo:hi] = g
+            ids = np.searchsorted(np.cumsum(sizes), np.arange(rows), side="right")  # G past them
+            np.testing.assert_array_equal(owner, ids, f"seed={seed} sizes={sizes}")
+
+
+# ------------------------------------------------------------------------------------------------
+# grouped_wgrad
+# ------------------------------------------------------------------------------------------------
+
+
+def _token_operands(seed, t, k, n, sizes, *, exact):
+    """lhs_t = quantize(x, (128, 1)).mT (K, T), rhs_t = quantize(dy, (128, 1)).mT (N, T), with
+    per-feature magnitudes (constant over each 128-token block)."""
+    rng = np.random.default_rng(seed)
+    x = _values(rng, (t, k), exact) * np.exp(rng.normal(size=(1, k)))
+    dy = _values(rng, (t, n), exact) * np.exp(rng.normal(size=(1, n)))
+    lhs_t = _quantize(jnp.asarray(x, jnp.float32), (TILE, 1)).mT
+    rhs_t = _quantize(jnp.asarray(dy, jnp.float32), (TILE, 1)).mT
+    return lhs_t, rhs_t, jnp.asarray(sizes, jnp.int32)
+
+
+def _wgrad(lhs_t: Fp8Tensor, rhs_t: Fp8Tensor, sizes, out_dtype, config=None):
+    return grouped_wgrad(
+        lhs_t.data, lhs_t.scale, rhs_t.data, rhs_t.scale, sizes,
+        t=lhs_t.shape[1], out_dtype=out_dtype, config=config,
+    )
+
+
+def _wgrad_abs_product(lhs_t: Fp8Tensor, rhs_t: Fp8Tensor, sizes) -> np.ndarray:
+    """(G, K, N) f64: sum over the tokens of g of |lhs_t[:, t]| |rhs_t[:, t]|."""
+    a, b = np.abs(dequantize_f64(lhs_t)), np.abs(dequantize_f64(rhs_t))  # [K, T], [N, T]
+    ids = np.asarray(group_ids(sizes, a.shape[1]))
+    return np.stack([a[:, ids == g] @ b[:, ids == g].T for g in range(len(sizes))])
+
+
+# (T, K, N, group sizes or G for random sizes, tokens past the groups, out_dtype, tiles):
+# groups straddling 128-token chunks, empty groups, tokens past the groups, a T tail, tile_n 64;
+# one group holding every token over two chunks; T = 1 with N = 8 in a 32-column tile.
+EXACT_WGRAD_CASES = [
+    (300, 128, 64, 3, 20, jnp.float32, (64, 64)),
+    (256, 64, 128, [0, 256, 0], 0, jnp.bfloat16, (64, 128)),
+    (1, 64, 8, [1], 0, jnp.float32, (64, 32)),
+]
+
+
+@pytest.mark.parametrize("t,k,n,groups,past,out_dtype,tiles", EXACT_WGRAD_CASES)
+def test_wgrad_bit_identical_to_reference(t, k, n, groups, past, out_dtype, tiles):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    sizes = _sizes(rng, groups, t - past) if isinstance(groups, int) else groups
+    lhs_t, rhs_t, sizes = _token_operands(seed, t, k, n, sizes, exact=True)
+    config = GroupedGemmConfig(tile_m=tiles[0], tile_n=tiles[1])
+    out = _interpret(_wgrad, lhs_t, rhs_t, sizes, out_dtype, config)
+    ref = _wgrad_reference(lhs_t, rhs_t, sizes, out_dtype)
+    _assert_bitwise_equal(out, ref, f"{seed} sizes={sizes}")
+
+
+def test_wgrad_gaussian_with_k_and_n_tails():
+    """K = 100 (rows padded to 104 for TMA; two 64-row tiles, the second partial), N = 72."""
+    seed = _seed()
+    sizes = _sizes(np.random.default_rng(seed), 3, 190)
+    lhs_t, rhs_t, sizes = _token_operands(seed, 200, 100, 72, sizes, exact=False)
+    config = GroupedGemmConfig(tile_m=64, tile_n=128)
+    out = _interpret(_wgrad, lhs_t, rhs_t, sizes, jnp.float32, config)
+    ref = _wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32)
+    _assert_within(out, ref, _wgrad_abs_product(lhs_t, rhs_t, sizes), ORDER_RTOL, seed)
+
+
+def test_wgrad_masks_other_groups_tokens():
+    """A NaN in group 0's data, in the chunk group 1 shares, stays out of group 1's gradient."""
+    seed = _seed()
+    lhs_t, rhs_t, sizes = _token_operands(seed, 200, 64, 64, [100, 100], exact=True)
+    data = np.asarray(lhs_t.data).copy()
+    data[5, 99] = np.nan  # token 99 (group 0) of chunk 0, which also holds tokens 100..127
+    lhs_t = dataclasses.replace(lhs_t, data=jnp.asarray(data))
+    out = np.asarray(_interpret(_wgrad, lhs_t, rhs_t, sizes, jnp.float32))
+    ref = np.asarray(_wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32))
+    assert np.isnan(out[0, 5]).all() and np.isfinite(out[1]).all(), f"seed={seed}"
+    _assert_bitwise_equal(out, ref, seed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation, empty problems, CUDA lowering, GPU.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_empty_problems_return_zeros_without_a_kernel():
+    fp8 = lambda *shape: jnp.zeros(shape, FP8_DTYPE)  # noqa: E731
+    ones = lambda *shape: jnp.ones(shape, jnp.float32)  # noqa: E731
+    out = grouped_scaled_matmul(
+        fp8(0, 128), ones(0, 1), fp8(2, 128, 128), ones(2, 1, 1), jnp.zeros(2, jnp.int32), n=100
+    )
+    assert out.shape == (0, 100) and out.dtype == jnp.bfloat16
+    out = grouped_scaled_matmul(
+        fp8(5, 128), ones(5, 1), fp8(0, 128, 128), ones(0, 1, 1), jnp.zeros(0, jnp.int32), n=3
+    )
+    np.testing.assert_array_equal(out, np.zeros((5, 3)))
+    no_tokens = jnp.zeros(3, jnp.int32)
+    out = grouped_wgrad(fp8(8, 0), ones(8, 0), fp8(16, 0), ones(16, 0), no_tokens, t=0)
+    np.testing.assert_array_equal(out, np.zeros((3, 8, 16)))
+    no_groups = jnp.zeros(0, jnp.int32)
+    out = grouped_wgrad(fp8(8, 128), ones(8, 1), fp8(16, 128), ones(16, 1), no_groups, t=5)
+    assert out.shape == (0, 8, 16)
+
+
+def _matmul_args(**change):
+    args = dict(
+        lhs_data=jnp.zeros((8, 256), FP8_DTYPE),
+        lhs_scale=jnp.ones((8, 2), jnp.float32),
+        rhs_data=jnp.zeros((2, 128, 256), FP8_DTYPE),
+        rhs_scale=jnp.ones((2, 1, 2), jnp.float32),
+        group_sizes=jnp.array([3, 4], jnp.int32),
+        n=100,
+    )
+    return args | change
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(lhs_data=jnp.zeros((8, 256), jnp.bfloat16)), TypeError, "lhs_data must be"),
+        (dict(rhs_data=jnp.zeros((128, 256), FP8_DTYPE)), ValueError, "rhs_data must be 3-D"),
+        (dict(lhs_scale=jnp.ones((8, 2), jnp.bfloat16)), TypeError, "lhs_scale must be float32"),
+        (dict(lhs_scale=jnp.ones((8, 3), jnp.float32)), ValueError, "lhs_scale must have shape"),
+        (dict(rhs_scale=jnp.ones((2, 2, 2), jnp.float32)), ValueError, "rhs_scale must have"),
+        (dict(rhs_data=jnp.zeros((2, 128, 384), FP8_DTYPE)), ValueError, "contraction sizes"),
+        (
+            dict(lhs_data=jnp.zeros((8, 200), FP8_DTYPE)),
+            ValueError,
+            "not a multiple of 128",
+        ),
+        (dict(n=129), ValueError, "padded to 256 rows"),
+        (dict(group_sizes=jnp.array([3, 4, 0], jnp.int32)), ValueError, r"shape \(2,\)"),
+        (dict(group_sizes=jnp.array([3.0, 4.0])), TypeError, "integers"),
+        (dict(group_sizes=jnp.array([5, 4], jnp.int32)), ValueError, "sum to 9"),
+        (dict(group_sizes=jnp.array([-1, 4], jnp.int32)), ValueError, ">= 0"),
+        (dict(out_dtype=jnp.float16), ValueError, "out_dtype"),
+        (dict(config=GroupedGemmConfig(tile_n=64)), NotImplementedError, "tile_n=128"),
+    ],
+)
+def test_matmul_invalid_inputs_raise(change, error, match):
+    with pytest.raises(error, match=match):
+        grouped_scaled_matmul(**_matmul_args(**change))
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(t=300), ValueError, "384 token columns"),
+        (dict(rhs_t_data=jnp.zeros((16, 128), FP8_DTYPE)), ValueError, "token columns"),
+        (dict(rhs_t_scale=jnp.ones((16, 3), jnp.float32)), ValueError, "rhs_t_scale must have"),
+        (dict(group_sizes=jnp.array([[1]], jnp.int32)), ValueError, "group_sizes must have"),
+        (dict(group_sizes=jnp.array([200, 1], jnp.int32)), ValueError, "sum to 201, more than the 200"),
+        (dict(lhs_t_data=jnp.zeros((8, 256), jnp.float8_e5m2)), TypeError, "lhs_t_data must"),
+    ],
+)
+def test_wgrad_invalid_inputs_raise(change, error, match):
+    args = dict(
+        lhs_t_data=jnp.zeros((8, 256), FP8_DTYPE),
+        lhs_t_scale=jnp.ones((8, 2), jnp.float32),
+        rhs_t_data=jnp.zeros((16, 256), FP8_DTYPE),
+        rhs_t_scale=jnp.ones((16, 2), jnp.float32),
+        group_sizes=jnp.array([100, 50], jnp.int32),
+        t=200,
+    )
+    with pytest.raises(error, match=match):
+        grouped_wgrad(**(args | change))
+
+
+@pytest.mark.parametrize(
+    "fields", [dict(tile_m=96), dict(tile_m=320), dict(tile_n=8), dict(tile_n=48),
+               dict(tile_n=288), dict(max_concurrent_steps=0)]
+)
+def test_invalid_config_raises(fields):
+    with pytest.raises(ValueError):
+        GroupedGemmConfig(**fields)
+
+
+def _lower_matmul(groups, t, n, k, out_dtype=jnp.bfloat16, config=None):
+    S, np_ = jax.ShapeDtypeStruct, -(-n // TILE) * TILE
+    args = (
+        S((t, k), FP8_DTYPE), S((t, k // TILE), jnp.float32),
+        S((groups, np_, k), FP8_DTYPE), S((groups, np_ // TILE, k // TILE), jnp.float32),
+        S((groups,), jnp.int32),
+    )
+    return _mgpu.lower_for_cuda(
+        lambda *a: grouped_scaled_matmul(*a, n=n, out_dtype=out_dtype, config=config), *args
+    )
+
+
+def _lower_wgrad(groups, t, n, k, out_dtype=jnp.float32, config=None):
+    S, tp = jax.ShapeDtypeStruct, -(-t // TILE) * TILE
+    args = (
+        S((k, tp), FP8_DTYPE), S((k, tp // TILE), jnp.float32),
+        S((n, tp), FP8_DTYPE), S((n, tp // TILE), jnp.float32),
+        S((groups,), jnp.int32),
+    )
+    return _mgpu.lower_for_cuda(
+        lambda *a: grouped_wgrad(*a, t=t, out_dtype=out_dtype, config=config), *args
+    )
+
+
+# (G, T, N, K, out_dtype): the benchmark shapes, then tails: odd T (rows padded for TMA), N not
+# a multiple of 128 nor of 8, a tiny problem.
+MATMUL_LOWERING_CASES = [
+    (s.groups, s.groups * s.rows_per_group, s.n, s.k, jnp.bfloat16) for s in GROUPED_SHAPES
+] + [
+    (3, 1001, 100, 384, jnp.bfloat16),
+    (5, 777, 4100, 256, jnp.float32),
+    (1, 1, 1, 128, jnp.float32),
+]
+
+# (G, T, N, K, out_dtype): the Wgrad of the same layers ((K, N) = (in, out) features), then
+# tails: T not a multiple of 128, K and N rows not multiples of 8 (padded for TMA), tiny sizes.
+WGRAD_LOWERING_CASES = [
+    (s.groups, s.groups * s.rows_per_group, s.n, s.k, jnp.float32) for s in GROUPED_SHAPES
+] + [
+    (3, 1001, 100, 203, jnp.bfloat16),
+    (5, 777, 4100, 4, jnp.float32),
+    (2, 1, 1, 1, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("groups,t,n,k,out_dtype", MATMUL_LOWERING_CASES)
+def test_matmul_lowers_for_hopper(groups, t, n, k, out_dtype):
+    assert "mosaic_gpu" in _lower_matmul(groups, t, n, k, out_dtype)
+
+
+@pytest.mark.parametrize("groups,t,n,k,out_dtype", WGRAD_LOWERING_CASES)
+def test_wgrad_lowers_for_hopper(groups, t, n, k, out_dtype):
+    assert "mosaic_gpu" in _lower_wgrad(groups, t, n, k, out_dtype)
+
+
+def test_lowers_with_other_tilings():
+    deep = GroupedGemmConfig(tile_m=128, max_concurrent_steps=4)
+    assert "mosaic_gpu" in _lower_matmul(8, 4096, 4096, 7168, jnp.bfloat16, deep)
+    narrow = GroupedGemmConfig(tile_m=128, tile_n=32, max_concurrent_steps=3)
+    assert "mosaic_gpu" in _lower_wgrad(8, 4096, 4096, 7168, jnp.float32, narrow)
+
+
+def test_lowering_rejects_a_config_over_the_smem_budget():
+    """4 stages of (256 + 256) x 128 FP8 bytes plus a 256 x 256 f32 output tile: over 227 KiB."""
+    config = GroupedGemmConfig(tile_m=256, tile_n=256, max_concurrent_steps=4)
+    with pytest.raises(ValueError, match="shared memory"):
+        _lower_wgrad(8, 4096, 4096, 7168, jnp.float32, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
+def test_on_gpu_matches_reference():
+    seed = _seed()
+    sizes = _sizes(np.random.default_rng(seed), 6, 3900)
+    lhs, rhs, sizes_j = _row_operands(seed, 4000, 1024, 700, sizes, exact=False)
+    out = _matmul(lhs, rhs, sizes_j, jnp.float32)
+    ref = _matmul_reference(lhs, rhs, sizes_j, jnp.float32)
+    _assert_within(out, ref, _matmul_abs_product(lhs, rhs, sizes_j), GPU_RTOL, seed)
+
+    lhs_t, rhs_t, sizes_j = _token_operands(seed, 4000, 512, 700, sizes, exact=False)
+    out = _wgrad(lhs_t, rhs_t, sizes_j, jnp.float32)
+    ref = _wgrad_reference(lhs_t, rhs_t, sizes_j, jnp.float32)
+    _assert_within(out, ref, _wgrad_abs_product(lhs_t, rhs_t, sizes_j), GPU_RTOL, seed)

@@ -1,0 +1,295 @@
+"""FP8 training ops: gradients against the reference numerics and f32 autodiff, composability."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen, nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jfp8
+from jfp8 import TILE, Fp8Recipe, fp8_linear, grouped_fp8_linear, quantize, scaled_matmul_reference
+from jfp8.reference import grouped_scaled_matmul_reference, grouped_wgrad_reference
+
+XLA = Fp8Recipe(impl="xla")
+QUANT_BOUND = 0.06  # two operands at ~2.6 % rms E4M3 error each: ~3.7 % expected
+
+
+def _rng():
+    seed = int(np.random.SeedSequence().generate_state(1)[0])
+    return np.random.default_rng(seed), seed
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _reference_linear_vjp(x, w, dy):
+    """y, dx, dW of fp8_linear built by hand from the reference functions (§3.3 / §3.5.2)."""
+    qx, qw = quantize(x, (1, TILE)), quantize(w, (TILE, TILE))
+    y = scaled_matmul_reference(qx, qw.mT, x.dtype)
+    dx = scaled_matmul_reference(quantize(dy, (1, TILE)), qw, x.dtype)
+    x_t = quantize(qx.dequantize(jnp.float32), (TILE, 1)).mT  # re-tiled from the FP8 copy
+    dw = scaled_matmul_reference(x_t, quantize(dy, (TILE, 1)).mT, jnp.float32)
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,k,n", [(64, 256, 128), (37, 300, 70), (1, 128, 8)])
+def test_linear_vjp_equals_the_reference_numerics(dtype, m, k, n):
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    y, vjp = jax.vjp(lambda x, w: fp8_linear(x, w, XLA), x, w)
+    dx, dw = vjp(dy)
+    y_ref, dx_ref, dw_ref = _reference_linear_vjp(x, w, dy)
+    chex.assert_trees_all_equal_dtypes((y, dx, dw), (x, x, w))
+    for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        assert _rel(got, want) <= 1e-5, f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_grads_within_quantization_bound_of_f32_autodiff(dtype):
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((2, 96, 384)), dtype)
+    w = jnp.asarray(rng.standard_normal((384, 200)) / 20, jnp.float32)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w).astype(jnp.float32)))  # noqa: E731
+    f8 = jax.jit(jax.value_and_grad(loss(lambda x, w: fp8_linear(x, w, XLA)), (0, 1)))
+    f32 = jax.value_and_grad(loss(lambda x, w: x.astype(jnp.float32) @ w), (0, 1))
+    (_, (dx, dw)), (_, (dx32, dw32)) = f8(x, w), f32(x, w)
+    assert _rel(dx, dx32) < QUANT_BOUND and _rel(dw, dw32) < QUANT_BOUND, f"seed {seed}"
+
+
+def test_off_recipe_is_plain_autodiff():
+    rng, _ = _rng()
+    x = jnp.asarray(rng.standard_normal((5, 7, 130)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((130, 33)), jnp.float32)
+    plain = lambda x, w: jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2)  # noqa: E731
+    got = jax.grad(loss(lambda x, w: fp8_linear(x, w, Fp8Recipe.off())), (0, 1))(x, w)
+    want = jax.grad(loss(plain), (0, 1))(x, w)
+    chex.assert_trees_all_equal(got, want)
+
+
+def test_partial_recipes_mix_fp8_and_plain_gemms():
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((64, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 64)) / 16, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+    _, dx_ref, dw_ref = _reference_linear_vjp(x, w, dy)
+    _, vjp = jax.vjp(lambda x, w: fp8_linear(x, w, Fp8Recipe(impl="xla", wgrad=False)), x, w)
+    dx, dw = vjp(dy)
+    assert _rel(dx, dx_ref) <= 1e-6
+    np.testing.assert_allclose(dw, x.T @ dy, rtol=1e-5, atol=1e-4, err_msg=f"seed {seed}")
+
+
+def test_per_tensor_recipe_runs_and_is_close():
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((64, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 64)) / 16, jnp.float32)
+    g = jax.grad(lambda x, w: jnp.sum(fp8_linear(x, w, Fp8Recipe.per_tensor(impl="xla")) ** 2), (0, 1))(x, w)
+    g32 = jax.grad(lambda x, w: jnp.sum((x @ w) ** 2), (0, 1))(x, w)
+    assert _rel(g[0], g32[0]) < 2 * QUANT_BOUND and _rel(g[1], g32[1]) < 2 * QUANT_BOUND, f"seed {seed}"
+
+
+def test_residuals_are_fp8_about_half_of_bf16():
+    rng, _ = _rng()
+    x = jnp.asarray(rng.standard_normal((512, 1024)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((1024, 1024)) / 32, jnp.float32)
+    _, residuals = jax.vjp(lambda x, w: fp8_linear(x, w, XLA), x, w)
+    leaves = jax.tree.leaves(residuals)
+    saved = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    bf16_equivalent = (x.size + w.size) * 2
+    assert any(leaf.dtype == jnp.float8_e4m3fn for leaf in leaves)
+    assert 0.45 <= saved / bf16_equivalent <= 0.56, (saved, bf16_equivalent)
+    print(f"residual bytes: FP8 {saved} vs bf16 {bf16_equivalent} ({saved / bf16_equivalent:.3f})")
+
+
+def test_composes_with_vmap_remat_scan_and_batch_shapes():
+    rng, seed = _rng()
+    layers, d = 3, 160
+    ws = jnp.asarray(rng.standard_normal((layers, d, d)) / np.sqrt(d), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 10, d)), jnp.bfloat16)  # extra vmapped axis + batch
+
+    def stack(x, ws):
+        def layer(h, w):
+            return jax.nn.gelu(jax.checkpoint(lambda h, w: fp8_linear(h, w, XLA))(h, w)), None
+
+        return jax.lax.scan(layer, x, ws)[0]
+
+    loss = lambda ws, x: jnp.sum(jax.vmap(stack, (0, None))(x, ws).astype(jnp.float32) ** 2)  # noqa: E731
+    val, g = jax.jit(jax.value_and_grad(loss))(ws, x)
+    chex.assert_shape(g, ws.shape)
+    chex.assert_tree_all_finite((val, g))
+    # The vmapped, scanned, rematerialised model equals unrolled loops of the plain op. (Per vmapped
+    # item: Wgrad scales cover 128 tokens of that item only, so the items cannot be merged.)
+    def unrolled(ws, x):
+        h = x
+        for i in range(layers):
+            h = jax.nn.gelu(fp8_linear(h, ws[i], XLA))
+        return jnp.sum(h.astype(jnp.float32) ** 2)
+
+    g2 = sum(jax.grad(unrolled)(ws, x[i]) for i in range(x.shape[0]))
+    assert _rel(g, g2) < 1e-3, f"seed {seed}"  # bf16 activations: fusion may round differently
+
+
+def test_zero_size_batch_and_odd_sizes():
+    w = jnp.ones((130, 70), jnp.float32)
+    y, vjp = jax.vjp(lambda x, w: fp8_linear(x, w, XLA), jnp.zeros((0, 130), jnp.float32), w)
+    chex.assert_shape(y, (0, 70))
+    dx, dw = vjp(jnp.zeros((0, 70), jnp.float32))
+    chex.assert_shape(dx, (0, 130))
+    np.testing.assert_array_equal(dw, 0.0)
+
+
+def test_shard_map_over_a_simulated_mesh():
+    devices = jax.devices("cpu")
+    if len(devices) < 4:
+        pytest.skip("conftest sets 8 host devices; this process was started with fewer")
+    mesh = Mesh(np.array(devices[:4]), ("data",))
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((4 * 32, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 64)) / 16, jnp.float32)
+
+    def local_loss(x, w):
+        return jax.lax.psum(jnp.sum(fp8_linear(x, w, XLA) ** 2), "data")
+
+    sharded = jax.shard_map(local_loss, mesh=mesh, in_specs=(P("data"), P()), out_specs=P())
+    g = jax.jit(jax.grad(sharded, argnums=1))(x, w)
+    # per-shard tiles: the same as summing the per-shard gradients computed separately
+    g_ref = sum(jax.grad(lambda w: jnp.sum(fp8_linear(x[i * 32 : (i + 1) * 32], w, XLA) ** 2))(w) for i in range(4))
+    assert _rel(g, g_ref) < 1e-5, f"seed {seed}"
+
+
+@pytest.mark.parametrize(
+    "x_shape,w_shape,x_dtype,exc,match",
+    [
+        ((4, 128), (128, 8), jnp.int32, TypeError, "bfloat16 or float32"),
+        ((4, 128), (64, 8), jnp.float32, ValueError, "contraction sizes differ"),
+        ((4, 128), (2, 128, 8), jnp.float32, ValueError, r"\(K, N\) matrix"),
+    ],
+)
+def test_linear_bad_input(x_shape, w_shape, x_dtype, exc, match):
+    with pytest.raises(exc, match=match):
+        fp8_linear(jnp.ones(x_shape, x_dtype), jnp.ones(w_shape))
+
+
+# ---------------------------------------------------------------------------- dot_general / Flax
+
+
+def test_dot_general_drop_in_for_nnx_and_linen():
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((4, 9, 256)), jnp.float32)
+    layer = nnx.Linear(256, 72, rngs=nnx.Rngs(0), dot_general=jfp8.make_fp8_dot_general(XLA))
+    plain = nnx.Linear(256, 72, rngs=nnx.Rngs(0))
+    y, y32 = layer(x), plain(x)
+    assert _rel(y, y32) < QUANT_BOUND, f"seed {seed}"
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)
+    grads32 = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(plain)
+    assert _rel(grads.kernel.value, grads32.kernel.value) < QUANT_BOUND
+
+    dense = linen.Dense(72, dot_general=jfp8.fp8_dot_general)
+    params = dense.init(jax.random.key(0), x)
+    y_linen = dense.apply(params, x)
+    y_linen32 = linen.Dense(72).apply(params, x)
+    assert _rel(y_linen, y_linen32) < QUANT_BOUND
+
+
+def test_dot_general_unsupported_patterns_say_so():
+    x, w = jnp.ones((2, 4, 128)), jnp.ones((2, 128, 8))
+    with pytest.raises(NotImplementedError, match="jax.lax.dot_general"):
+        jfp8.fp8_dot_general(x, w, (((2,), (1,)), ((0,), (0,))))
+    with pytest.raises(NotImplementedError, match="contracting"):
+        jfp8.fp8_dot_general(jnp.ones((128, 4)), jnp.ones((128, 8)), (((0,), (0,)), ((), ())))
+    # rhs contracted on axis 1 is x @ w.T
+    y = jfp8.fp8_dot_general(jnp.ones((3, 128)), jnp.ones((8, 128)), (((1,), (1,)), ((), ())))
+    chex.assert_shape(y, (3, 8))
+
+
+def test_tiny_mlp_trains_like_f32():
+    """Same data, init and optimizer: on a fixed noisy regression problem (optimum near the label
+    noise, 0.01), FP8 and f32 reach the same training loss within 3 % after 200 Adam steps
+    (measured gap on the CPU machine: about 1 %)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2048, 128)), jnp.float32)
+    teacher = rng.standard_normal((128, 64)) / np.sqrt(128)
+    y = jnp.asarray(np.tanh(np.asarray(x) @ teacher) + 0.1 * rng.standard_normal((2048, 64)), jnp.float32)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w1": jax.random.normal(k1, (128, 128)) / np.sqrt(128),
+              "w2": jax.random.normal(k2, (128, 64)) / np.sqrt(128)}
+
+    def run(linear):
+        def loss(p, x, y):
+            return jnp.mean((linear(jax.nn.relu(linear(x, p["w1"])), p["w2"]) - y) ** 2)
+
+        opt = optax.adam(3e-3)
+
+        @jax.jit
+        def step(p, s, x, y):
+            val, g = jax.value_and_grad(loss)(p, x, y)
+            upd, s = opt.update(g, s)
+            return optax.apply_updates(p, upd), s, val
+
+        p, state, losses = params, opt.init(params), []
+        for _ in range(200):
+            p, state, val = step(p, state, x, y)
+            losses.append(float(val))
+        return losses
+
+    l8 = run(lambda a, w: fp8_linear(a, w, XLA))
+    l32 = run(lambda a, w: a @ w)
+    assert l32[-1] < l32[0] / 10 and l8[-1] < l8[0] / 10, (l8[-1], l32[-1])
+    assert abs(l8[-1] - l32[-1]) / l32[-1] < 0.03, (l8[-1], l32[-1])
+
+
+# ---------------------------------------------------------------------------- grouped (MoE)
+
+
+def _grouped_problem(rng, t=300, k=256, n=130, sizes=(100, 0, 150, 20), dtype=jnp.float32):
+    x = jnp.asarray(rng.standard_normal((t, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), jnp.float32)
+    return x, w, jnp.asarray(sizes, jnp.int32)
+
+
+def test_grouped_vjp_equals_the_reference_numerics():
+    rng, seed = _rng()
+    x, w, gs = _grouped_problem(rng)
+    dy = jnp.asarray(rng.standard_normal((300, 130)), jnp.float32)
+    y, vjp = jax.vjp(lambda x, w: grouped_fp8_linear(x, w, gs, XLA), x, w)
+    dx, dw = vjp(dy)
+    qx, qw = quantize(x), quantize(w, (TILE, TILE))
+    y_ref = grouped_scaled_matmul_reference(qx, qw.mT, gs, jnp.float32)
+    dx_ref = grouped_scaled_matmul_reference(quantize(dy), qw, gs, jnp.float32)
+    x_t = quantize(qx.dequantize(), (TILE, 1)).mT
+    dw_ref = grouped_wgrad_reference(x_t, quantize(dy, (TILE, 1)).mT, gs)
+    for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        assert _rel(got, want) <= 1e-5, f"seed {seed}"
+    np.testing.assert_array_equal(np.asarray(y[270:]), 0.0)  # rows past the groups
+
+
+def test_grouped_grads_within_bound_of_ragged_dot_autodiff():
+    rng, seed = _rng()
+    x, w, gs = _grouped_problem(rng, sizes=(64, 128, 0, 100))
+    loss = lambda f: lambda x, w: jnp.sum(jnp.tanh(f(x, w)))  # noqa: E731
+    g8 = jax.jit(jax.grad(loss(lambda x, w: grouped_fp8_linear(x, w, gs, XLA)), (0, 1)))(x, w)
+    g32 = jax.grad(loss(lambda x, w: jax.lax.ragged_dot(x, w, gs)), (0, 1))(x, w)
+    assert _rel(g8[0], g32[0]) < QUANT_BOUND and _rel(g8[1], g32[1]) < QUANT_BOUND, f"seed {seed}"
+    g_off = jax.grad(loss(lambda x, w: grouped_fp8_linear(x, w, gs, Fp8Recipe.off())), (0, 1))(x, w)
+    chex.assert_trees_all_close(g_off, g32, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "sizes,exc,match",
+    [((10, 10), ValueError, r"shape \(3,\)"), ((200, 200, 0), ValueError, "more than the 300 rows")],
+)
+def test_grouped_bad_group_sizes(sizes, exc, match):
+    rng, _ = _rng()
+    x, w, _ = _grouped_problem(rng, sizes=(1, 1, 1))
+    with pytest.raises(exc, match=match):
+        grouped_fp8_linear(x, w, jnp.asarray(sizes, jnp.int32), XLA)

@@ -1,0 +1,317 @@
+"""The fused FP8 quantization kernels (`pallas_kernels.quantize`) against `jfp8.quantize`.
+
+On CPU the kernels run in the Mosaic GPU interpreter, which initialises every buffer it allocates,
+the outputs included, with NaN (`test_interpreter_poisons_unwritten_output` shows it): a block the
+kernel forgets to write cannot pass the bit-exact comparisons below. Lowering for CUDA then checks
+the Hopper limits the interpreter ignores (TMA boxes and strides, layouts, the SMEM budget).
+
+Interpreted runs cost about a second each, mostly compilation, nearly independent of the shape:
+every case packs its special values (outliers, zero blocks, NaN/Inf blocks, huge values, tails)
+into one matrix instead of spreading them over many launches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+    reset_gpu_interpret_mode_state,
+)
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jfp8.fp8 import quantize
+from pallas_kernels import _mgpu
+from pallas_kernels import quantize as qk
+from pallas_kernels.fp8_math import FP8_DTYPE, TILE, abs_for_amax, encode
+
+KERNELS = ("tile", "block", "column", "column_t", "retile")
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "pow2_scale"))
+def _reference(x, *, kind: str, pow2_scale: bool):
+    """(data, scale) of `jfp8.quantize` for kernel `kind`, jitted as the jfp8 layer runs it (and
+    because eager dispatch compiles every small op per shape). Jitted and eager `quantize` gave
+    identical bits for all three granularities when this was written."""
+    if kind == "retile":
+        x = quantize(x, (1, TILE), pow2_scale=pow2_scale).dequantize(jnp.float32)
+    block = {"tile": (1, TILE), "block": (TILE, TILE)}.get(kind, (TILE, 1))
+    t = quantize(x, block, pow2_scale=pow2_scale)
+    t = t.mT if kind in ("column_t", "retile") else t
+    return t.data, t.scale
+
+
+def _kernel(x, *, kind: str, pow2_scale: bool, config=qk.QuantizeConfig()):
+    kw = dict(pow2_scale=pow2_scale, config=config)
+    if kind == "retile":  # its input is the (1, 128)-tiled tensor
+        t = quantize(x, (1, TILE), pow2_scale=pow2_scale)
+        return qk.retile_tile_to_column_t(t.data, t.scale, m=x.shape[0], k=x.shape[1], **kw)
+    if kind.startswith("column"):
+        return qk.quantize_column(x, transpose=kind == "column_t", **kw)
+    return {"tile": qk.quantize_tile, "block": qk.quantize_block}[kind](x, **kw)
+
+
+def _interpret(fn, *args, detect_races: bool = False, **kwargs):
+    """`fn(...)` with its Mosaic GPU kernels in the interpreter (NaN-initialised buffers)."""
+    try:
+        with _mgpu.interpret_mode(True, detect_races=detect_races):
+            return jax.block_until_ready(fn(*args, **kwargs))
+    except Exception:
+        reset_gpu_interpret_mode_state()  # the interpreter's state is unusable after a failure
+        raise
+
+
+def _seed() -> int:
+    return int(np.random.default_rng().integers(2**31))
+
+
+def _hard_input(seed: int, shape, dtype) -> jax.Array:
+    """Gaussian rows of random magnitude with ×1000 outliers, plus (when the shape has room):
+    a zero 128 x 128 block, a row of tiny values (amax below the floor), NaN, ±Inf, ±3e38
+    (finite, but x * 448 would overflow), -0.0, all past row 128 so that the zero block stays."""
+    rng = np.random.default_rng(seed)
+    m, k = shape
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-6, 7, size=(m, 1)))
+    x = np.where(rng.random(shape) < 0.01, x * 1000, x)
+    x[:TILE, :TILE] = 0
+    if m > TILE + 2:
+        x[TILE, :] *= 1e-6
+        specials = [np.nan, np.inf, -np.inf, 3e38, -3e38, -0.0]
+        rows = rng.choice(np.arange(TILE + 1, m), size=len(specials), replace=False)
+        cols = rng.integers(0, k, size=len(specials))
+        x[rows, cols] = specials
+    return jnp.asarray(x, dtype)
+
+
+def _assert_bit_equal(got, want, what: str, seed: int) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, seed)
+    bits = {1: np.uint8, 4: np.uint32}[got.dtype.itemsize]
+    diff = got.view(bits) != want.view(bits)
+    assert not diff.any(), (
+        f"seed={seed}: {what}: {diff.sum()} of {diff.size} differ, first at {np.argwhere(diff)[0]}"
+    )
+
+
+def _check(kind: str, seed: int, shape, dtype, pow2_scale: bool, *, detect_races=False, **kw):
+    x = _hard_input(seed, shape, dtype)
+    data, scale = _interpret(
+        _kernel, x, kind=kind, pow2_scale=pow2_scale, detect_races=detect_races, **kw
+    )
+    want_data, want_scale = _reference(x, kind=kind, pow2_scale=pow2_scale)
+    _assert_bit_equal(data, want_data, f"{kind} data", seed)
+    _assert_bit_equal(scale, want_scale, f"{kind} scale", seed)
+
+
+_DEFAULT = qk.QuantizeConfig()
+# (kind, shape, dtype, pow2_scale, config), chosen so that each of the three kernel bodies (row
+# scales: tile; column reduction: block, column; transposed: column_t, retile) sees bf16 and f32
+# input, pow2 scales on and off, and a non-default tiling; one launch each (see the module doc).
+# (300, 200): row tails (300 = 2 x 128 + 44), K not a multiple of 128 (zero-filled by TMA) nor of
+# 16 (the column kernel's output slice). (257, 130) f32: rows of 130 x 4 bytes are not 16-byte
+# aligned (the input pad path), one row past a 128-row block.
+HARD_CASES = [
+    ("tile", (300, 200), jnp.bfloat16, False, qk.QuantizeConfig(rows=128)),
+    ("tile", (257, 130), jnp.float32, True, _DEFAULT),
+    # 3 chunks per CTA: the last CTA has chunks past the end (zero-filled, stores dropped).
+    ("block", (300, 200), jnp.bfloat16, True, qk.QuantizeConfig(column_chunks=3)),
+    ("column", (257, 130), jnp.float32, False, _DEFAULT),
+    ("column_t", (257, 130), jnp.float32, True, _DEFAULT),
+    ("column_t", (300, 200), jnp.bfloat16, False, _DEFAULT),
+]
+
+
+@pytest.mark.parametrize("kind,shape,dtype,pow2_scale,config", HARD_CASES)
+def test_bit_identical_to_quantize(kind, shape, dtype, pow2_scale, config):
+    _check(kind, _seed(), shape, dtype, pow2_scale, config=config)
+
+
+def test_retile_bit_identical_without_smem_races():
+    """Retile (its input is always E4M3 + f32 scales), 128 rows per CTA, race detector on: the
+    transposing kernels reuse their SMEM bounce buffers for every chunk of a CTA."""
+    config = qk.QuantizeConfig(rows=128)
+    _check("retile", _seed(), (300, 200), jnp.bfloat16, False, detect_races=True, config=config)
+    assert not gpu_callbacks.get_races().races_found
+
+
+@pytest.mark.parametrize("kind", ["tile", "column", "retile"])  # one per kernel body
+def test_single_element(kind):
+    """M = K = 1 (f16): one element, the rest padding (zero-filled loads, dropped stores)."""
+    _check(kind, _seed(), (1, 1), jnp.float16, True)
+
+
+def test_interpreter_poisons_unwritten_output():
+    """A kernel that stores only the first half of its output leaves the second half NaN.
+
+    This is what makes the equality tests meaningful: a block a kernel forgot to store would be
+    NaN, never an accidentally right value.
+    """
+
+    def body(o_gmem, o_smem):
+        o_smem[...] = jnp.zeros((TILE, TILE), jnp.float32)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(0, TILE)])
+        plgpu.wait_smem_to_gmem(0)
+
+    half_writer = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((2 * TILE, TILE), jnp.float32),
+        scratch_types=[plgpu.SMEM((TILE, TILE), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )
+    out = np.asarray(_interpret(half_writer))
+    assert (out[:TILE] == 0).all() and np.isnan(out[TILE:]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The restated elementwise rules and the reference's own consistency.
+
+
+def test_abs_for_amax_flags_every_non_finite_value():
+    specials = [0.0, -0.0, 1e-45, -1e-45, 1e-38, 1.0, -2.5, 3.4028235e38, -3.4028235e38,
+                np.inf, -np.inf, np.nan, -np.nan]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = np.asarray(jnp.asarray(specials, dtype), np.float32)
+        want = np.where(np.isfinite(x), np.abs(x), np.inf).astype(np.float32)
+        _assert_bit_equal(abs_for_amax(jnp.asarray(x)), want, f"abs_for_amax {dtype}", 0)
+
+
+def test_encode_is_the_same_under_jit_and_eagerly():
+    """`encode` multiplies by the per-block reciprocal, which is what XLA makes of a division by a
+    broadcast scale under jit: on values at and next to E4M3 rounding ties, jit and eager agree
+    bit for bit (a true division would differ on some of them)."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    scale = np.float32(rng.uniform(1e-3, 1e3, size=(64, 1)))
+    scale[3] = np.nan
+    grid = np.asarray(jnp.arange(-448, 449, 2, dtype=jnp.float32).astype(FP8_DTYPE), np.float32)
+    ties = (grid[:-1] + grid[1:]) / 2  # midpoints between E4M3 neighbours
+    q = rng.choice(np.concatenate([grid, ties]), size=(64, 128)).astype(np.float32)
+    x = np.float32(q * scale * np.float32(1 + rng.integers(-2, 3, size=q.shape) * 2.0**-23))
+    _assert_bit_equal(jax.jit(encode)(x, scale), encode(jnp.asarray(x), jnp.asarray(scale)), "encode", seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge cases and errors (no launch).
+
+
+@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0, 0)])
+def test_empty_input_returns_empty_without_launch(kind, shape):
+    """Outside the interpreter: a launch on this CPU would raise."""
+    x = jnp.zeros(shape, jnp.bfloat16)
+    data, scale = _kernel(x, kind=kind, pow2_scale=False)
+    want = jax.eval_shape(functools.partial(_reference, kind=kind, pow2_scale=False), x)
+    want_data, want_scale = want
+    assert data.shape == want_data.shape and data.dtype == FP8_DTYPE
+    assert scale.shape == want_scale.shape and scale.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("kind", ["tile", "block", "column", "column_t"])
+@pytest.mark.parametrize(
+    "x,error,match",
+    [
+        (jnp.zeros((4, 8, 8), jnp.bfloat16), ValueError, "2-D"),
+        (jnp.zeros((8,), jnp.float32), ValueError, "2-D"),
+        (jnp.zeros((8, 8), jnp.int32), TypeError, "bf16, f16 or f32"),
+        (jnp.zeros((8, 8), FP8_DTYPE), TypeError, "bf16, f16 or f32"),
+    ],
+)
+def test_invalid_input_raises(kind, x, error, match):
+    with pytest.raises(error, match=match):
+        _kernel(x, kind=kind, pow2_scale=False)
+
+
+@pytest.mark.parametrize(
+    "data,scale,error,match",
+    [
+        (jnp.zeros((8, 256), jnp.bfloat16), jnp.ones((8, 2)), TypeError, "float8_e4m3fn"),
+        (jnp.zeros((8, 256), FP8_DTYPE), jnp.ones((8, 2), jnp.bfloat16), TypeError, "f32"),
+        (jnp.zeros((8, 200), FP8_DTYPE), jnp.ones((8, 2)), ValueError, "data must be"),
+        (jnp.zeros((8, 256), FP8_DTYPE), jnp.ones((8, 1)), ValueError, "scale"),
+        (jnp.zeros((9, 256), FP8_DTYPE), jnp.ones((9, 2)), ValueError, "logical shape"),
+    ],
+)
+def test_retile_invalid_input_raises(data, scale, error, match):
+    with pytest.raises(error, match=match):
+        qk.retile_tile_to_column_t(data, scale, m=8, k=200)
+
+
+@pytest.mark.parametrize(
+    "fields", [dict(rows=96), dict(chunks=6), dict(chunks=0), dict(column_chunks=0)]
+)
+def test_invalid_config_raises(fields):
+    with pytest.raises(ValueError):
+        qk.QuantizeConfig(**fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA lowering at real sizes, and the real kernels on a GPU.
+
+
+def _lower(kind: str, m: int, k: int, dtype, config=qk.QuantizeConfig()) -> str:
+    S = jax.ShapeDtypeStruct
+    if kind == "retile":
+        kp = -(-k // TILE) * TILE
+        fn = functools.partial(qk.retile_tile_to_column_t, m=m, k=k, config=config)
+        return _mgpu.lower_for_cuda(fn, S((m, kp), FP8_DTYPE), S((m, kp // TILE), jnp.float32))
+    fn = functools.partial(_kernel, kind=kind, pow2_scale=True, config=config)
+    return _mgpu.lower_for_cuda(fn, S((m, k), dtype))
+
+
+# DeepSeek-V3 sizes and tails (K = 2112 is 16.5 chunks; 300 x 130 has tails on both axes); each
+# kernel at two of them, both input dtypes.
+_SHAPES = [(4096, 7168, jnp.bfloat16), (8192, 8192, jnp.float32), (4096, 2112, jnp.bfloat16),
+           (300, 130, jnp.float32)]
+LOWERING_CASES = [(kind, *_SHAPES[(i + j) % 4]) for i, kind in enumerate(KERNELS) for j in (0, 3)]
+
+
+@pytest.mark.parametrize("kind,m,k,dtype", LOWERING_CASES)
+def test_lowers_for_hopper(kind, m, k, dtype):
+    assert "mosaic_gpu" in _lower(kind, m, k, dtype)
+
+
+@pytest.mark.parametrize("kind", ["tile", "column", "retile"])  # one per kernel body
+def test_lowers_a_single_element(kind):
+    """TMA boxes larger than the whole array, and a 1-element row padded to 16 bytes."""
+    assert "mosaic_gpu" in _lower(kind, 1, 1, jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "kind,config,dtype",
+    [
+        ("tile", qk.QuantizeConfig(rows=128, chunks=4), jnp.float16),
+        ("column", qk.QuantizeConfig(column_chunks=1), jnp.float32),
+        ("retile", qk.QuantizeConfig(rows=128, chunks=4), None),
+    ],
+)
+def test_lowers_with_other_tiling(kind, config, dtype):
+    assert "mosaic_gpu" in _lower(kind, 4096, 7168, dtype, config)
+
+
+def test_lowering_rejects_a_config_over_the_smem_budget():
+    """3 chunks of f32 [128, 128] input plus E4M3 output exceed 227 KiB."""
+    config = qk.QuantizeConfig(column_chunks=3)
+    with pytest.raises(ValueError, match="shared memory"):
+        _lower("block", 4096, 7168, jnp.float32, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
+@pytest.mark.parametrize("kind", KERNELS)
+def test_on_gpu_matches_reference(kind):
+    seed = _seed()
+    for shape, dtype, pow2_scale in [((4096, 7168), jnp.bfloat16, False),
+                                     ((300, 130), jnp.float32, True)]:
+        x = _hard_input(seed, shape, dtype)
+        data, scale = jax.jit(_kernel, static_argnames=("kind", "pow2_scale"))(
+            x, kind=kind, pow2_scale=pow2_scale
+        )
+        want_data, want_scale = _reference(x, kind=kind, pow2_scale=pow2_scale)
+        _assert_bit_equal(data, want_data, f"{kind} {shape} data", seed)
+        _assert_bit_equal(scale, want_scale, f"{kind} {shape} scale", seed)
