@@ -11,13 +11,7 @@ Writes `benchmarks/results/bench_gemm-<device>-<date>.json` (device, jax version
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
-import platform
-import statistics
-import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,27 +19,8 @@ import numpy as np
 
 import jfp8
 from jfp8.backend import is_hopper
+from jfp8.benchmarking import RESULTS, parse_shape, rel_error, time_median, write_record
 from pallas_kernels.shapes import CPU_DENSE_SHAPES, DENSE_SHAPES, GemmShape
-
-RESULTS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-
-
-def _time(fn: Callable[[], jax.Array], warmup: int, repeats: int) -> float:
-    """Median wall seconds of `fn()` with the device synchronised, warm-up excluded."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
-
 
 def _cases(shape: GemmShape, use_kernels: bool, seed: int):
     """(name, jitted fn, args, check) per implementation; check(out) -> relative error vs reference."""
@@ -88,10 +63,10 @@ def run(shapes, warmup: int, repeats: int, use_kernels: bool, seed: int) -> list
         bf16_time = None
         for name, fn, args, ref, tol in _cases(shape, use_kernels, seed):
             out = jax.block_until_ready(fn(*args))
-            err = _rel(out, ref())
+            err = rel_error(out, ref())
             if not err <= tol:  # also catches NaN
                 raise AssertionError(f"{name} at {shape}: relative error {err:.3e} > {tol} vs its reference")
-            seconds = _time(lambda: fn(*args), warmup, repeats)
+            seconds = time_median(lambda: fn(*args), warmup, repeats)
             if name == "xla-bf16":
                 bf16_time = seconds
             rows.append(dict(
@@ -103,17 +78,9 @@ def run(shapes, warmup: int, repeats: int, use_kernels: bool, seed: int) -> list
     return rows
 
 
-def _parse_shape(s: str) -> GemmShape:
-    try:
-        m, n, k = (int(v) for v in s.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape must look like MxNxK (e.g. 4096x7168x2048), got {s!r}")
-    return GemmShape(m, n, k)
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", type=_parse_shape, nargs="+", default=None)
+    p.add_argument("--shapes", type=parse_shape, nargs="+", default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -132,16 +99,8 @@ def main(argv=None) -> None:
               " sizes are small. Run on an H100/H200 for kernel numbers.")
     rows = run(shapes, warmup, repeats, use_kernels, args.seed)
 
-    today = datetime.date.today().isoformat()
-    record = dict(
-        benchmark="bench_gemm", device=device.device_kind, platform=device.platform,
-        jax_version=jax.__version__, date=today, host=platform.node(),
-        warmup=warmup, repeats=repeats, timing="median wall time, block_until_ready", rows=rows,
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
-    slug = device.device_kind.lower().replace(" ", "-")
-    path = args.out / f"bench_gemm-{slug}-{today}.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    path = write_record("bench_gemm", rows, args.out, warmup=warmup, repeats=repeats,
+                        timing="median wall time, block_until_ready")
     print(f"\n{'impl':28s} {'M':>6} {'N':>6} {'K':>6} {'TFLOP/s':>9} {'vs bf16':>8}")
     for r in rows:
         print(f"{r['impl']:28s} {r['m']:6d} {r['n']:6d} {r['k']:6d} {r['tflops']:9.2f} {r['ratio_vs_bf16']:8.2f}")

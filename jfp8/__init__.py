@@ -7,7 +7,17 @@ accumulation, the numerics every kernel reproduces) and the float64 oracle. GEMM
 """
 
 from jfp8.backend import Impl, is_hopper
-from jfp8.fp8 import AMAX_FLOOR, BLOCKS, E4M3_MAX, FP8_DTYPE, TILE, Fp8Tensor, quantize
+from jfp8.fp8 import (
+    AMAX_FLOOR,
+    BLOCKS,
+    E4M3_MAX,
+    FP8_DTYPE,
+    TILE,
+    Fp8Tensor,
+    quantize,
+    quantize_wgrad_operand,
+    retile_wgrad_operand,
+)
 from jfp8.reference import (
     dequantize_f64,
     grouped_scaled_matmul_reference,
@@ -40,6 +50,8 @@ __all__ = [
     "grouped_scaled_matmul_reference",
     "grouped_wgrad_reference",
     "quantize",
+    "quantize_wgrad_operand",
+    "retile_wgrad_operand",
     "scaled_matmul_oracle",
     "scaled_matmul_reference",
 ]

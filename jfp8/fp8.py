@@ -14,6 +14,8 @@ from typing import Literal, TypeAlias
 import jax
 import jax.numpy as jnp
 
+from jfp8.backend import Impl, resolve_impl
+from pallas_kernels._mgpu import interpret_mode
 from pallas_kernels.fp8_math import (
     AMAX_FLOOR,
     E4M3_MAX,
@@ -124,7 +126,55 @@ class Fp8Tensor:
         return int(self.data.size * self.data.dtype.itemsize + self.scale.size * 4)
 
 
-def quantize(x: jax.Array, block: Block = (1, TILE), *, pow2_scale: bool = False) -> Fp8Tensor:
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_KERNEL_BLOCKS = ((1, TILE), (TILE, 1), (TILE, TILE))
+
+
+def _kernel_unsupported(x: jax.Array, block: Block) -> str | None:
+    """Why the quantization kernels cannot take this input, or None when they can."""
+    if block not in _KERNEL_BLOCKS:
+        return f"block {block} (the kernels do {_KERNEL_BLOCKS})"
+    if jnp.dtype(x.dtype) not in _KERNEL_DTYPES:
+        return f"dtype {x.dtype} (the kernels take bf16, f16, f32)"
+    if x.ndim > 2 and block != (1, TILE) and x.shape[-2] % TILE:
+        return f"batched input whose rows ({x.shape[-2]}) are not a multiple of {TILE}"
+    return None
+
+
+def _use_kernels(x: jax.Array, block: Block, impl: Impl, interpret: bool) -> bool:
+    if resolve_impl(impl, interpret) == "xla":
+        return False
+    why = _kernel_unsupported(x, block)
+    if why is None:
+        return True
+    if impl == "mosaic":
+        raise NotImplementedError(f"the Mosaic GPU quantization kernels do not handle {why}; use impl='xla'")
+    return False  # "auto": the reference has the same numerics
+
+
+def _quantize_kernel(x: jax.Array, block: Block, pow2_scale: bool, interpret: bool) -> Fp8Tensor:
+    """`quantize` through the fused Mosaic GPU kernels (2-D; batch axes folded into rows)."""
+    from pallas_kernels import quantize as qk
+
+    *batch, m, k = x.shape
+    x2 = x.reshape(-1, k)  # rows of different batch items never share a block (checked above)
+    fn = {(1, TILE): qk.quantize_tile, (TILE, 1): qk.quantize_column, (TILE, TILE): qk.quantize_block}[block]
+    with interpret_mode(interpret):
+        data, scale = fn(x2, pow2_scale=pow2_scale)
+    rows = -(-m // block[0]) * block[0]
+    data = data.reshape(*batch, rows, data.shape[-1])
+    scale = scale.reshape(*batch, rows // block[0], scale.shape[-1])
+    return Fp8Tensor(data, scale, block, (m, k))
+
+
+def quantize(
+    x: jax.Array,
+    block: Block = (1, TILE),
+    *,
+    pow2_scale: bool = False,
+    impl: Impl = "xla",
+    interpret: bool = False,
+) -> Fp8Tensor:
     """Online E4M3 quantization of the last two axes of `x`, one FP32 scale per block.
 
     Args:
@@ -133,6 +183,9 @@ def quantize(x: jax.Array, block: Block = (1, TILE), *, pow2_scale: bool = False
         column, 128 rows: the Wgrad layout), `(128, 128)` block-wise (weights), any other
         `(bm, bk)`, or None for one scale per matrix (per-tensor, the baseline).
       pow2_scale: round every scale up to a power of two (UE8M0-compatible).
+      impl: "xla" (default), "mosaic" (the fused Hopper kernels, bit-identical) or "auto" (the
+        kernels on Hopper where they apply, else XLA).
+      interpret: run the kernels in the Mosaic GPU interpreter.
 
     Returns:
       An `Fp8Tensor` whose `data` is padded with zeros up to whole blocks and whose `logical` holds
@@ -150,6 +203,8 @@ def quantize(x: jax.Array, block: Block = (1, TILE), *, pow2_scale: bool = False
             f"quantize works on the last two axes and needs x.ndim >= 2, got shape {x.shape}; "
             "use x[None, :] for a vector"
         )
+    if _use_kernels(x, block, impl, interpret):
+        return _quantize_kernel(x, block, pow2_scale, interpret)
     *batch, m, k = x.shape
     if block is None:
         # One scale per matrix: the amax runs over both axes, nothing is padded.
@@ -166,3 +221,39 @@ def quantize(x: jax.Array, block: Block = (1, TILE), *, pow2_scale: bool = False
     scale = scale_from_amax(amax, pow2_scale)
     data = encode(blocks, scale[..., :, None, :, None]).reshape(*batch, mp, kp)
     return Fp8Tensor(data, scale, block, (m, k))
+
+
+def quantize_wgrad_operand(
+    x: jax.Array, *, pow2_scale: bool = False, impl: Impl = "xla", interpret: bool = False
+) -> Fp8Tensor:
+    """x (T, C) -> its transpose (C, T) scaled per 128 tokens: `quantize(x, (128, 1)).mT`.
+
+    The Wgrad operand layout (DeepSeek-V3's 128x1 tiles): the token axis is contracted, so it must
+    be the contiguous one for FP8 wgmma. The kernel writes it transposed in the same pass.
+    """
+    x = jnp.asarray(x)
+    if x.ndim == 2 and _use_kernels(x, (TILE, 1), impl, interpret):
+        from pallas_kernels import quantize as qk
+
+        with interpret_mode(interpret):
+            data, scale = qk.quantize_column(x, pow2_scale=pow2_scale, transpose=True)
+        return Fp8Tensor(data, scale, (1, TILE), (x.shape[1], x.shape[0]))
+    return quantize(x, (TILE, 1), pow2_scale=pow2_scale).mT
+
+
+def retile_wgrad_operand(
+    t: Fp8Tensor, *, pow2_scale: bool = False, impl: Impl = "xla", interpret: bool = False
+) -> Fp8Tensor:
+    """The FP8 x saved by Fprop, (T, C) in (1, 128) tiles -> (C, T) scaled per 128 tokens.
+
+    DeepSeek-V3 §3.5.2: dequantize, transpose, re-quantize; equal to
+    `quantize(t.dequantize(jnp.float32), (128, 1)).mT`, one fused pass on Hopper.
+    """
+    if t.ndim == 2 and t.block == (1, TILE) and resolve_impl(impl, interpret) == "mosaic":
+        from pallas_kernels import quantize as qk
+
+        m, k = t.logical
+        with interpret_mode(interpret):
+            data, scale = qk.retile_tile_to_column_t(t.data, t.scale, m=m, k=k, pow2_scale=pow2_scale)
+        return Fp8Tensor(data, scale, (1, TILE), (k, m))
+    return quantize(t.dequantize(jnp.float32), (TILE, 1), pow2_scale=pow2_scale).mT

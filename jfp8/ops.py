@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jfp8.fp8 import Fp8Tensor, quantize
+from jfp8.fp8 import Fp8Tensor, quantize, quantize_wgrad_operand, retile_wgrad_operand
 from jfp8.matmul import grouped_scaled_matmul, grouped_wgrad_matmul, scaled_matmul
 from jfp8.recipe import Fp8Recipe
 from jfp8.reference import check_group_sizes
@@ -50,18 +50,29 @@ def _vary_like(a: jax.Array, *others: jax.Array) -> jax.Array:
 
 
 def _q(x: jax.Array, block, recipe: Fp8Recipe) -> Fp8Tensor:
-    return quantize(x, block, pow2_scale=recipe.pow2_scale)
+    return quantize(x, block, pow2_scale=recipe.pow2_scale, impl=recipe.impl, interpret=recipe.interpret)
 
 
 def _mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype, recipe: Fp8Recipe) -> jax.Array:
     return scaled_matmul(a, b, out_dtype=out_dtype, impl=recipe.impl, interpret=recipe.interpret)
 
 
-def _wgrad_operand(saved: Fp8Tensor, recipe: Fp8Recipe) -> Fp8Tensor:
+def _wgrad_x(saved: Fp8Tensor, recipe: Fp8Recipe) -> Fp8Tensor:
     """xᵀ scaled per 128 tokens, from the FP8 x saved by Fprop (dequantize, re-tile, §3.5.2)."""
-    if recipe.wgrad_block is None and saved.block is None:
-        return saved.mT  # one scale per tensor transposes exactly
-    return _q(saved.dequantize(jnp.float32), recipe.wgrad_block, recipe).mT
+    if recipe.wgrad_block is None:
+        return saved.mT if saved.block is None else _q(saved.dequantize(), None, recipe).mT
+    return retile_wgrad_operand(
+        saved, pow2_scale=recipe.pow2_scale, impl=recipe.impl, interpret=recipe.interpret
+    )
+
+
+def _wgrad_dy(dy: jax.Array, recipe: Fp8Recipe) -> Fp8Tensor:
+    """dyᵀ scaled per 128 tokens (or per tensor for the per-tensor baseline)."""
+    if recipe.wgrad_block is None:
+        return _q(dy, None, recipe).mT
+    return quantize_wgrad_operand(
+        dy, pow2_scale=recipe.pow2_scale, impl=recipe.impl, interpret=recipe.interpret
+    )
 
 
 # ------------------------------------------------------------------------------ dense linear
@@ -88,8 +99,7 @@ def _linear_bwd(recipe: Fp8Recipe, residuals, dy):
     else:
         dx = _plain_dot(dy, w_res.T)
     if recipe.wgrad:  # dW [K, N] = xᵀ [K, M] · dy [M, N], both scaled per 128 tokens
-        dy_t = _q(dy, recipe.wgrad_block, recipe).mT
-        dw = _mm(_wgrad_operand(x_res, recipe), dy_t, jnp.float32, recipe)
+        dw = _mm(_wgrad_x(x_res, recipe), _wgrad_dy(dy, recipe), jnp.float32, recipe)
     else:
         dw = jnp.dot(x_res.T, dy, preferred_element_type=jnp.float32)
     return dx.astype(x_dtype), dw
@@ -207,7 +217,7 @@ def _grouped_bwd(recipe: Fp8Recipe, residuals, dy):
         dx = _ragged(dy, jnp.swapaxes(w_res, 1, 2), group_sizes)
     if recipe.wgrad:  # dW_g [K, N] = x_gᵀ · dy_g, grouped along the token axis
         dw = grouped_wgrad_matmul(
-            _wgrad_operand(x_res, recipe), _q(dy, recipe.wgrad_block, recipe).mT, group_sizes,
+            _wgrad_x(x_res, recipe), _wgrad_dy(dy, recipe), group_sizes,
             out_dtype=jnp.float32, impl=recipe.impl, interpret=recipe.interpret,
         )
     else:  # ragged_dot is linear in w: its VJP at any point is the grouped xᵀ·dy

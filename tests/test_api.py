@@ -71,3 +71,43 @@ def test_front_door_runs_the_kernel_in_the_interpreter(a_block, b_block):
     out = jax.jit(lambda a, b: jfp8.scaled_matmul(a, b, out_dtype=jnp.float32, interpret=True))(a, b)
     ref = jfp8.scaled_matmul_reference(a, b, jnp.float32)
     assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) <= 1e-6
+
+
+def _bits(t):
+    return np.asarray(t.data).view(np.uint8), np.asarray(t.scale).view(np.uint32)
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 1), (128, 128)], ids=str)
+def test_quantize_front_door_kernels_are_bit_identical(block):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 128, 200)).astype(np.float32)
+    x[0, 3, 5] = 1e4  # an outlier
+    x = jnp.asarray(x, jnp.bfloat16)
+    got = jax.jit(lambda v: jfp8.quantize(v, block, impl="mosaic", interpret=True))(x)
+    want = jfp8.quantize(x, block)
+    assert got.block == want.block and got.logical == want.logical and got.shape == want.shape
+    for g, w in zip(_bits(got), _bits(want)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_wgrad_operand_front_doors_are_bit_identical():
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((200, 136)), jnp.float32)
+    got = jfp8.quantize_wgrad_operand(x, impl="mosaic", interpret=True)
+    want = jfp8.quantize(x, (128, 1)).mT
+    assert got.logical == want.logical == (136, 200)
+    for g, w in zip(_bits(got), _bits(want)):
+        np.testing.assert_array_equal(g, w)
+    saved = jfp8.quantize(x)
+    got = jfp8.retile_wgrad_operand(saved, impl="mosaic", interpret=True)
+    want = jfp8.retile_wgrad_operand(saved, impl="xla")
+    for g, w in zip(_bits(got), _bits(want)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_quantize_explicit_mosaic_on_unsupported_input_says_so():
+    with pytest.raises(NotImplementedError, match="impl='xla'"):
+        jfp8.quantize(jnp.ones((4, 64)), (4, 32), impl="mosaic", interpret=True)
+    # "auto" takes the reference for what the kernels do not handle
+    q = jfp8.quantize(jnp.ones((4, 64)), (4, 32), impl="auto", interpret=True)
+    assert q.block == (4, 32)
