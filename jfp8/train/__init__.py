@@ -1,0 +1,1 @@
+"""Training: data, optimizer, checkpoints, the loop."""

@@ -1,0 +1,54 @@
+"""Checkpoints with orbax: written atomically, so a killed run never leaves a half-written step.
+
+orbax writes each step into a temporary directory and renames it into place once complete; a
+directory without its commit marker is ignored on restore. A checkpoint holds the whole training
+state pytree (parameters, optimizer state, router biases, step, RNG key; the data position is
+the step, since batches are a pure function of (seed, step)) and JSON metadata.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Saves and restores the training state under `directory` (keeps the newest `keep`)."""
+
+    def __init__(self, directory: str | pathlib.Path, keep: int = 2):
+        self.directory = pathlib.Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            item_names=("state", "meta"),
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state, meta: dict) -> None:
+        """Writes `state` (a pytree of arrays) and `meta` (JSON) for `step`, and waits until the
+        step is committed on disk."""
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, step: int | None, like):
+        """(state, meta) of `step` (the newest when None), shaped like the pytree `like`."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory} to resume from")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        out = self._manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+        )
+        return out["state"], out["meta"]
+
+    def close(self) -> None:
+        self._manager.close()
