@@ -1,0 +1,159 @@
+"""`ModelConfig`: the shape of a DeepSeek-V3-style model (MLA + DeepSeekMoE + MTP) and its FP8 recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jfp8.recipe import Fp8Recipe
+
+_COMPUTE_DTYPES = ("bfloat16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A DeepSeek-V3-style decoder (arXiv 2412.19437 §2) at research scale.
+
+    Parameters are FP32 master weights; activations run in `dtype`. Every projection except the
+    embedding, the output head and the MoE gate goes through the FP8 ops with `recipe`
+    (`Fp8Recipe.off()` gives the BF16 baseline).
+
+    Attributes:
+      vocab_size: tokens in the vocabulary (256: byte-level).
+      d_model: width d of the residual stream.
+      n_layers: transformer blocks of the main model.
+      n_dense_layers: the first blocks use a dense SwiGLU FFN instead of MoE (DeepSeek-V3: 3).
+      n_heads: attention heads n_h.
+      q_lora_rank: d'_c, rank of the query compression (MLA, eq. 6-8).
+      kv_lora_rank: d_c, rank of the joint key/value compression (MLA, eq. 1-5).
+      qk_nope_head_dim: d_h, per-head query/key width without RoPE.
+      qk_rope_head_dim: d^R_h, width of the decoupled RoPE query (per head) and key (shared); even.
+      v_head_dim: per-head value width.
+      n_routed: N_r routed experts per MoE layer.
+      n_shared: N_s shared experts per MoE layer (may be 0).
+      top_k: K_r routed experts per token.
+      moe_hidden: hidden width of one expert (routed and shared alike).
+      dense_hidden: hidden width of the dense SwiGLU FFN.
+      rope_theta: RoPE base.
+      max_seq_len: the longest sequence the model accepts.
+      mtp: add the depth-1 Multi-Token Prediction module (§2.2).
+      mtp_lambda: λ, weight of the MTP cross-entropy in `model_loss`.
+      balance_alpha: α of the complementary sequence-wise balance loss (eq. 17).
+      bias_gamma: γ, the bias update speed of auxiliary-loss-free load balancing (§2.1.2).
+      norm_eps: RMSNorm epsilon.
+      init_std: standard deviation of the normal initialisation of every weight matrix.
+      dtype: compute dtype, "bfloat16" or "float32" (a jnp dtype is accepted and normalised).
+      recipe: the `Fp8Recipe` of every FP8 projection.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_dense_layers: int = 1
+    n_heads: int = 4
+    q_lora_rank: int = 32
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    n_routed: int = 4
+    n_shared: int = 1
+    top_k: int = 2
+    moe_hidden: int = 32
+    dense_hidden: int = 128
+    rope_theta: float = 10000.0
+    max_seq_len: int = 128
+    mtp: bool = True
+    mtp_lambda: float = 0.3
+    balance_alpha: float = 1e-4
+    bias_gamma: float = 1e-3
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    dtype: str = "bfloat16"
+    recipe: Fp8Recipe = dataclasses.field(default_factory=Fp8Recipe.deepseek)
+
+    def __post_init__(self):
+        try:
+            name = jnp.dtype(self.dtype).name
+        except TypeError as e:
+            raise ValueError(f"dtype must be one of {_COMPUTE_DTYPES}, got {self.dtype!r}") from e
+        if name not in _COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {_COMPUTE_DTYPES}, got {name!r}")
+        object.__setattr__(self, "dtype", name)  # frozen: normalise once, here
+        positive = (
+            "vocab_size", "d_model", "n_layers", "n_heads", "q_lora_rank", "kv_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_seq_len", "dense_hidden",
+        )
+        for field in positive:
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ValueError(f"n_dense_layers={self.n_dense_layers} must lie in [0, n_layers={self.n_layers}]")
+        if self.has_moe:
+            if self.n_routed <= 0 or self.moe_hidden <= 0 or self.n_shared < 0:
+                raise ValueError(
+                    f"MoE layers need n_routed > 0, moe_hidden > 0 and n_shared >= 0; got "
+                    f"n_routed={self.n_routed}, moe_hidden={self.moe_hidden}, n_shared={self.n_shared}"
+                )
+            if not 1 <= self.top_k <= self.n_routed:
+                raise ValueError(f"top_k={self.top_k} must lie in [1, n_routed={self.n_routed}]")
+        if not isinstance(self.recipe, Fp8Recipe):
+            raise TypeError(f"recipe must be an Fp8Recipe (e.g. Fp8Recipe.off()), got {type(self.recipe)}")
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """The activation dtype as a jnp dtype."""
+        return jnp.dtype(self.dtype)
+
+    @property
+    def has_moe(self) -> bool:
+        """True when some block (main model or MTP) uses an MoE FFN."""
+        return self.n_layers > self.n_dense_layers or self.mtp
+
+    @property
+    def n_moe_layers(self) -> int:
+        """MoE layers, in the order of `aux.expert_loads`: main-model blocks, then the MTP block."""
+        return (self.n_layers - self.n_dense_layers) + int(self.mtp)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width: the no-RoPE part plus the RoPE part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def replace(self, **overrides) -> ModelConfig:
+        """A copy with `overrides` applied (`dataclasses.replace`)."""
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def tiny(cls, **overrides) -> ModelConfig:
+        """For tests: a fraction of a second per step on a CPU. d_model 64, 2 layers (1 dense),
+        4 routed experts (top-2) + 1 shared."""
+        return dataclasses.replace(cls(), **overrides)
+
+    @classmethod
+    def small(cls, **overrides) -> ModelConfig:
+        """Trains on a CPU in tens of minutes: d_model 256, 6 layers (1 dense), 16 routed experts
+        (top-2) + 1 shared, ~23M total / ~5M activated parameters."""
+        base = cls(
+            d_model=256, n_layers=6, n_dense_layers=1, n_heads=4,
+            q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+            v_head_dim=64, n_routed=16, n_shared=1, top_k=2, moe_hidden=256, dense_hidden=768,
+            max_seq_len=256,
+        )
+        return dataclasses.replace(base, **overrides)
+
+    @classmethod
+    def gpu(cls, **overrides) -> ModelConfig:
+        """One Hopper GPU: d_model 768, 12 layers (1 dense), 32 fine-grained routed experts (top-4)
+        + 1 shared, ~270M total / ~65M activated parameters; every GEMM dimension a multiple of 128
+        except the RoPE slices."""
+        base = cls(
+            d_model=768, n_layers=12, n_dense_layers=1, n_heads=8,
+            q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64,
+            v_head_dim=128, n_routed=32, n_shared=1, top_k=4, moe_hidden=256, dense_hidden=2048,
+            max_seq_len=1024,
+        )
+        return dataclasses.replace(base, **overrides)
