@@ -19,7 +19,7 @@ import numpy as np
 from jfp8.fp8 import Fp8Tensor, quantize, quantize_wgrad_operand, retile_wgrad_operand
 from jfp8.matmul import grouped_scaled_matmul, grouped_wgrad_matmul, scaled_matmul
 from jfp8.recipe import Fp8Recipe
-from jfp8.reference import check_group_sizes
+from jfp8.reference import REF_TILE_M, check_group_sizes
 
 DEFAULT_RECIPE = Fp8Recipe()
 _IO_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -184,9 +184,30 @@ def make_fp8_dot_general(recipe: Fp8Recipe):
 
 
 def _ragged(x, w, group_sizes):
-    return jax.lax.ragged_dot(
-        x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32
-    ).astype(x.dtype)
+    """The non-FP8 grouped GEMM: `jax.lax.ragged_dot(x, w, group_sizes)` in x's dtype with an FP32
+    accumulator, computed one (row tile, group) work item at a time: about (T + G * tile) rows of
+    work. (XLA lowers ragged_dot to a dense masked dot, G times the FLOPs, on CPU and GPU.)"""
+    from pallas_kernels.grouped_gemm import row_tile_work
+
+    t, g, n = x.shape[0], w.shape[0], w.shape[2]
+    tm = REF_TILE_M
+    tp = -(-t // tm) * tm
+    xp = jnp.pad(x, ((0, tp - t), (0, 0)))
+    w = w.astype(x.dtype)
+
+    def item(out, it):
+        gi, tile, lo, hi = it
+        row0 = tile * tm
+        y = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, row0, tm), w[jnp.minimum(gi, g - 1)],
+                    preferred_element_type=jnp.float32)
+        rows = row0 + jnp.arange(tm)
+        keep = (rows >= lo) & (rows < hi) & (gi < g)
+        cur = jax.lax.dynamic_slice_in_dim(out, row0, tm)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep[:, None], y, cur), row0, 0), None
+
+    out0 = jnp.zeros((tp, n), jnp.float32) + xp[:, :0].sum(1, keepdims=True).astype(jnp.float32)
+    out, _ = jax.lax.scan(item, out0, row_tile_work(group_sizes, t, tm))
+    return out[:t].astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -100,11 +100,14 @@ def scaled_matmul_reference(a: Fp8Tensor, b: Fp8Tensor, out_dtype=jnp.bfloat16) 
       (M, N) array in `out_dtype`. Every jfp8 GEMM kernel computes exactly this.
     """
     check_nt_operands(a, b, out_dtype)
-    m, k = a.logical
-    n = b.logical[0]
-    kp = -(-k // TILE) * TILE
-    a_data, sa = chunk_operand(a, kp)
-    b_data, sb = chunk_operand(b, kp)
+    kp = -(-a.logical[1] // TILE) * TILE
+    return chunked_matmul(*chunk_operand(a, kp), *chunk_operand(b, kp)).astype(out_dtype)
+
+
+def chunked_matmul(a_data, sa, b_data, sb) -> jax.Array:
+    """The promotion loop on chunk-laid-out operands: a_data [M, Kp], sa [M, C], b_data [N, Kp],
+    sb [N, C] -> f32 [M, N] = sum over chunks c, in order, of dot(a_c, b_c) * (sa_c * sb_c)."""
+    (m, kp), n = a_data.shape, b_data.shape[0]
     chunks = kp // TILE
     a_chunks = a_data.reshape(m, chunks, TILE).transpose(1, 0, 2)  # [C, M, 128]
     b_chunks = b_data.reshape(n, chunks, TILE).transpose(1, 0, 2)  # [C, N, 128]
@@ -118,7 +121,7 @@ def scaled_matmul_reference(a: Fp8Tensor, b: Fp8Tensor, out_dtype=jnp.bfloat16) 
 
     acc0 = zeros_accumulator((a_data, b_data), (sa, sb))
     acc, _ = jax.lax.scan(promote, acc0, (a_chunks, b_chunks, sa.T, sb.T))
-    return acc.astype(out_dtype)
+    return acc
 
 
 def dequantize_f64(t: Fp8Tensor) -> np.ndarray:
@@ -156,6 +159,11 @@ def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
     return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
+# Rows per work item of the grouped references: each (row tile, group) pair is one item, so the
+# work is about (T + G * REF_TILE_M) rows instead of G * T.
+REF_TILE_M = 256
+
+
 def grouped_scaled_matmul_reference(
     lhs: Fp8Tensor, rhs: Fp8Tensor, group_sizes: jax.Array, out_dtype=jnp.bfloat16
 ) -> jax.Array:
@@ -167,23 +175,59 @@ def grouped_scaled_matmul_reference(
       group_sizes: (G,) int32; rows past `sum(group_sizes)` come out as zeros.
 
     Returns:
-      (T, N): row t of group g is `scaled_matmul_reference(lhs[t], rhs[g])[t]`, bit for bit.
+      (T, N): row t of group g is row t of `scaled_matmul_reference(lhs, rhs[g])`: the same
+      per-row promotion, computed tile by tile (each row tile once per group it holds).
     """
+    from pallas_kernels.grouped_gemm import row_tile_work
+
     if rhs.ndim != 3:
         raise ValueError(f"rhs must be (G, N, K), got shape {rhs.shape}")
     g, n, k = rhs.shape
     check_group_sizes(jnp.asarray(group_sizes), g, lhs.logical[0])
-    ids = group_ids(group_sizes, lhs.logical[0])
+    check_nt_operands(lhs, Fp8Tensor(rhs.data[0], rhs.scale[0], rhs.block, rhs.logical), out_dtype)
+    t = lhs.logical[0]
+    kp = -(-k // TILE) * TILE
+    a_data, sa = chunk_operand(lhs, kp)
+    b_data, sb = jax.vmap(lambda d, s: chunk_operand(Fp8Tensor(d, s, rhs.block, rhs.logical), kp))(
+        rhs.data, rhs.scale
+    )  # [G, N, Kp], [G, N, C]
+    tm = REF_TILE_M
+    tp = -(-t // tm) * tm
+    a_data = jnp.pad(a_data, ((0, tp - t), (0, 0)))
+    sa = jnp.pad(sa, ((0, tp - t), (0, 0)))
+    items = row_tile_work(jnp.asarray(group_sizes), t, tm)  # (group, tile, lo, hi)
 
-    def one_group(carry, gi):
-        w = jax.tree.map(lambda x: x[gi], rhs)
-        w = Fp8Tensor(w.data, w.scale, rhs.block, rhs.logical)
-        out = scaled_matmul_reference(lhs, w, jnp.float32)
-        return jnp.where((ids == gi)[:, None], out, carry), None
+    def item(out, it):
+        gi, tile, lo, hi = it
+        row0 = tile * tm
+        a_t = jax.lax.dynamic_slice_in_dim(a_data, row0, tm)
+        sa_t = jax.lax.dynamic_slice_in_dim(sa, row0, tm)
+        gw = jnp.minimum(gi, g - 1)  # the pseudo-group G (rows past the total) keeps zeros
+        y = chunked_matmul(a_t, sa_t, b_data[gw], sb[gw])  # [tm, N]
+        rows = row0 + jnp.arange(tm)
+        keep = (rows >= lo) & (rows < hi) & (gi < g)
+        cur = jax.lax.dynamic_slice_in_dim(out, row0, tm)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep[:, None], y, cur), row0, 0), None
 
-    out0 = jnp.zeros((lhs.logical[0], n), jnp.float32)
-    out, _ = jax.lax.scan(one_group, out0, jnp.arange(g))
-    return out.astype(out_dtype)
+    out0 = zeros_accumulator((a_data, b_data[0]), (sa, sb[0]))
+    out, _ = jax.lax.scan(item, out0, items)
+    return out[:t].astype(out_dtype)
+
+
+def _chunk_work(group_sizes: jax.Array, tokens: int) -> tuple[jax.Array, jax.Array]:
+    """The (group, 128-token chunk) pairs in which a group holds tokens, group-major and in chunk
+    order, padded to the static bound cdiv(tokens, 128) + G with group = G (unused)."""
+    groups = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    starts = ends - group_sizes.astype(jnp.int32)
+    first = starts // TILE
+    count = jnp.where(ends > starts, (ends - 1) // TILE - first + 1, 0)
+    item_ends = jnp.cumsum(count)
+    items = jnp.arange(-(-tokens // TILE) + groups, dtype=jnp.int32)
+    group = jnp.searchsorted(item_ends, items, side="right").astype(jnp.int32)
+    gc = jnp.minimum(group, groups - 1)
+    chunk = first[gc] + items - (item_ends[gc] - count[gc])
+    return group, jnp.where(group < groups, chunk, 0)
 
 
 def grouped_wgrad_reference(
@@ -202,27 +246,30 @@ def grouped_wgrad_reference(
     n = rhs_t.logical[0]
     sizes = jnp.asarray(group_sizes)
     check_group_sizes(sizes, sizes.shape[0], t)
+    groups = sizes.shape[0]
     tp = -(-t // TILE) * TILE
-    chunks = tp // TILE
     a_data, sa = chunk_operand(lhs_t, tp)  # [K, Tp], [K, C]
     b_data, sb = chunk_operand(rhs_t, tp)  # [N, Tp], [N, C]
-    ids = jnp.pad(group_ids(sizes, t), (0, tp - t), constant_values=sizes.shape[0])
+    ends = jnp.cumsum(sizes.astype(jnp.int32))
+    starts = ends - sizes.astype(jnp.int32)
     zero = jnp.zeros((), a_data.dtype)
 
-    def one_group(gi):
-        in_g = (ids == gi).reshape(chunks, TILE)  # [C, 128]
-        a_c = jnp.where(in_g[:, None, :], a_data.reshape(kdim, chunks, TILE).transpose(1, 0, 2), zero)
-        b_c = b_data.reshape(n, chunks, TILE).transpose(1, 0, 2)
+    def item(acc, it):
+        gi, c = it
+        used = gi < groups
+        gc = jnp.minimum(gi, groups - 1)
+        tok = c * TILE + jnp.arange(TILE)
+        in_g = (tok >= starts[gc]) & (tok < ends[gc])  # this group's tokens of chunk c
+        a_c = jnp.where(in_g[None, :], jax.lax.dynamic_slice_in_dim(a_data, c * TILE, TILE, 1), zero)
+        b_c = jax.lax.dynamic_slice_in_dim(b_data, c * TILE, TILE, 1)
+        partial = jax.lax.dot_general(
+            a_c, b_c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [K, N]
+        sa_c = jax.lax.dynamic_index_in_dim(sa, c, 1, keepdims=False)
+        sb_c = jax.lax.dynamic_index_in_dim(sb, c, 1, keepdims=False)
+        new = acc[gc] + partial * (sa_c[:, None] * sb_c[None, :])
+        return acc.at[gc].set(jnp.where(used, new, acc[gc])), None
 
-        def promote(acc, xs):
-            a_i, b_i, sa_i, sb_i, live = xs
-            partial = jax.lax.dot_general(
-                a_i, b_i, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            return jnp.where(live, acc + partial * (sa_i[:, None] * sb_i[None, :]), acc), None
-
-        acc0 = zeros_accumulator((a_data, b_data), (sa, sb))
-        acc, _ = jax.lax.scan(promote, acc0, (a_c, b_c, sa.T, sb.T, in_g.any(axis=1)))
-        return acc
-
-    return jax.lax.map(one_group, jnp.arange(sizes.shape[0])).astype(out_dtype)
+    acc0 = jnp.broadcast_to(zeros_accumulator((a_data, b_data), (sa, sb)), (groups, kdim, n))
+    acc, _ = jax.lax.scan(item, acc0, _chunk_work(sizes, t))
+    return acc.astype(out_dtype)

@@ -281,7 +281,9 @@ def test_grouped_grads_within_bound_of_ragged_dot_autodiff():
     g32 = jax.grad(loss(lambda x, w: jax.lax.ragged_dot(x, w, gs)), (0, 1))(x, w)
     assert _rel(g8[0], g32[0]) < QUANT_BOUND and _rel(g8[1], g32[1]) < QUANT_BOUND, f"seed {seed}"
     g_off = jax.grad(loss(lambda x, w: grouped_fp8_linear(x, w, gs, Fp8Recipe.off())), (0, 1))(x, w)
-    chex.assert_trees_all_close(g_off, g32, rtol=1e-5, atol=1e-6)
+    # Off: the same f32 math as ragged_dot, summed per (row tile, group) item: only the order of
+    # the f32 additions differs, so the gradients agree to f32 rounding (not bit for bit).
+    assert _rel(g_off[0], g32[0]) < 1e-5 and _rel(g_off[1], g32[1]) < 1e-5, f"seed {seed}"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,96 @@
+"""The FP8-vs-BF16 parity experiment (DeepSeek-V3 Appendix B.1: FP8 within 0.25 % of BF16).
+
+    python experiments/compare_precision.py --preset tiny --steps 200 --out runs/parity-tiny
+
+Trains the same model twice with the same seed, initialisation and data order, once with the
+DeepSeek-V3 FP8 recipe and once with it off (BF16 GEMMs), then writes DIR/fp8/, DIR/bf16/ (each a
+train_moe.py run), DIR/parity.png (loss curves and the relative difference per step) and
+DIR/summary.json: final train and validation loss of each, `relative_gap`
+((fp8 - bf16) / bf16 of the final validation loss), tokens, steps, wall time and tokens/s.
+"""
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+from jfp8.train.loop import read_metrics, train
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from train_moe import config_from_args, parser as train_parser  # noqa: E402
+
+
+def plot(fp8: list[dict], bf16: list[dict], path: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for name, rows in (("BF16", bf16), ("FP8", fp8)):
+        ax0.plot([r["step"] for r in rows], [r["ce"] for r in rows], label=f"{name} train CE")
+        ev = [r for r in rows if "val_loss" in r]
+        ax0.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o--", label=f"{name} val CE")
+    ax0.set_ylabel("cross-entropy (nats/byte)")
+    ax0.legend()
+    ax0.set_title(title)
+    by_step = {r["step"]: r["ce"] for r in bf16}
+    steps = [r["step"] for r in fp8 if r["step"] in by_step]
+    gap = [100 * (r["ce"] - by_step[r["step"]]) / by_step[r["step"]] for r in fp8 if r["step"] in by_step]
+    ax1.plot(steps, gap, label="train CE")
+    ev_b = {r["step"]: r["val_loss"] for r in bf16 if "val_loss" in r}
+    ev = [(r["step"], 100 * (r["val_loss"] - ev_b[r["step"]]) / ev_b[r["step"]])
+          for r in fp8 if "val_loss" in r and r["step"] in ev_b]
+    if ev:
+        ax1.plot(*zip(*ev), "o--", label="val CE")
+    for y in (0.25, -0.25):
+        ax1.axhline(y, color="gray", lw=0.8, ls=":")
+    ax1.set_ylabel("(FP8 - BF16) / BF16 [%]")
+    ax1.set_xlabel("step")
+    ax1.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    p = train_parser()
+    p.description = __doc__
+    args = p.parse_args(argv)
+    out = pathlib.Path(args.out)
+    results = {}
+    for precision in ("fp8", "bf16"):
+        cfg = dataclasses.replace(config_from_args(args), precision=precision, out=str(out / precision))
+        results[precision] = train(cfg, resume=args.resume)
+    fp8, bf16 = read_metrics(out / "fp8" / "metrics.jsonl"), read_metrics(out / "bf16" / "metrics.jsonl")
+    val8, val16 = fp8[-1]["val_loss"], bf16[-1]["val_loss"]
+    summary = {
+        "preset": args.preset,
+        "steps": results["fp8"]["steps"],
+        "tokens": results["fp8"]["steps"] * cfg.batch_size * cfg.seq_len,
+        "final_train_loss_fp8": fp8[-1]["ce"],
+        "final_train_loss_bf16": bf16[-1]["ce"],
+        "final_val_loss_fp8": val8,
+        "final_val_loss_bf16": val16,
+        "relative_gap": (val8 - val16) / val16,
+        "max_abs_relative_gap_train_ce_last_quarter": float(np.max(np.abs([
+            (a["ce"] - b["ce"]) / b["ce"] for a, b in zip(fp8, bf16) if a["step"] > 0.75 * results["fp8"]["steps"]
+        ] or [np.nan]))),
+        "wall_s_fp8": results["fp8"]["wall_s"],
+        "wall_s_bf16": results["bf16"]["wall_s"],
+        "tokens_per_s_fp8": results["fp8"]["tokens_per_s"],
+        "tokens_per_s_bf16": results["bf16"]["tokens_per_s"],
+        "note": "losses are byte-level cross-entropy in nats; train CE excludes the MTP and balance terms",
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(fp8, bf16, out / "parity.png", f"{args.preset}: FP8 (DeepSeek-V3 recipe) vs BF16")
+    print(json.dumps(summary, indent=1))
+    print(f"plot: {out / 'parity.png'}\nsummary: {out / 'summary.json'}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

