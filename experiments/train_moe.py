@@ -38,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--mesh", default=None,
+                   help="'data=D,expert=E': data- and expert-parallel over D*E devices (see jfp8.parallel)")
     return p
 
 
@@ -64,7 +66,14 @@ def config_from_args(args) -> TrainConfig:
 
 def main(argv=None) -> dict:
     args = parser().parse_args(argv)
-    summary = train(config_from_args(args), resume=args.resume)
+    mesh = None
+    if args.mesh:
+        from jfp8 import parallel
+
+        parallel.initialize_distributed()  # no-op unless JFP8_COORDINATOR etc. are set
+        shape = parallel.parse_mesh(args.mesh)
+        mesh = parallel.make_mesh(shape.data, shape.expert)
+    summary = train(config_from_args(args), resume=args.resume, mesh=mesh)
     print(json.dumps(summary, indent=1))
     return summary
 

@@ -11,6 +11,7 @@ uninterrupted run's step for step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -99,12 +100,20 @@ def _split(model: Transformer):
 
 
 def build(config: TrainConfig):
-    """The model, optimizer and jitted step functions of a run."""
+    """The model's initial (params, rest) and the run's jitted step functions."""
     model_cfg = config.model_config()
-    model = Transformer(model_cfg, rngs=nnx.Rngs(config.seed))
-    graphdef, params, rest = _split(model)
-    tx = make_optimizer(config.optimizer, config.steps)
-    schedule = learning_rate_schedule(config.optimizer, config.steps)
+    graphdef, params, rest = _split(Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
+    return (model_cfg, graphdef, params, rest,
+            *_step_functions(graphdef, model_cfg, config.optimizer, config.steps))
+
+
+@functools.lru_cache(maxsize=8)
+def _step_functions(graphdef, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int):
+    """(tx, schedule, train_step, eval_step), cached so that runs of the same model and schedule in
+    one process (a resume, the two halves of a comparison) compile once."""
+    del model_cfg  # part of the cache key only (the graphdef holds the structure)
+    tx = make_optimizer(opt_cfg, total_steps)
+    schedule = learning_rate_schedule(opt_cfg, total_steps)
 
     def loss_fn(params, rest, tokens):
         return model_loss(nnx.merge(graphdef, params, rest), tokens)
@@ -120,17 +129,17 @@ def build(config: TrainConfig):
         _, _, rest = _split(model)
         metrics = {k: v for k, v in parts.items() if k != "expert_loads"}
         metrics["loss"] = loss
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         loads = parts["expert_loads"].astype(jnp.float32)
         metrics["max_over_mean_load"] = jnp.max(loads / jnp.mean(loads, axis=-1, keepdims=True))
         return params, rest, opt_state, metrics
 
     @jax.jit
     def eval_step(params, rest, tokens):
-        loss, parts = loss_fn(params, rest, tokens)
+        _, parts = loss_fn(params, rest, tokens)
         return parts["ce"]
 
-    return model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step
+    return tx, schedule, train_step, eval_step
 
 
 def _all_finite(tree) -> bool:
@@ -145,13 +154,26 @@ def _trim_metrics(path: pathlib.Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in keep))
 
 
-def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None = None) -> dict:
-    """Trains; returns a summary dict. `stop_after` ends the run early after that step (tests)."""
+def train(
+    config: TrainConfig, *, resume: bool = False, stop_after: int | None = None, mesh=None
+) -> dict:
+    """Trains; returns a summary dict. `stop_after` ends the run after that step as if it had been
+    killed there (tests of resume). With a `jax.sharding.Mesh` of axes ("data", "expert")
+    (`jfp8.parallel.make_mesh`), the step runs data- and expert-parallel (FP8 dispatch)."""
     out = pathlib.Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     split = data.train_val_split(data.load_bytes(config.corpus), config.val_fraction)
     data.check_seq_len(split, config.seq_len)
-    model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step = build(config)
+    if mesh is None:
+        model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step = build(config)
+        place = jax.device_put
+    else:
+        from jfp8 import parallel
+
+        model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step = (
+            parallel.build_sharded(config, mesh)
+        )
+        place = functools.partial(parallel.shard_batch, mesh=mesh)
     opt_state = tx.init(params)
     ckpt = Checkpointer(out / "checkpoints")
     metrics_path = out / "metrics.jsonl"
@@ -174,7 +196,7 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
     val = data.eval_batches(split.val, config.batch_size, config.seq_len, config.eval_batches)
     tokens_per_step = config.batch_size * config.seq_len
     end = config.steps if stop_after is None else min(config.steps, stop_after)
-    make = lambda step: jax.device_put(  # noqa: E731
+    make = lambda step: place(  # noqa: E731
         data.train_batch(split.train, config.batch_size, config.seq_len, config.seed, step)
     )
     bar = _progress(config, start, end)
@@ -188,6 +210,8 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
                 done = step + 1
                 if done % config.log_every == 0 or done == end:
                     m = {k: float(v) for k, v in m.items()}
+                    if m.get("dropped_assignments", 0):
+                        raise RuntimeError(f"step {done}: {m['dropped_assignments']:.0f} expert assignments dropped")
                     if not math.isfinite(m["loss"]):
                         raise NonFiniteLossError(
                             f"loss is {m['loss']} at step {done}; stopping. The last good checkpoint "
@@ -199,12 +223,14 @@ def train(config: TrainConfig, *, resume: bool = False, stop_after: int | None =
                     m.update(step=done, lr=float(schedule(step)),
                              tokens_per_s=steps_since * tokens_per_step / (now - t_log))
                     t_log, last = now, m
-                    if done % config.eval_every == 0 or done == end:
-                        m["val_loss"] = float(np.mean([float(eval_step(params, rest, v)) for v in val]))
+                    if done % config.eval_every == 0 or done == config.steps:
+                        m["val_loss"] = float(np.mean([float(eval_step(params, rest, place(v))) for v in val]))
                     log.write(json.dumps(m) + "\n")
                     log.flush()
                     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
-                if done % config.ckpt_every == 0 or done == end:
+                # `stop_after` emulates a run killed after that step: no extra evaluation or
+                # checkpoint, exactly like the uninterrupted run at that step.
+                if done % config.ckpt_every == 0 or done == config.steps:
                     state = {"params": params, "rest": rest, "opt_state": opt_state}
                     if not _all_finite(state):
                         raise NonFiniteLossError(

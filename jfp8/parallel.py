@@ -1,0 +1,557 @@
+"""Past one device: data- and expert-parallel FP8 training on a JAX mesh.
+
+The mesh has two axes, `data` (D) and `expert` (E_p); a 1x1 mesh is the single-device case and
+runs the same code. Every device holds B / (D·E_p) sequences of the batch (tokens are spread over
+all devices), a replica of the dense parameters (embedding, MLA, norms, dense and shared FFNs, MoE
+gates, router biases) and N_r / E_p routed experts of every MoE layer (`w13`, `w2` sharded on their
+expert axis over `expert`, replicated over `data`). The loss is computed under one `jax.shard_map`;
+autodiff of the shard_map psums the gradients of replicated parameters over all devices and the
+expert gradients over `data`.
+
+Expert parallelism (DeepSeek-V3 §3.2.2, §3.3.4): inside each MoE layer, the E_p devices of one
+`data` row exchange tokens with `jax.lax.all_to_all` over the `expert` axis.
+
+  dispatch (forward)   tokens quantized ONCE to E4M3 in (1, 128) tiles (`jfp8.quantize`), the rows
+                       gathered into a per-destination buffer, and the FP8 data [E_p, C, d] and the
+                       FP32 scales [E_p, C, d/128] all-to-all'ed. The receiver feeds the received
+                       `Fp8Tensor` straight into the grouped FP8 GEMM of its local experts: no
+                       dequantize/requantize, so Fprop sees bit for bit the FP8 operand of the
+                       single-device step (quantization is row-local: 1x128 tiles never mix tokens).
+  combine (forward)    the experts' BF16 outputs go back through the inverse all-to-all (BF16) and
+                       are summed per token with the gating weights (`jfp8.nn.moe.combine`).
+  backward             the gradient of the combine is the all-to-all of BF16 gradients (autodiff's
+                       transpose of an all-to-all is the reverse all-to-all). The FP8 dispatch is
+                       a custom_vjp fused with the first expert GEMM: its Dgrad output (BF16) goes
+                       back through the reverse all-to-all in BF16 and is scatter-added onto the
+                       pre-dispatch tokens, i.e. the dispatch quantization is straight-through
+                       (d tokens = the BF16 gradient of the dequantized dispatched tokens). Wgrad
+                       reuses the received FP8 copy (§3.5.2 re-tiling), like `grouped_fp8_linear`.
+
+Buffers (static shapes, dropless): a device with N tokens and top-K routing sends, to each of the
+E_p destinations, a buffer of C = N·K rows (the worst case: all its assignments land on one device),
+so nothing is ever dropped. Cost per MoE layer and device: the send and receive buffers hold
+E_p·N·K rows each, E_p times the N·K rows actually routed: (d + 4·d/128) bytes per row in FP8
+dispatch (vs 2·d in BF16), plus 2·d bytes per row for the BF16 combine, and the grouped GEMMs run
+over E_p·N·K rows (zero padding past the group sizes). `capacity_factor` shrinks C to
+ceil(factor·N·K/E_p) rows: assignments past C are NOT silently lost — each step reports
+`dropped_assignments` (global count) and `check_no_drops` raises when it is nonzero.
+
+Running on several GPUs of one host (the mesh uses all visible devices, D·E_p of them):
+
+    python experiments/train_moe.py --preset small --mesh data=2,expert=4
+
+Several hosts (one process per host, every host sees its local GPUs; D·E_p = all GPUs): call
+`jax.distributed.initialize` before anything else touches jax, e.g. on 2 hosts × 8 GPUs
+
+    # host 0 (10.0.0.1)                               # host 1
+    JFP8_COORDINATOR=10.0.0.1:1234 JFP8_NUM_PROCESSES=2 JFP8_PROCESS_ID=0 \\
+        python experiments/train_moe.py --preset gpu --mesh data=2,expert=8
+    JFP8_COORDINATOR=10.0.0.1:1234 JFP8_NUM_PROCESSES=2 JFP8_PROCESS_ID=1 \\
+        python experiments/train_moe.py --preset gpu --mesh data=2,expert=8
+
+with `initialize_distributed()` below (it calls `jax.distributed.initialize(coordinator_address=
+..., num_processes=..., process_id=...)` from those variables, and does nothing when they are
+unset). Put the expert axis inside a host (fast NVLink all-to-all): `make_mesh` orders devices so
+that the `expert` axis is the fastest-varying one, which with jax's device order keeps an expert
+group on one host when E_p divides the GPUs per host. Every process must feed the same global
+batch (`shard_batch` places each process's addressable shards; the batches of `jfp8.train.data`
+are a pure function of (seed, step), so every host computes them identically).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jfp8.fp8 import TILE, Fp8Tensor
+from jfp8.nn.config import ModelConfig
+from jfp8.nn.layers import swiglu
+from jfp8.nn.model import Transformer, loss_from_outputs, update_router_biases
+from jfp8.nn.moe import MoE, MoEStats, combine, expert_loads, router_scores, sequence_balance_loss, top_k_routing
+from jfp8.ops import _gmm, _grouped_bwd, _q, _vary_like, grouped_fp8_linear
+from jfp8.recipe import Fp8Recipe
+
+DATA_AXIS = "data"
+EXPERT_AXIS = "expert"
+BATCH_AXES = (DATA_AXIS, EXPERT_AXIS)  # the batch is sharded over every device
+DispatchDtype = Literal["auto", "fp8", "bf16"]
+
+# ------------------------------------------------------------------------------ mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the two mesh axes: `data` (data parallel) and `expert` (expert parallel)."""
+
+    data: int = 1
+    expert: int = 1
+
+    def __post_init__(self):
+        for name in ("data", "expert"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"mesh axis {name} must be a positive int, got {getattr(self, name)!r}")
+
+    @property
+    def size(self) -> int:
+        return self.data * self.expert
+
+
+def parse_mesh(spec: str) -> MeshShape:
+    """"data=D,expert=E" (either may be omitted, default 1; order free) -> MeshShape."""
+    sizes = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        m = re.fullmatch(r"(data|expert)\s*=\s*(\d+)", part)
+        if m is None or m.group(1) in sizes:
+            raise ValueError(f"bad mesh spec {spec!r}: expected 'data=D,expert=E' with positive ints, e.g. 'data=2,expert=4'")
+        sizes[m.group(1)] = int(m.group(2))
+    return MeshShape(**sizes)
+
+
+def make_mesh(data: int = 1, expert: int = 1, devices=None) -> Mesh:
+    """A (data, expert) `Mesh` over the first data·expert devices (`jax.devices()` by default).
+
+    The expert axis varies fastest, so an expert group is a run of consecutive devices (one host's
+    GPUs when `expert` divides them).
+    """
+    shape = MeshShape(data, expert)
+    devices = list(jax.devices() if devices is None else devices)
+    if shape.size > len(devices):
+        raise ValueError(
+            f"mesh data={data},expert={expert} needs {shape.size} devices, {len(devices)} are visible; "
+            "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax"
+        )
+    grid = np.array(devices[: shape.size], dtype=object).reshape(data, expert)
+    return Mesh(grid, (DATA_AXIS, EXPERT_AXIS))
+
+
+def initialize_distributed() -> bool:
+    """`jax.distributed.initialize` from JFP8_COORDINATOR / JFP8_NUM_PROCESSES / JFP8_PROCESS_ID.
+
+    Returns True when it initialised, False when the variables are unset (single process).
+    """
+    addr = os.environ.get("JFP8_COORDINATOR")
+    if not addr:
+        return False
+    try:
+        n, pid = int(os.environ["JFP8_NUM_PROCESSES"]), int(os.environ["JFP8_PROCESS_ID"])
+    except (KeyError, ValueError) as e:
+        raise ValueError("JFP8_COORDINATOR is set: also set JFP8_NUM_PROCESSES and JFP8_PROCESS_ID to ints") from e
+    jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=pid)
+    return True
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sequences [B, T] sharded over every device (data-major, expert-minor)."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def shard_batch(tokens, mesh: Mesh) -> jax.Array:
+    """Place a global [B, T] batch on the mesh; B must be a multiple of the device count."""
+    n = mesh.devices.size
+    if tokens.shape[0] % n:
+        raise ValueError(f"batch size {tokens.shape[0]} must be a multiple of the {n} mesh devices (data x expert)")
+    return jax.make_array_from_callback(tokens.shape, batch_sharding(mesh), lambda idx: np.asarray(tokens)[idx])
+
+
+def _key_name(k) -> str:
+    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
+
+def _is_expert_weight(path, leaf) -> bool:
+    """Routed-expert weights: `<...>.ffn.w13` / `.ffn.w2` of an MoE, [N_r, ., .] (the dense and
+    shared SwiGLUs keep theirs in `Fp8Linear.weight`)."""
+    names = [_key_name(k) for k in path]
+    return len(names) >= 3 and names[-3] == "ffn" and names[-2] in ("w13", "w2") and jnp.ndim(leaf) == 3
+
+
+def param_specs(params) -> object:
+    """PartitionSpecs of a params (or any nnx state) tree: experts on `expert`, the rest replicated."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: P(EXPERT_AXIS) if _is_expert_weight(path, leaf) else P(), params
+    )
+
+
+def shard_params(params, mesh: Mesh):
+    """Place params (or any nnx state) on the mesh following `param_specs`."""
+    specs = param_specs(params)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+
+
+# ------------------------------------------------------------------------------ dispatch plan (pure)
+
+
+class SendPlan(NamedTuple):
+    """Where each of a device's N·K assignments goes (built from its routing alone).
+
+    send_rows [E_p·C] int32: token index of each send slot (N: an empty slot, a zero row).
+    back_slots [N·K] int32: for the assignments in expert-sorted order, the flat slot (dest·C + c)
+      of their output in the returned buffer; E_p·C for a dropped assignment (reads a zero row).
+    order [N·K] int32: expert-sorted assignment order (as `jfp8.nn.moe.dispatch`).
+    counts [E_p, E_l] int32: assignments per (destination, local expert) actually sent.
+    dropped () int32: assignments past the capacity (0 when dropless).
+    """
+
+    send_rows: jax.Array
+    back_slots: jax.Array
+    order: jax.Array
+    counts: jax.Array
+    dropped: jax.Array
+
+
+class RecvPlan(NamedTuple):
+    """How the received [E_p, C] slots become rows grouped by local expert.
+
+    perm [E_p·C] int32: grouped row r is received slot perm[r] (valid rows first, by local expert
+      then source then slot; empty slots last). inverse [E_p·C]: its inverse permutation.
+    group_sizes [E_l] int32: received rows per local expert.
+    """
+
+    perm: jax.Array
+    inverse: jax.Array
+    group_sizes: jax.Array
+
+
+def send_plan(experts: jax.Array, n_experts: int, ep: int, capacity: int) -> SendPlan:
+    """Per-destination send slots for routing `experts` [N, K] (global ids) over `ep` devices.
+
+    Experts are sharded contiguously: device j holds experts [j·E_l, (j+1)·E_l), E_l = n_experts/ep.
+    Within a destination the rows are sorted by expert (then token), so the receiver sees each
+    source's rows grouped by local expert.
+    """
+    n, k = experts.shape
+    el = n_experts // ep
+    flat = experts.reshape(-1)  # [N*K]
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [N*K]
+    dest = flat[order] // el  # [N*K], non-decreasing
+    loads = expert_loads(experts, n_experts).reshape(ep, el)  # [E_p, E_l]
+    per_dest = loads.sum(axis=1)  # [E_p]
+    start = jnp.cumsum(per_dest) - per_dest  # [E_p] exclusive prefix sum
+    slot = jnp.arange(n * k, dtype=jnp.int32) - start[dest]  # position inside the destination buffer
+    kept = slot < capacity
+    flat_slot = jnp.where(kept, dest * capacity + slot, ep * capacity).astype(jnp.int32)
+    send_rows = jnp.full((ep * capacity,), n, jnp.int32).at[flat_slot].set(order // k, mode="drop")
+    # Per (dest, local expert), what survives the capacity: rows are expert-sorted inside a dest.
+    cum = jnp.cumsum(loads, axis=1)  # [E_p, E_l]
+    sent_cum = jnp.minimum(cum, capacity)
+    counts = jnp.diff(sent_cum, axis=1, prepend=jnp.zeros((ep, 1), sent_cum.dtype)).astype(jnp.int32)
+    dropped = jnp.sum(~kept).astype(jnp.int32)
+    return SendPlan(send_rows, flat_slot, order, counts, dropped)
+
+
+def recv_plan(recv_counts: jax.Array, capacity: int) -> RecvPlan:
+    """Group the received slots by local expert. recv_counts [E_p, E_l]: rows from each source per
+    local expert (each source's rows arrive expert-sorted at the front of its C slots)."""
+    ep, el = recv_counts.shape
+    cum = jnp.cumsum(recv_counts, axis=1)  # [E_p, E_l]
+    c = jnp.arange(capacity, dtype=cum.dtype)
+    local = jnp.sum(c[None, :, None] >= cum[:, None, :], axis=-1)  # [E_p, C]: local expert, E_l = empty
+    perm = jnp.argsort(local.reshape(-1), stable=True).astype(jnp.int32)  # [E_p*C]
+    inverse = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=jnp.int32))
+    return RecvPlan(perm, inverse, recv_counts.sum(axis=0).astype(jnp.int32))
+
+
+def _exchange(x: jax.Array, axis: str) -> jax.Array:
+    """[E_p, C, ...] -> [E_p, C, ...]: block j goes to device j; block i of the result came from i."""
+    return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
+
+
+def _to_grouped(buf: jax.Array, rp: RecvPlan) -> jax.Array:
+    """Received [E_p, C, ...] -> rows grouped by local expert [E_p*C, ...]."""
+    return jnp.take(buf.reshape(-1, *buf.shape[2:]), rp.perm, axis=0)
+
+
+def _from_grouped(rows: jax.Array, rp: RecvPlan, ep: int) -> jax.Array:
+    """Inverse of `_to_grouped`: [E_p*C, ...] -> [E_p, C, ...]."""
+    return jnp.take(rows, rp.inverse, axis=0).reshape(ep, -1, *rows.shape[1:])
+
+
+def _send_buffer(rows: jax.Array, sp: SendPlan, ep: int) -> jax.Array:
+    """rows [N, ...] -> [E_p, C, ...] with zero rows in empty slots."""
+    padded = jnp.concatenate([rows, jnp.zeros((1, *rows.shape[1:]), rows.dtype)])  # row N = zeros
+    return jnp.take(padded, sp.send_rows, axis=0).reshape(ep, -1, *rows.shape[1:])
+
+
+# ------------------------------------------------------------------------------ FP8 dispatch + GEMM
+
+
+def _fp8_rows(q: Fp8Tensor) -> tuple[jax.Array, jax.Array]:
+    """An (1, 128)-tiled Fp8Tensor's per-row payload: data [M, K] e4m3 (the zero padding to whole
+    tiles is not sent) and scales [M, Kp/128]."""
+    m, k = q.logical
+    return q.data[:m, :k], q.scale[:m]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _dispatch_fp8_linear(tokens, w, sp: SendPlan, rp: RecvPlan, axis: str, recipe: Fp8Recipe):
+    return _dispatch_fp8_linear_fwd(tokens, w, sp, rp, axis, recipe)[0]
+
+
+def _dispatch_fp8_linear_fwd(tokens, w, sp, rp, axis, recipe):
+    """tokens [N, d] -> grouped first expert GEMM [E_p*C, n] in tokens' dtype (FP8 all-to-all)."""
+    ep = sp.counts.shape[0]
+    q = _q(tokens, recipe.activation_block, recipe)  # once per token, not once per assignment
+    data, scale = _fp8_rows(q)  # [N, dp] e4m3, [N, dp/128] f32
+    recv_data = _to_grouped(_exchange(_send_buffer(data, sp, ep), axis), rp)  # [E_p*C, dp] e4m3
+    recv_scale = _to_grouped(_exchange(_send_buffer(scale, sp, ep), axis), rp)  # [E_p*C, dp/128]
+    recv_data = jnp.pad(recv_data, ((0, 0), (0, q.data.shape[1] - q.logical[1])))  # back to whole tiles
+    qx = Fp8Tensor(recv_data, recv_scale, q.block, (recv_data.shape[0], q.logical[1]))
+    qw = _q(w, recipe.weight_block, recipe)  # [E_l, d, n] in 128x128 blocks
+    y = _gmm(qx, qw.mT, rp.group_sizes, tokens.dtype, recipe)  # [E_p*C, n]
+    w_res = qw if recipe.dgrad else w
+    probe = jnp.zeros((tokens.shape[0], 0), tokens.dtype)  # carries N and the dtype of d tokens
+    return y, (qx, w_res, sp, rp, probe)
+
+
+def _dispatch_fp8_linear_bwd(axis, recipe, res, dy):
+    qx, w_res, sp, rp, probe = res
+    ep, n = sp.counts.shape[0], probe.shape[0]
+    dx_grouped, dw, _ = _grouped_bwd(recipe, (qx, w_res, rp.group_sizes), dy)  # BF16 Dgrad, FP32 Wgrad
+    back = _exchange(_from_grouped(dx_grouped.astype(probe.dtype), rp, ep), axis)  # [E_p, C, d]
+    flat = back.reshape(-1, back.shape[-1])  # [E_p*C, d]
+    # Straight-through: each token receives the BF16 gradients of its dispatched copies.
+    dtok = jnp.zeros((n + 1, flat.shape[-1]), flat.dtype).at[sp.send_rows].add(flat)[:n]
+    return dtok, dw, None, None
+
+
+_dispatch_fp8_linear.defvjp(_dispatch_fp8_linear_fwd, _dispatch_fp8_linear_bwd)
+
+
+# ------------------------------------------------------------------------------ expert-parallel MoE
+
+
+def _resolve_dispatch(dispatch: DispatchDtype, recipe: Fp8Recipe) -> Literal["fp8", "bf16"]:
+    """"auto": FP8 dispatch whenever the recipe quantizes Fprop activations in 1x128 tiles."""
+    if dispatch not in ("auto", "fp8", "bf16"):
+        raise ValueError(f"dispatch must be 'auto', 'fp8' or 'bf16', got {dispatch!r}")
+    fp8_ok = recipe.fprop and recipe.wgrad and recipe.activation_block == (1, TILE)
+    if dispatch == "auto":
+        return "fp8" if fp8_ok else "bf16"
+    if dispatch == "fp8" and not fp8_ok:
+        raise NotImplementedError(
+            f"FP8 dispatch needs a recipe with FP8 Fprop and Wgrad and (1, {TILE}) activation tiles "
+            f"(got {recipe}); use dispatch='bf16'"
+        )
+    return dispatch
+
+
+def capacity_for(n_tokens: int, top_k: int, ep: int, capacity_factor: float | None) -> int:
+    """Send-buffer rows per destination: N·K (dropless worst case) or ceil(f·N·K/E_p), at most N·K."""
+    worst = n_tokens * top_k
+    if capacity_factor is None:
+        return worst
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be positive or None (dropless), got {capacity_factor}")
+    return min(worst, max(1, math.ceil(capacity_factor * worst / ep)))
+
+
+class DropCounter:
+    """Collects the dropped-assignment counts of the MoE layers during one traced forward pass."""
+
+    def __init__(self):
+        self.counts: list[jax.Array] = []
+
+    def total(self) -> jax.Array:
+        return sum(self.counts, jnp.zeros((), jnp.int32))
+
+
+def expert_parallel_moe(
+    moe: MoE,
+    x: jax.Array,
+    *,
+    axis: str = EXPERT_AXIS,
+    dispatch: DispatchDtype = "auto",
+    capacity_factor: float | None = None,
+) -> tuple[jax.Array, MoEStats, jax.Array]:
+    """`MoE.__call__` with the routed experts spread over mesh axis `axis` (call under shard_map).
+
+    `moe` holds this device's shard of the experts: w13 [E_l, d, 2h], w2 [E_l, h, d] with
+    E_l = N_r / E_p; gate, router bias and shared experts are replicas. x [B, T, d] is this device's
+    share of the batch. Returns (y [B, T, d], MoEStats with this device's loads [N_r], dropped ()).
+    """
+    cfg: ModelConfig = moe.cfg
+    ep = jax.lax.axis_size(axis)
+    if cfg.n_routed % ep:
+        raise ValueError(f"n_routed={cfg.n_routed} experts do not split over expert axis of size {ep}; pick a divisor")
+    b, t, d = x.shape
+    tokens = x.reshape(b * t, d)  # [N, d]
+    scores = router_scores(tokens, moe.gate[...])  # [N, E]
+    experts, weights = top_k_routing(scores, moe.router_bias[...], cfg.top_k)  # [N, K] x2
+    cap = capacity_for(b * t, cfg.top_k, ep, capacity_factor)
+    sp = send_plan(experts, cfg.n_routed, ep, cap)
+    rp = recv_plan(_exchange(sp.counts, axis), cap)  # [E_l] rows per local expert
+    w13, w2 = moe.w13[...], moe.w2[...]
+
+    if _resolve_dispatch(dispatch, cfg.recipe) == "fp8":
+        w32 = w13.astype(jnp.float32)
+        gate_up = _dispatch_fp8_linear(tokens, _vary_like(w32, tokens), sp, rp, axis, cfg.recipe)
+    else:  # BF16 dispatch: plain all-to-all, differentiated by autodiff
+        x_recv = _to_grouped(_exchange(_send_buffer(tokens, sp, ep), axis), rp)  # [E_p*C, d]
+        gate_up = grouped_fp8_linear(x_recv, w13, rp.group_sizes, cfg.recipe)  # [E_p*C, 2h]
+    y_grouped = grouped_fp8_linear(swiglu(gate_up), w2, rp.group_sizes, cfg.recipe)  # [E_p*C, d]
+
+    back = _exchange(_from_grouped(y_grouped, rp, ep), axis)  # [E_p, C, d] BF16 combine
+    back = jnp.concatenate([back.reshape(-1, d), jnp.zeros((1, d), back.dtype)])  # + a zero row
+    y_sorted = jnp.take(back, sp.back_slots, axis=0)  # [N*K, d] in expert-sorted order
+    y = combine(y_sorted, sp.order, weights).reshape(b, t, d)
+    if moe.shared is not None:
+        y = y + moe.shared(x)
+    balance = sequence_balance_loss(scores.reshape(b, t, -1), experts.reshape(b, t, -1), cfg.balance_alpha)
+    return y, MoEStats(loads=expert_loads(experts, cfg.n_routed), balance_loss=balance), sp.dropped
+
+
+class ExpertParallelMoE(MoE):
+    """An `MoE` (same variables) whose forward is `expert_parallel_moe`; see `install_expert_parallel`."""
+
+    def __init__(self, moe: MoE, *, axis: str, dispatch: DispatchDtype, capacity_factor, drops: DropCounter):
+        self.cfg, self.gate, self.router_bias = moe.cfg, moe.gate, moe.router_bias
+        self.w13, self.w2, self.shared = moe.w13, moe.w2, moe.shared
+        self.ep_axis, self.dispatch, self.capacity_factor, self.drops = axis, dispatch, capacity_factor, drops
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        y, stats, dropped = expert_parallel_moe(
+            self, x, axis=self.ep_axis, dispatch=self.dispatch, capacity_factor=self.capacity_factor
+        )
+        self.drops.counts.append(dropped)
+        return y, stats
+
+
+def install_expert_parallel(
+    model: Transformer, *, dispatch: DispatchDtype = "auto", capacity_factor: float | None = None
+) -> DropCounter:
+    """Swap every MoE FFN of `model` (a merged copy, inside shard_map) for an `ExpertParallelMoE`
+    sharing its variables. Returns the counter the layers report dropped assignments to."""
+    drops = DropCounter()
+    blocks = list(model.blocks) + ([model.mtp.block] if model.mtp is not None else [])
+    for block in blocks:
+        if isinstance(block.ffn, MoE):
+            block.ffn = ExpertParallelMoE(
+                block.ffn, axis=EXPERT_AXIS, dispatch=dispatch, capacity_factor=capacity_factor, drops=drops
+            )
+    return drops
+
+
+# ------------------------------------------------------------------------------ sharded loss and step
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelOptions:
+    """How the MoE layers communicate. dispatch: "auto" (FP8 with an FP8 recipe, else BF16), "fp8"
+    or "bf16"; capacity_factor: None (dropless, C = N·K) or a factor of the balanced share N·K/E_p."""
+
+    dispatch: DispatchDtype = "auto"
+    capacity_factor: float | None = None
+
+
+def sharded_loss_fn(graphdef, mesh: Mesh, params, rest, options: ParallelOptions = ParallelOptions()):
+    """`(params, rest, tokens) -> (loss, parts)` equal to `model_loss` on the global batch.
+
+    Runs the model under `jax.shard_map` over `mesh`: tokens [B, T] sharded over (data, expert),
+    experts over `expert`. parts: "ce", "mtp_ce", "balance" (global means), "expert_loads"
+    [n_moe_layers, N_r] (summed over all devices), "dropped_assignments" (global count).
+    """
+    specs = (param_specs(params), param_specs(rest), P(BATCH_AXES))
+
+    def local(params, rest, tokens):
+        model = nnx.merge(graphdef, params, rest)
+        drops = install_expert_parallel(model, dispatch=options.dispatch, capacity_factor=options.capacity_factor)
+        logits, aux = model(tokens)
+        loss, parts = loss_from_outputs(model.config, tokens, logits, aux)
+        # Every device holds the same number of sequences: the global means are means of means.
+        out = {k: jax.lax.pmean(v, BATCH_AXES) for k, v in parts.items() if k != "expert_loads"}
+        out["expert_loads"] = jax.lax.psum(parts["expert_loads"], BATCH_AXES)
+        out["dropped_assignments"] = jax.lax.psum(drops.total(), BATCH_AXES)
+        return jax.lax.pmean(loss, BATCH_AXES), out
+
+    out_specs = (P(), {k: P() for k in ("ce", "mtp_ce", "balance", "expert_loads", "dropped_assignments")})
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs)
+
+
+def make_sharded_train_step(graphdef, tx, mesh: Mesh, params, rest, options: ParallelOptions = ParallelOptions()):
+    """The jitted sharded counterpart of `jfp8.train.loop.build`'s `train_step`.
+
+    `step(params, rest, opt_state, tokens) -> (params, rest, opt_state, metrics)`, tokens a global
+    [B, T] batch (placed with `shard_batch`), params/rest placed with `shard_params`. Gradients of
+    replicated parameters are summed over all devices by autodiff of the shard_map; the router
+    biases move by the global expert loads.
+    """
+    loss_fn = sharded_loss_fn(graphdef, mesh, params, rest, options)
+    p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
+    r_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(rest))
+
+    def step(params, rest, opt_state, tokens):
+        (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        model = nnx.merge(graphdef, params, rest)
+        update_router_biases(model, jax.lax.stop_gradient(parts["expert_loads"]))
+        _, _, rest = nnx.split(model, nnx.Param, ...)
+        metrics = {k: v for k, v in parts.items() if k != "expert_loads"}
+        metrics["loss"] = loss
+        metrics["grad_norm"] = optax.global_norm(grads)
+        loads = parts["expert_loads"].astype(jnp.float32)
+        metrics["max_over_mean_load"] = jnp.max(loads / jnp.mean(loads, axis=-1, keepdims=True))
+        params = jax.lax.with_sharding_constraint(params, p_shard)
+        rest = jax.lax.with_sharding_constraint(rest, r_shard)
+        return params, rest, opt_state, metrics
+
+    return jax.jit(step)
+
+
+def check_no_drops(metrics: dict) -> None:
+    """Raise when a step with a finite `capacity_factor` dropped token assignments."""
+    n = int(metrics.get("dropped_assignments", 0))
+    if n:
+        raise RuntimeError(
+            f"{n} token-to-expert assignments exceeded the expert-parallel send capacity and were "
+            "dropped this step; raise ParallelOptions.capacity_factor or use None (dropless)"
+        )
+
+
+def build_sharded(config, mesh: Mesh, options: ParallelOptions = ParallelOptions()):
+    """`jfp8.train.loop.build(config)` on a mesh: the same 8-tuple (model_cfg, graphdef, params,
+    rest, tx, schedule, train_step, eval_step), with params/rest placed on `mesh` and sharded steps.
+    Feed the steps batches placed with `shard_batch(tokens, mesh)`."""
+    from jfp8.train.loop import build  # the single-device build: same model, init, optimizer
+
+    model_cfg, graphdef, params, rest, tx, schedule, _, _ = build(config)
+    params, rest = shard_params(params, mesh), shard_params(rest, mesh)
+    train_step = make_sharded_train_step(graphdef, tx, mesh, params, rest, options)
+    loss_fn = sharded_loss_fn(graphdef, mesh, params, rest, options)
+    eval_step = jax.jit(lambda params, rest, tokens: loss_fn(params, rest, tokens)[1]["ce"])
+    return model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step
+
+
+# ------------------------------------------------------------------------------ HLO accounting
+
+_HLO_BYTES = {"f8e4m3fn": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
+
+
+def all_to_all_bytes(hlo_text: str) -> dict[str, int]:
+    """Bytes per element type moved by the all-to-alls of an HLO module (per device, per call).
+
+    Sums the result shapes of every `all-to-all` instruction (an all-to-all's result has its
+    operands' sizes); e.g. `jax.jit(f).lower(*args).compile().as_text()`.
+    """
+    total: dict[str, int] = {}
+    for line in hlo_text.splitlines():
+        if " all-to-all(" not in line or "=" not in line:
+            continue
+        result = line.split("=", 1)[1].split(" all-to-all(", 1)[0]
+        for dtype, dims in re.findall(r"([a-z0-9]+)\[([\d,]*)\]", result):
+            if dtype not in _HLO_BYTES:
+                raise ValueError(f"unknown HLO element type {dtype!r} in: {line.strip()}")
+            n = math.prod(int(x) for x in dims.split(",") if x)
+            total[dtype] = total.get(dtype, 0) + n * _HLO_BYTES[dtype]
+    return total
