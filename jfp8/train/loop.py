@@ -34,6 +34,10 @@ Precision = Literal["fp8", "bf16"]
 PRESETS = ("tiny", "small", "gpu")
 
 
+# Settings that do not change what is computed: a resumed run may change them.
+_BOOKKEEPING = ("eval_every", "eval_batches", "log_every", "ckpt_every", "out", "progress")
+
+
 class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/Inf loss; the last good checkpoint is kept."""
 
@@ -180,11 +184,14 @@ def train(
     start = 0
     state = {"params": params, "rest": rest, "opt_state": opt_state}
     if resume and ckpt.latest_step() is not None:
-        saved_cfg = json.loads((out / "config.json").read_text())
-        if {k: v for k, v in saved_cfg.items() if k != "steps"} != {
-            k: v for k, v in config.to_json().items() if k != "steps"
-        }:
-            raise ValueError(f"--resume: {out / 'config.json'} differs from this run's configuration")
+        saved = json.loads((out / "config.json").read_text())
+        now = config.to_json()
+        differ = [k for k in now if k not in _BOOKKEEPING and saved.get(k) != now[k]]
+        if differ:
+            raise ValueError(
+                f"--resume: {out / 'config.json'} differs from this run's configuration in {differ}; "
+                "resume with the same settings, or start a new run in another --out"
+            )
         state, meta = ckpt.restore(None, state)
         start = int(meta["step"])
         _trim_metrics(metrics_path, start)
