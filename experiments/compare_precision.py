@@ -9,7 +9,6 @@ DIR/summary.json: final train and validation loss of each, `relative_gap`
 ((fp8 - bf16) / bf16 of the final validation loss), tokens, steps, wall time and tokens/s.
 """
 
-import argparse
 import dataclasses
 import json
 import pathlib

@@ -70,7 +70,6 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -78,7 +77,7 @@ from jax.sharding import PartitionSpec as P
 from jfp8.fp8 import TILE, Fp8Tensor
 from jfp8.nn.config import ModelConfig
 from jfp8.nn.layers import swiglu
-from jfp8.nn.model import Transformer, loss_from_outputs, update_router_biases
+from jfp8.nn.model import Transformer, loss_from_outputs
 from jfp8.nn.moe import MoE, MoEStats, combine, expert_loads, router_scores, sequence_balance_loss, top_k_routing
 from jfp8.ops import _gmm, _grouped_bwd, _q, _vary_like, grouped_fp8_linear
 from jfp8.recipe import Fp8Recipe
@@ -490,18 +489,12 @@ def make_sharded_train_step(graphdef, tx, mesh: Mesh, params, rest, options: Par
     p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
     r_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(rest))
 
+    from jfp8.train.loop import optimizer_step  # the single-device step's update, shared
+
     def step(params, rest, opt_state, tokens):
-        (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        model = nnx.merge(graphdef, params, rest)
-        update_router_biases(model, jax.lax.stop_gradient(parts["expert_loads"]))
-        _, _, rest = nnx.split(model, nnx.Param, ...)
-        metrics = {k: v for k, v in parts.items() if k != "expert_loads"}
-        metrics["loss"] = loss
-        metrics["grad_norm"] = optax.global_norm(grads)
-        loads = parts["expert_loads"].astype(jnp.float32)
-        metrics["max_over_mean_load"] = jnp.max(loads / jnp.mean(loads, axis=-1, keepdims=True))
+        params, rest, opt_state, metrics = optimizer_step(
+            graphdef, tx, loss_fn, params, rest, opt_state, tokens
+        )
         params = jax.lax.with_sharding_constraint(params, p_shard)
         rest = jax.lax.with_sharding_constraint(rest, r_shard)
         return params, rest, opt_state, metrics

@@ -44,14 +44,15 @@ def test_xla_front_door_is_the_reference():
 
 
 def test_error_table_outlier_claims():
-    """The demo's reading: per-tensor error grows >= 10x with x1e5 outlier channels while 1x128
-    tiles stay within 2x of the clean error (K=4096); x1e3 outliers fit E4M3's range and change
-    little for any granularity."""
+    """The demo's reading: per-tensor error grows about tenfold with x1e5 outlier channels (9.5x to
+    13x over six seeds at this size, so the bound is 8x) while 1x128 tiles stay within 2x of the
+    clean error (1.56x to 1.7x) at K=4096; x1e3 outliers fit E4M3's range and change little for any
+    granularity (within 3 %)."""
     rows = granularity_errors(ks=(4096,), outlier_factors=(1.0, 1e3, 1e5), m=128, n=128,
                               seed=int(np.random.default_rng().integers(1 << 30)))
     err = {(r.outlier_factor, r.granularity): r.gemm_error for r in rows}
     table = format_table(rows)
-    assert err[(1e5, "per-tensor")] > 10 * err[(1.0, "per-tensor")], table
+    assert err[(1e5, "per-tensor")] > 8 * err[(1.0, "per-tensor")], table
     assert err[(1e5, "tile x block")] < 2 * err[(1.0, "tile x block")], table
     for g in ("per-tensor", "tile x block", "block x block"):
         assert err[(1e3, g)] < 1.2 * err[(1.0, g)], table

@@ -1,6 +1,5 @@
 """FP8 training ops: gradients against the reference numerics and f32 autodiff, composability."""
 
-import functools
 
 import chex
 import jax

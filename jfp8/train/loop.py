@@ -124,19 +124,7 @@ def _step_functions(graphdef, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, 
 
     @jax.jit
     def train_step(params, rest, opt_state, tokens):
-        (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        # Auxiliary-loss-free balancing: the bias moves after the step, outside the gradient.
-        model = nnx.merge(graphdef, params, rest)
-        update_router_biases(model, jax.lax.stop_gradient(parts["expert_loads"]))
-        _, _, rest = _split(model)
-        metrics = {k: v for k, v in parts.items() if k != "expert_loads"}
-        metrics["loss"] = loss
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        loads = parts["expert_loads"].astype(jnp.float32)
-        metrics["max_over_mean_load"] = jnp.max(loads / jnp.mean(loads, axis=-1, keepdims=True))
-        return params, rest, opt_state, metrics
+        return optimizer_step(graphdef, tx, loss_fn, params, rest, opt_state, tokens)
 
     @jax.jit
     def eval_step(params, rest, tokens):
@@ -144,6 +132,24 @@ def _step_functions(graphdef, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, 
         return parts["ce"]
 
     return tx, schedule, train_step, eval_step
+
+
+def optimizer_step(graphdef, tx, loss_fn, params, rest, opt_state, tokens):
+    """One training step (traced inside jit): gradients of `loss_fn(params, rest, tokens)`, the
+    optimizer update, then the router-bias update from the step's expert loads, outside the
+    gradient (auxiliary-loss-free balancing). Returns (params, rest, opt_state, metrics)."""
+    (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    model = nnx.merge(graphdef, params, rest)
+    update_router_biases(model, jax.lax.stop_gradient(parts["expert_loads"]))
+    _, _, rest = _split(model)
+    metrics = {k: v for k, v in parts.items() if k != "expert_loads"}
+    metrics["loss"] = loss
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    loads = parts["expert_loads"].astype(jnp.float32)
+    metrics["max_over_mean_load"] = jnp.max(loads / jnp.mean(loads, axis=-1, keepdims=True))
+    return params, rest, opt_state, metrics
 
 
 def _all_finite(tree) -> bool:
