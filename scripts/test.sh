@@ -6,7 +6,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/scripts/env.sh"
 cd "$repo"
 set +e
-python -m pytest -q "$@"
+python -m pytest -q --durations=15 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
