@@ -16,16 +16,12 @@ from jfp8.accumulation import (
     relative_errors,
     simulated_scaled_matmul,
 )
+from helpers import fresh_rng as _rng
 
 
 # Compiled as one program each: far quicker to compile at a new shape than op by op.
 _quantize = jax.jit(quantize, static_argnums=1)
 _reference = jax.jit(scaled_matmul_reference, static_argnums=2)
-
-
-def _rng():
-    seed = int(np.random.SeedSequence().generate_state(1)[0])
-    return np.random.default_rng(seed), seed
 
 
 def _scalar_model(a: np.ndarray, b: np.ndarray, sa, sb, model: AccumulatorModel) -> float:

@@ -26,15 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-    reset_gpu_interpret_mode_state,
-)
 
 from jfp8.fp8 import Fp8Tensor, quantize
 from jfp8.reference import scaled_matmul_reference
-from pallas_kernels import _mgpu, gemm
+from pallas_kernels import gemm
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE
 from pallas_kernels.shapes import DENSE_SHAPES
+from helpers import interpret as _interpret
 
 # The weight pairing (b_block_rows = 128, Fprop/Dgrad) and the tile pairing (1, Wgrad).
 B_BLOCKS = {TILE: (TILE, TILE), 1: (1, TILE)}
@@ -78,16 +76,6 @@ def _small_int_data(t: Fp8Tensor, rng: np.random.Generator) -> Fp8Tensor:
     q[rows:, :] = 0
     q[:, k:] = 0
     return dataclasses.replace(t, data=jnp.asarray(q).astype(FP8_DTYPE))
-
-
-def _interpret(fn, *args, **kwargs):
-    """`fn(...)` with its Mosaic GPU kernels in the interpreter (NaN-initialised buffers)."""
-    try:
-        with _mgpu.interpret_mode(True):
-            return jax.block_until_ready(fn(*args, **kwargs))
-    except Exception:
-        reset_gpu_interpret_mode_state()  # the interpreter's state is unusable after a failure
-        raise
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))

@@ -25,9 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-    reset_gpu_interpret_mode_state,
-)
 
 from jfp8.fp8 import Fp8Tensor, quantize
 from jfp8.reference import (
@@ -45,6 +42,7 @@ from pallas_kernels.grouped_gemm import (
     row_tile_work,
 )
 from pallas_kernels.shapes import GROUPED_SHAPES
+from helpers import interpret as _interpret
 
 # Jitted once per shape: eager quantization and references would compile op by op in every test.
 _quantize = jax.jit(quantize, static_argnums=1)
@@ -78,16 +76,6 @@ def _sizes(rng: np.random.Generator, groups: int, total: int) -> np.ndarray:
         sizes[(zero + 1) % groups] += sizes[zero]
         sizes[zero] = 0
     return sizes.astype(np.int32)
-
-
-def _interpret(fn, *args, **kwargs):
-    """`fn(...)` with its Mosaic GPU kernels in the interpreter (NaN-initialised buffers)."""
-    try:
-        with _mgpu.interpret_mode(True):
-            return jax.block_until_ready(fn(*args, **kwargs))
-    except Exception:
-        reset_gpu_interpret_mode_state()  # the interpreter's state is unusable after a failure
-        raise
 
 
 def _assert_bitwise_equal(out, ref, seed):

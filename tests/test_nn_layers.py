@@ -9,18 +9,9 @@ from flax import nnx
 
 from jfp8.nn import MLA, Fp8Linear, ModelConfig, RMSNorm, apply_rope, rope_angles
 from jfp8.recipe import Fp8Recipe
+from helpers import fresh_rng as _rng, rel_error as _rel
 
 QUANT_BOUND = 0.06  # two E4M3 operands at ~2.6 % rms error each: ~3.7 % expected (as tests/test_ops.py)
-
-
-def _rng():
-    seed = int(np.random.SeedSequence().generate_state(1)[0])
-    return np.random.default_rng(seed), seed
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def test_fp8_linear_module_fp8_vs_bf16_and_grads():

@@ -23,18 +23,9 @@ from jfp8.nn import (
     update_router_biases,
 )
 from jfp8.recipe import Fp8Recipe
+from helpers import fresh_rng as _rng, rel_error as _rel
 
 QUANT_BOUND = 0.06  # as tests/test_ops.py: two E4M3 operands per GEMM, ~3.7 % rms expected
-
-
-def _rng():
-    seed = int(np.random.SeedSequence().generate_state(1)[0])
-    return np.random.default_rng(seed), seed
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _tokens(rng, b, t, vocab=256):

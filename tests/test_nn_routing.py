@@ -19,11 +19,7 @@ from jfp8.nn import (
     update_bias,
 )
 from jfp8.recipe import Fp8Recipe
-
-
-def _rng():
-    seed = int(np.random.SeedSequence().generate_state(1)[0])
-    return np.random.default_rng(seed), seed
+from helpers import fresh_rng as _rng
 
 
 def _scores(rng, t, e):

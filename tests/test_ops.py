@@ -13,19 +13,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jfp8
 from jfp8 import TILE, Fp8Recipe, fp8_linear, grouped_fp8_linear, quantize, scaled_matmul_reference
 from jfp8.reference import grouped_scaled_matmul_reference, grouped_wgrad_reference
+from helpers import fresh_rng as _rng, rel_error as _rel
 
 XLA = Fp8Recipe(impl="xla")
 QUANT_BOUND = 0.06  # two operands at ~2.6 % rms E4M3 error each: ~3.7 % expected
-
-
-def _rng():
-    seed = int(np.random.SeedSequence().generate_state(1)[0])
-    return np.random.default_rng(seed), seed
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _reference_linear_vjp(x, w, dy):

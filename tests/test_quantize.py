@@ -8,18 +8,13 @@ import pytest
 
 import jfp8
 from jfp8 import E4M3_MAX, TILE, Fp8Tensor, quantize
+from helpers import fresh_rng as _rng
 
 BLOCKS = [(1, TILE), (TILE, 1), (TILE, TILE), None, (4, 32)]
 # E4M3 keeps 3 mantissa bits: round-to-nearest error is at most 2^-4 relative in the normal range,
 # and half the smallest subnormal step (2^-9 / 2) times the scale below it.
 REL_HALF_ULP = 2.0**-4
 SUBNORMAL_HALF_STEP = 2.0**-10
-
-
-def _rng():
-    """A fresh generator per test, with its seed for the failure message."""
-    seed = int(np.random.SeedSequence().generate_state(1)[0])
-    return np.random.default_rng(seed), seed
 
 
 def _check_roundtrip_bound(x: np.ndarray, t: Fp8Tensor, seed: int) -> None:
@@ -159,7 +154,9 @@ def test_fp8tensor_is_a_pytree_that_jit_and_vmap_carry():
 def test_outliers_only_hurt_their_own_tiles():
     rng, seed = _rng()
     x = rng.standard_normal((64, 1024)).astype(np.float32)
-    x[:, 5] *= 1e5  # one outlier channel, inside K tile 0
+    # One outlier channel inside K tile 0, of a fixed size (a random one made the per-tensor amax,
+    # hence the ratio below, vary from 8x to 20x): ordinary values fall below E4M3's subnormals.
+    x[:, 5] = 1e6
     clean = np.s_[:, TILE:]
     deq = np.asarray(quantize(jnp.asarray(x), (1, TILE)).dequantize(), np.float64)
     err_tile = np.linalg.norm(deq[clean] - x[clean]) / np.linalg.norm(x[clean])

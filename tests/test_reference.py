@@ -15,6 +15,7 @@ from jfp8 import (
     scaled_matmul_oracle,
     scaled_matmul_reference,
 )
+from helpers import fresh_rng as _rng
 
 PAIRINGS = {
     "tile x block": ((1, TILE), (TILE, TILE)),  # Fprop, Dgrad
@@ -23,11 +24,6 @@ PAIRINGS = {
     "block x block": ((TILE, TILE), (TILE, TILE)),
 }
 U = 2.0**-4  # E4M3 relative half-ulp
-
-
-def _rng():
-    seed = int(np.random.SeedSequence().generate_state(1)[0])
-    return np.random.default_rng(seed), seed
 
 
 def _elementwise_quant_error_bound(x: np.ndarray, q) -> np.ndarray:
