@@ -1,17 +1,36 @@
-"""GEMM benchmark: jfp8's tile-scaled FP8 kernels beside XLA bf16 and XLA per-tensor FP8, one run.
+"""Dense GEMM benchmark: jfp8's tile x block FP8 GEMM beside XLA bf16, XLA per-tensor FP8 and
+torch's cuBLAS blockwise FP8 (DeepSeek-style 1x128 x 128x128 scales), one run, one device.
 
     python experiments/bench_gemm.py                 # GPU: DeepSeek-V3 shapes; CPU: small, XLA only
-    python experiments/bench_gemm.py --shapes 4096x7168x2048 --repeats 50
+    python experiments/bench_gemm.py --shapes 8192x8192x8192 --config tile_m=128,tile_n=128
+    python experiments/bench_gemm.py --config tile_m=128 --config tile_m=64,max_concurrent_steps=4
 
-Each implementation's output is checked against its reference before it is timed; timings are the
-median of `--repeats` calls after `--warmup` calls, each synchronised with `block_until_ready`.
-Writes `benchmarks/results/bench_gemm-<device>-<date>.json` (device, jax version, date, rows).
+Implementations (rows), per shape MxNxK (x (M, K) times w (N, K), output bf16):
+  xla-bf16              jnp.dot on bf16 operands, f32 accumulation (cuBLAS on GPU): the baseline
+  xla-fp8-per-tensor    one scale per tensor (XLA fuses it into a cuBLASLt FP8 GEMM)
+  torch-bf16            torch.mm on bf16 (GPU with torch only): cuBLAS seen from torch
+  torch-fp8-blockwise   torch scaled_mm with 1x128 (x) and 128x128 (w) FP32 scales: cuBLAS >= 12.9
+                        on sm_90 (GPU with torch only; a failure is recorded, not raised)
+  jfp8-<impl>           jfp8.scaled_matmul, the front door (impl "mosaic" on Hopper, else "xla")
+  jfp8-mosaic[<config>] pallas_kernels.gemm.scaled_matmul with GemmConfig(<config>), per --config
+                        (Hopper only), on operands already laid out for the kernel
+
+Each implementation is checked against its reference before it is timed (a failed check is
+recorded and makes the exit status 1); timings are medians of `--repeats` samples after warm-up,
+each sample `--inner` back-to-back calls and one device synchronisation. The record
+`<out>/bench_gemm-<device>-<date>.json` is rewritten after every shape, so a run cut short keeps
+what it measured; shapes left when `--budget-s` runs out are listed under "skipped".
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import pathlib
+import sys
+import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,20 +38,146 @@ import numpy as np
 
 import jfp8
 from jfp8.backend import is_hopper
-from jfp8.benchmarking import RESULTS, parse_shape, rel_error, time_median, write_record
+from jfp8.benchmarking import (
+    PEAK_SOURCE,
+    TIMING_METHOD,
+    Case,
+    Skip,
+    add_common_args,
+    add_ratios,
+    config_label,
+    device_rel_error,
+    gemm_row,
+    parse_config,
+    parse_shape,
+    run_cases,
+    timing_from_args,
+    to_torch,
+    torch_cuda,
+    torch_rel_error,
+    torch_sync,
+    write_record,
+)
+from jfp8.reference import chunk_operand
 from pallas_kernels.shapes import CPU_DENSE_SHAPES, DENSE_SHAPES, GemmShape
 
-def _cases(shape: GemmShape, use_kernels: bool, seed: int):
-    """(name, jitted fn, args, check) per implementation; check(out) -> relative error vs reference."""
+BASELINE = "xla-bf16"
+BASELINES = ("xla-bf16", "xla-fp8-per-tensor", "torch-bf16", "torch-fp8-blockwise")
+# The issue's target for the tile x block kernel against the bf16 baseline.
+TARGET_VS_BF16 = 1.6
+# Tolerances of a bf16 output against an f32 reference: bf16 rounding (2^-9 relative) plus, for
+# the bf16-operand rows, the rounding of the operands.
+TOL_BF16_OPERANDS = 2e-2
+TOL_FP8_OUTPUT = 1e-2
+
+
+def _jax_check(ref: Callable[[], jax.Array]):
+    return lambda out: device_rel_error(out, ref())
+
+
+# ------------------------------------------------------------------------------------ torch
+
+
+def _scaling_type(F, *names: str):
+    """The member of torch's ScalingType enum under any of `names` (its spelling changed)."""
+    enum = getattr(F, "ScalingType", None)
+    for name in names:
+        if enum is not None and hasattr(enum, name):
+            return getattr(enum, name)
+    raise AttributeError(f"torch.nn.functional.ScalingType has none of {names}")
+
+
+def _torch_blockwise_call(torch, mat_a, mat_b, scale_a, scale_b):
+    """(callable, api description) for cuBLAS's DeepSeek-style blockwise FP8 GEMM.
+
+    torch >= 2.10 `torch.nn.functional.scaled_mm` with explicit recipes
+    (ScalingType.BlockWise1x128 for a, BlockWise128x128 for b); else `torch._scaled_mm`, which
+    infers the recipe from the scale shapes. Layouts (aten/src/ATen/native/cuda/ScaledBlas.cpp,
+    `_scaled_block1x128_block128x128`; test/test_scaled_matmul_cuda.py,
+    `test_scaled_mm_block_wise_numerics`):
+      mat_a   (M, K) e4m3, row-major;   mat_b (K, N) e4m3, column-major (w (N, K) transposed)
+      scale_a (M, K/128) f32, strides (1, M)            ("outer-dim-major")
+      scale_b (round_up(K/128, 4), N/128) f32, strides (1, round_up(K/128, 4))
+    Scales multiply (decode), like jfp8's. Tried in that order; the first that runs is returned.
+    """
+    errors = []
+    F = torch.nn.functional
+    if hasattr(F, "scaled_mm"):
+        try:
+            rec_a = _scaling_type(F, "BlockWise1x128", "Blockwise_1x128")
+            rec_b = _scaling_type(F, "BlockWise128x128", "Blockwise_128x128")
+
+            def v2():
+                return F.scaled_mm(mat_a, mat_b, scale_a, rec_a, scale_b, rec_b,
+                                   output_dtype=torch.bfloat16)
+
+            v2()
+            return v2, "torch.nn.functional.scaled_mm(BlockWise1x128, BlockWise128x128)"
+        except Exception as e:  # noqa: BLE001 - recorded, then the next API is tried
+            errors.append(f"F.scaled_mm: {type(e).__name__}: {str(e)[:300]}")
+    try:
+        def v1():
+            return torch._scaled_mm(mat_a, mat_b, scale_a, scale_b, out_dtype=torch.bfloat16)
+
+        v1()
+        return v1, "torch._scaled_mm (recipe inferred from scale shapes)"
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"torch._scaled_mm: {type(e).__name__}: {str(e)[:300]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def _torch_cases(shape: GemmShape, xb, wb, bf16_ref, a, b, ref) -> tuple[list[Case], list[Skip], dict]:
+    """torch-bf16 and torch-fp8-blockwise on the same data (GPU only)."""
+    torch, why = torch_cuda()
+    if torch is None:
+        return [], [Skip("torch-bf16", why), Skip("torch-fp8-blockwise", why)], {}
+    m, n, k = shape
+    info = {"torch_version": torch.__version__, "torch_cuda": torch.version.cuda}
+
+    sync = torch_sync(torch)
+
+    def torch_check(ref_fn):
+        return lambda out: torch_rel_error(out, ref_fn())
+
+    cases, skips = [], []
+    xt, wt = to_torch(torch, xb), to_torch(torch, wb)
+    cases.append(Case("torch-bf16", lambda: torch.mm(xt, wt.t()), torch_check(bf16_ref),
+                      TOL_BF16_OPERANDS, "bf16", sync))
+    try:
+        kp = a.data.shape[1]
+        chunks = kp // jfp8.TILE
+        l4 = -(-chunks // 4) * 4
+        mat_a = to_torch(torch, a.data[:m])  # (M, Kp)
+        mat_b = to_torch(torch, b.data[:n]).t()  # (Kp, N), column-major
+        scale_a = to_torch(torch, a.scale[:m]).t().contiguous().t()  # (M, Kp/128), strides (1, M)
+        sb = jnp.pad(b.scale, ((0, 0), (0, l4 - chunks)))  # (ceil(N/128), L4)
+        scale_b = to_torch(torch, sb).t()  # (L4, ceil(N/128)), strides (1, L4)
+        fn, api = _torch_blockwise_call(torch, mat_a, mat_b, scale_a, scale_b)
+        info["torch_blockwise_api"] = api
+        cases.append(Case("torch-fp8-blockwise", fn, torch_check(ref), TOL_FP8_OUTPUT, "fp8", sync))
+    except Exception as e:  # noqa: BLE001 - the baseline is optional; the reason is recorded
+        skips.append(Skip("torch-fp8-blockwise", f"{type(e).__name__}: {str(e)[:600]}"))
+    return cases, skips, info
+
+
+# ------------------------------------------------------------------------------------ cases
+
+
+def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], on_gpu: bool):
+    """(cases, skips, info) for one shape."""
     m, n, k = shape
     kx, kw = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(kx, (m, k), jnp.float32)
     w = jax.random.normal(kw, (n, k), jnp.float32) / np.sqrt(k)
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    cases, skips, info = [], [], {}
 
     bf16 = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    bf16_ref = lambda: jnp.dot(x, w.T, precision="highest")  # noqa: E731
-    cases = [("xla-bf16", bf16, (xb, wb), bf16_ref, 2e-2)]
+    # References take their operands as arguments (a closure would bake them into the program as
+    # constants) and are computed once per shape.
+    f32_dot = jax.jit(lambda a, b: jnp.dot(a, b.T, precision="highest"))
+    bf16_ref = functools.cache(lambda: f32_dot(x, w))
+    cases.append(Case(BASELINE, lambda: bf16(xb, wb), _jax_check(bf16_ref), TOL_BF16_OPERANDS, "bf16"))
 
     # Per-tensor FP8: XLA fuses scalar scales into a cuBLASLt FP8 GEMM on GPU.
     pa, pb = jfp8.quantize(x, None), jfp8.quantize(w, None)
@@ -41,71 +186,120 @@ def _cases(shape: GemmShape, use_kernels: bool, seed: int):
             jnp.dot(ad, bd.T, preferred_element_type=jnp.float32) * (sa * sb)
         ).astype(jnp.bfloat16)
     )
-    cases.append((
-        "xla-fp8-per-tensor", fp8_tensor, (pa.data, pa.scale[0, 0], pb.data, pb.scale[0, 0]),
-        lambda: jfp8.scaled_matmul_oracle(pa, pb), 1e-2,
+    pargs = (pa.data, pa.scale[0, 0], pb.data, pb.scale[0, 0])
+    cases.append(Case(
+        "xla-fp8-per-tensor", lambda: fp8_tensor(*pargs),
+        _jax_check(lambda: jfp8.scaled_matmul_oracle(pa, pb)), TOL_FP8_OUTPUT, "fp8",
     ))
 
     a, b = jfp8.quantize(x, (1, jfp8.TILE)), jfp8.quantize(w, (jfp8.TILE, jfp8.TILE))
-    ref = lambda: jfp8.scaled_matmul_reference(a, b, jnp.float32)  # noqa: E731
+    tiled_ref = jax.jit(lambda a, b: jfp8.scaled_matmul_reference(a, b, jnp.float32))
+    ref = functools.cache(lambda: tiled_ref(a, b))
+
+    if on_gpu:
+        t_cases, t_skips, t_info = _torch_cases(shape, xb, wb, bf16_ref, a, b, ref)
+        cases += t_cases
+        skips += t_skips
+        info.update(t_info)
+    else:
+        skips += [Skip(n_, "no GPU") for n_ in ("torch-bf16", "torch-fp8-blockwise")]
+
     impl = "mosaic" if use_kernels else "xla"
     tiled = jax.jit(lambda a, b: jfp8.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl=impl))
-    # bf16 output against the f32 reference: bounded by the bf16 rounding of the output
-    cases.append((f"jfp8-{impl}-tile-x-block", tiled, (a, b), ref, 1e-2 if use_kernels else 5e-3))
-    return cases
+    cases.append(Case(f"jfp8-{impl}", lambda: tiled(a, b), _jax_check(ref), TOL_FP8_OUTPUT, "fp8"))
+
+    if configs:
+        from pallas_kernels import gemm
+
+        # The kernel's operands, laid out once (outside the timed call): a's chunk scales per row,
+        # b's (128, 128) block scales as stored.
+        kp = a.data.shape[1]
+        a_data, a_scale = chunk_operand(a, kp)
+        for text in configs:
+            name = f"jfp8-mosaic[{config_label(text)}]"
+            config = parse_config(text, gemm.GemmConfig)  # bad fields fail here, on any machine
+            if not use_kernels:
+                skips.append(Skip(name, "needs a Hopper GPU"))
+                continue
+            kernel = jax.jit(lambda ad, sa, bd, sb, config=config: gemm.scaled_matmul(
+                ad, sa, bd, sb, n=n, b_block_rows=jfp8.TILE, out_dtype=jnp.bfloat16, config=config))
+            cases.append(Case(name, lambda kernel=kernel: kernel(a_data, a_scale, b.data, b.scale),
+                              _jax_check(ref), TOL_FP8_OUTPUT, "fp8"))
+    return cases, skips, info
 
 
-def run(shapes, warmup: int, repeats: int, use_kernels: bool, seed: int) -> list[dict]:
-    rows = []
-    for shape in shapes:
-        m, n, k = shape
-        flops = 2.0 * m * n * k
-        bf16_time = None
-        for name, fn, args, ref, tol in _cases(shape, use_kernels, seed):
-            out = jax.block_until_ready(fn(*args))
-            err = rel_error(out, ref())
-            if not err <= tol:  # also catches NaN
-                raise AssertionError(f"{name} at {shape}: relative error {err:.3e} > {tol} vs its reference")
-            seconds = time_median(lambda: fn(*args), warmup, repeats)
-            if name == "xla-bf16":
-                bf16_time = seconds
-            rows.append(dict(
-                impl=name, m=m, n=n, k=k, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
-                ratio_vs_bf16=bf16_time / seconds, rel_error=err,
-            ))
-            print(f"  {name:28s} {m:6d} {n:6d} {k:6d} {seconds * 1e3:10.3f} ms "
-                  f"{flops / seconds / 1e12:9.2f} TFLOP/s  x{bf16_time / seconds:5.2f}  err {err:.1e}", flush=True)
-    return rows
+def print_rows(rows: list[dict], label=lambda r: f"{r['m']}x{r['n']}x{r['k']}") -> None:
+    print(f"\n{'impl':34s} {'shape':>18s} {'TFLOP/s':>9} {'x bf16':>7} {'fp8 peak':>8}")
+    for r in rows:
+        ratio = "" if r.get("ratio_vs_bf16") is None else f"{r['ratio_vs_bf16']:7.2f}"
+        frac = "" if r.get("frac_fp8_peak") is None else f"{r['frac_fp8_peak']:8.1%}"
+        print(f"{r['impl']:34s} {label(r):>18s} {r['tflops']:9.4g} {ratio:>7} {frac:>8}")
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE,...",
+                   help="a GemmConfig for the Mosaic kernel, benched as its own row (repeatable)")
+    add_common_args(p)
     args = p.parse_args(argv)
+    if args.config:
+        from pallas_kernels import gemm
+
+        for text in args.config:  # every config is valid before anything runs
+            try:
+                parse_config(text, gemm.GemmConfig)
+            except (ValueError, TypeError) as e:
+                p.error(f"--config {text!r}: {e}")
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     use_kernels = is_hopper(device)
     shapes = args.shapes or (DENSE_SHAPES if on_gpu else CPU_DENSE_SHAPES)
-    warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
-    repeats = args.repeats if args.repeats is not None else (30 if on_gpu else 3)
+    timing = timing_from_args(args, on_gpu)
     print(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}")
     if not use_kernels:
-        print("no Hopper GPU: the jfp8 row is the XLA reference path (same numerics), not the kernels;"
-              " sizes are small. Run on an H100/H200 for kernel numbers.")
-    rows = run(shapes, warmup, repeats, use_kernels, args.seed)
+        print("no Hopper GPU: the jfp8 row is the XLA reference path (same numerics), not the kernels."
+              " Run on an H100/H200 for kernel numbers.")
 
-    path = write_record("bench_gemm", rows, args.out, warmup=warmup, repeats=repeats,
-                        timing="median wall time, block_until_ready")
-    print(f"\n{'impl':28s} {'M':>6} {'N':>6} {'K':>6} {'TFLOP/s':>9} {'vs bf16':>8}")
-    for r in rows:
-        print(f"{r['impl']:28s} {r['m']:6d} {r['n']:6d} {r['k']:6d} {r['tflops']:9.2f} {r['ratio_vs_bf16']:8.2f}")
+    start = time.perf_counter()
+    rows, failed, skipped, info = [], [], [], {}
+
+    def save():
+        add_ratios(rows, BASELINE, BASELINES)
+        return write_record(
+            "bench_gemm", rows, args.out, timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
+            peak_source=PEAK_SOURCE, target_vs_bf16=TARGET_VS_BF16, configs=args.config,
+            failed=failed, skipped=skipped, **info,
+        )
+
+    for i, shape in enumerate(shapes):
+        m, n, k = shape
+        label = f"{m}x{n}x{k}"
+        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            skipped += [dict(problem="x".join(map(str, s)), reason=f"time budget {args.budget_s:.0f} s spent")
+                        for s in shapes[i:]]
+            break
+        try:
+            cases, skips, case_info = _cases(shape, use_kernels, args.seed, args.config, on_gpu)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
+            failed.append(dict(impl="(operands)", problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
+            continue
+        info.update(case_info)
+        skipped += [dict(impl=s.impl, problem=label, reason=s.reason) for s in skips]
+        row = functools.partial(gemm_row, device_kind=device.device_kind, flops=2.0 * m * n * k,
+                                m=m, n=n, k=k)
+        run_cases(cases, label, timing, row, rows, failed)
+        save()
+    path = save()
+    print_rows(rows)
+    for s in skipped:
+        print(f"skipped: {s}")
+    for f in failed:
+        print(f"FAILED: {f}")
     print(f"wrote {path}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

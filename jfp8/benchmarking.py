@@ -1,40 +1,152 @@
-"""Shared pieces of the benchmark scripts: timing, error checks, result records."""
+"""Shared pieces of the benchmark scripts: timing, error checks, device peaks, result records."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import pathlib
 import platform
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.shapes import GemmShape
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
+# Dense (no structured sparsity) tensor-core peaks in TFLOP/s, from NVIDIA's H100 SXM datasheet:
+# 1979 FP8, 989 BF16 (the 3958 / 1979 figures are "with sparsity"). The H200 SXM, which
+# nvidia-smi names plainly "NVIDIA H200", has the H100's arithmetic rates (see
+# /work/.library/device/H200.md and /work/shared/docs/pallas-notes.md). Measured ceilings on these
+# machines: bf16 cuBLAS ~790-800 TFLOP/s at 8192^3; device copy ~3.0 TB/s (H100), ~4.3 TB/s (H200).
+_HOPPER_SXM_PEAKS = {"fp8": 1979.0, "bf16": 989.0}
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "NVIDIA H100 80GB HBM3": _HOPPER_SXM_PEAKS,
+    "NVIDIA H200": _HOPPER_SXM_PEAKS,
+}
+PEAK_SOURCE = "NVIDIA H100 SXM datasheet, dense (no sparsity): 1979 FP8, 989 BF16 TFLOP/s"
 
-def time_median(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median wall seconds of `fn()` with the device synchronised, warm-up calls excluded."""
+
+def peak_tflops(device_kind: str, dtype: str) -> float | None:
+    """Dense datasheet peak of `device_kind` for `dtype` ("fp8" or "bf16"); None if unknown."""
+    return PEAK_TFLOPS.get(device_kind, {}).get(dtype)
+
+
+def time_samples(
+    fn: Callable[[], object],
+    warmup: int,
+    repeats: int,
+    *,
+    inner: int = 1,
+    sync: Callable[[object], object] = jax.block_until_ready,
+) -> list[float]:
+    """Seconds per call of `fn()`, one sample per repeat, warm-up calls excluded.
+
+    Each sample times `inner` back-to-back calls followed by one device synchronisation (`sync`
+    of the last result) and divides by `inner`: with `inner > 1` the host's dispatch of call i+1
+    overlaps the device's work on call i, so short kernels are not timed as launch latency.
+    """
     for _ in range(warmup):
-        jax.block_until_ready(fn())
+        sync(fn())
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for _ in range(inner - 1):
+            fn()
+        sync(fn())
+        samples.append((time.perf_counter() - t0) / inner)
+    return samples
+
+
+def time_median(
+    fn: Callable[[], object],
+    warmup: int,
+    repeats: int,
+    *,
+    inner: int = 1,
+    sync: Callable[[object], object] = jax.block_until_ready,
+) -> float:
+    """Median wall seconds of `fn()` with the device synchronised, warm-up calls excluded."""
+    return statistics.median(time_samples(fn, warmup, repeats, inner=inner, sync=sync))
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """The timing policy of one benchmark run (see `measure`)."""
+
+    warmup: int
+    repeats: int
+    inner: int = 1
+    max_seconds: float | None = None  # cap on the timed calls of one implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    seconds: float  # median per call
+    seconds_min: float
+    seconds_max: float
+    repeats: int
+    inner: int
+    check: float  # the checked error (relative error, or count of mismatches)
+
+
+class CheckFailed(AssertionError):
+    """An implementation's output disagreed with its reference: it is not timed."""
+
+
+def measure(
+    fn: Callable[[], object],
+    check: Callable[[object], float],
+    tol: float,
+    timing: Timing,
+    *,
+    sync: Callable[[object], object] = jax.block_until_ready,
+) -> Measurement:
+    """Check `fn()` against its reference, then time it.
+
+    `check(out)` returns an error (NaN counts as failure); above `tol` this raises `CheckFailed`
+    and nothing is timed. The first call (compilation included) is the checked one; a second,
+    timed call sizes the loop so that the timed calls stay under `timing.max_seconds`.
+    """
+    out = sync(fn())
+    err = float(check(out))
+    del out
+    if not err <= tol:  # also catches NaN
+        raise CheckFailed(f"error {err:.3e} > tolerance {tol:.1e} against its reference")
+    warmup, repeats, inner = timing.warmup, timing.repeats, timing.inner
+    if timing.max_seconds is not None:
+        t0 = time.perf_counter()
+        sync(fn())
+        once = max(time.perf_counter() - t0, 1e-6)
+        calls = max(1, int(timing.max_seconds / once))
+        inner = max(1, min(inner, calls // max(repeats, 1)))
+        repeats = max(1, min(repeats, calls // inner))
+        warmup = min(warmup, max(calls // 10, 1))
+    samples = time_samples(fn, warmup, repeats, inner=inner, sync=sync)
+    return Measurement(statistics.median(samples), min(samples), max(samples), repeats, inner, err)
 
 
 def rel_error(x, ref) -> float:
     """||x - ref||_F / ||ref||_F in float64 (NaN if x has NaN)."""
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+@jax.jit
+def _device_rel_error(x, ref):
+    x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+    return jnp.linalg.norm(x - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30)
+
+
+def device_rel_error(x: jax.Array, ref: jax.Array) -> float:
+    """`rel_error` computed on the arrays' device in float32: no host copy of large outputs."""
+    return float(_device_rel_error(x, ref))
 
 
 def parse_shape(s: str) -> GemmShape:
@@ -46,6 +158,73 @@ def parse_shape(s: str) -> GemmShape:
     return GemmShape(m, n, k)
 
 
+def _parse_value(text: str, default: Any, name: str) -> Any:
+    """`text` converted like the field's default (bool, int, float, tuple of ints 'AxB', str)."""
+    text = text.strip()
+    try:
+        if isinstance(default, bool):
+            lowered = text.lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(text)
+            return lowered in ("1", "true", "yes")
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+        if isinstance(default, tuple):
+            return tuple(int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a value like the default {default!r}") from None
+    if default is None:  # an optional field: best effort
+        for convert in (int, float):
+            try:
+                return convert(text)
+            except ValueError:
+                pass
+    return text
+
+
+def parse_config(text: str, cls: type) -> Any:
+    """'tile_m=128,max_concurrent_steps=4' -> `cls(tile_m=128, max_concurrent_steps=4)`.
+
+    `cls` is a dataclass (e.g. `GemmConfig`); values are converted like each field's default
+    (bools from 1/0/true/false, tuples from '2x1'). An unknown field name raises a ValueError
+    that lists the known ones; `cls`'s own validation errors pass through.
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"config item {item!r} must look like name=value")
+        if name not in fields:
+            raise ValueError(
+                f"{cls.__name__} has no field {name!r}; its fields are {', '.join(fields)}"
+            )
+        field = fields[name]
+        default = field.default
+        if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        kwargs[name] = _parse_value(value, None if default is dataclasses.MISSING else default, name)
+    return cls(**kwargs)
+
+
+def config_label(text: str) -> str:
+    """A config string normalised for an implementation name: 'tile_m=128,tile_n=256'."""
+    return ",".join(p.strip().replace(" ", "") for p in text.split(",") if p.strip())
+
+
+def device_slug(device_kind: str) -> str:
+    return device_kind.lower().replace(" ", "-")
+
+
+def record_path(name: str, out: pathlib.Path) -> pathlib.Path:
+    device = jax.devices()[0]
+    today = datetime.date.today().isoformat()
+    return out / f"{name}-{device_slug(device.device_kind)}-{today}.json"
+
+
 def write_record(name: str, rows: list[dict], out: pathlib.Path, **extra) -> pathlib.Path:
     """benchmarks/results/<name>-<device>-<date>.json with device, jax version, date and rows."""
     device = jax.devices()[0]
@@ -53,6 +232,137 @@ def write_record(name: str, rows: list[dict], out: pathlib.Path, **extra) -> pat
     record = dict(benchmark=name, device=device.device_kind, platform=device.platform,
                   jax_version=jax.__version__, date=today, host=platform.node(), **extra, rows=rows)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}-{device.device_kind.lower().replace(' ', '-')}-{today}.json"
+    path = record_path(name, out)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
+
+
+def torch_cuda():
+    """(torch module, None) when torch with a CUDA device is importable, else (None, reason)."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip
+        return None, f"torch not importable: {type(e).__name__}: {e}"
+    if not torch.cuda.is_available():
+        return None, f"torch {torch.__version__} sees no CUDA device"
+    return torch, None
+
+
+# ------------------------------------------------------------------ running cases (the scripts)
+
+
+class Case(NamedTuple):
+    """One implementation at one problem: `fn()` runs it, `check(out)` measures its error."""
+
+    name: str
+    fn: Callable[[], object]  # one call, operands bound
+    check: Callable[[object], float]  # output -> error against its reference
+    tol: float
+    dtype: str  # operand dtype, for the peak: "fp8" or "bf16" (or "" when not a GEMM)
+    sync: Callable[[object], object] = jax.block_until_ready
+
+
+class Skip(NamedTuple):
+    impl: str
+    reason: str
+
+
+def run_cases(cases, label: str, timing: Timing, row_fn, rows: list, failed: list) -> None:
+    """Check and time each case, appending `row_fn(case, measurement)` to `rows`; a case that
+    fails its check or raises goes to `failed` (with the reason) and the others still run."""
+    for case in cases:
+        try:
+            meas = measure(case.fn, case.check, case.tol, timing, sync=case.sync)
+        except CheckFailed as e:
+            failed.append(dict(impl=case.name, problem=label, error=f"check failed: {e}"))
+            print(f"  {case.name} at {label}: CHECK FAILED: {e}", flush=True)
+            continue
+        except Exception as e:  # noqa: BLE001 - one implementation's failure must not stop the run
+            failed.append(dict(impl=case.name, problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
+            print(f"  {case.name} at {label}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        row = row_fn(case, meas)
+        rows.append(row)
+        rate = f"{row['tflops']:8.4g} TFLOP/s" if "tflops" in row else f"{row['gbps']:8.4g} GB/s"
+        print(f"  {case.name:34s} {label:>20s} {meas.seconds * 1e3:9.3f} ms {rate}  "
+              f"err {meas.check:.1e}", flush=True)
+
+
+def gemm_row(case: Case, meas: Measurement, device_kind: str, flops: float, **problem) -> dict:
+    """A result row of a GEMM-like measurement: time, TFLOP/s and the fractions of peak."""
+    tflops = flops / meas.seconds / 1e12
+    fp8_peak, own_peak = peak_tflops(device_kind, "fp8"), peak_tflops(device_kind, case.dtype)
+    return dict(
+        impl=case.name, **problem, operand_dtype=case.dtype,
+        ms=meas.seconds * 1e3, ms_min=meas.seconds_min * 1e3, ms_max=meas.seconds_max * 1e3,
+        tflops=tflops, ratio_vs_bf16=None, rel_error=meas.check, repeats=meas.repeats,
+        inner=meas.inner,
+        frac_fp8_peak=None if fp8_peak is None else tflops / fp8_peak,
+        frac_dtype_peak=None if own_peak is None else tflops / own_peak,
+    )
+
+
+def add_ratios(rows: list[dict], primary: str, baselines: tuple[str, ...],
+               key=lambda r: (r["m"], r["n"], r["k"])) -> None:
+    """Per problem (`key`): `ratio_vs_bf16` = time of `primary` / own time on every row, and
+    `ratio_vs` = {baseline: its time / own time} on the rows that are not baselines."""
+    times: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        times.setdefault(key(r), {})[r["impl"]] = r["ms"]
+    for r in rows:
+        t = times[key(r)]
+        if primary in t:
+            r["ratio_vs_bf16"] = t[primary] / r["ms"]
+        if r["impl"] not in baselines:
+            r["ratio_vs"] = {b: t[b] / r["ms"] for b in baselines if b in t}
+
+
+TIMING_METHOD = ("median over repeats of (inner back-to-back calls + one device sync) / inner, "
+                 "warm-up excluded, each implementation checked against its reference first")
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """The options every benchmark script shares (timing, budget, seed, output directory)."""
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls (GPU 3, CPU 1)")
+    p.add_argument("--repeats", type=int, default=None, help="timed samples (GPU 15, CPU 3)")
+    p.add_argument("--inner", type=int, default=None, help="calls per sample (GPU 5, CPU 1)")
+    p.add_argument("--max-seconds", type=float, default=10.0,
+                   help="cap on one implementation's timed calls at one problem")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new problem after this many seconds (the rest are listed as skipped)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="directory for the JSON record")
+
+
+def timing_from_args(args: argparse.Namespace, on_gpu: bool) -> Timing:
+    return Timing(
+        warmup=args.warmup if args.warmup is not None else (3 if on_gpu else 1),
+        repeats=args.repeats if args.repeats is not None else (15 if on_gpu else 3),
+        inner=args.inner if args.inner is not None else (5 if on_gpu else 1),
+        max_seconds=args.max_seconds,
+    )
+
+
+def torch_sync(torch):
+    """A `sync` for torch outputs: waits for the device, returns its argument."""
+    def sync(out):
+        torch.cuda.synchronize()
+        return out
+    return sync
+
+
+def to_torch(torch, x):
+    """A jax/numpy array as a CUDA torch tensor (e4m3 and bf16 through integer views)."""
+    arr = np.asarray(x)
+    if arr.dtype == np.dtype(jnp.float8_e4m3fn):
+        return torch.from_numpy(arr.view(np.uint8)).cuda().view(torch.float8_e4m3fn)
+    if arr.dtype == np.dtype(jnp.bfloat16):
+        return torch.from_numpy(arr.view(np.uint16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(arr)).cuda()
+
+
+def torch_rel_error(out, ref) -> float:
+    """`rel_error` of a torch output against a jax reference, in float32 on the host."""
+    got = out.float().cpu().numpy()
+    want = np.asarray(ref, np.float32)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))

@@ -1,0 +1,216 @@
+"""Grouped (MoE) GEMM benchmark: jfp8's grouped FP8 GEMM beside bf16 baselines, one run, one device.
+
+    python experiments/bench_grouped.py                       # GPU: MoE shapes; CPU: tiny, XLA only
+    python experiments/bench_grouped.py --shapes 8x4096x4096x7168
+    python experiments/bench_grouped.py --mgpu-config block_m=128,block_n=128,max_concurrent_steps=4
+
+A problem GxRxNxK is G experts with R tokens each (equal groups, T = G*R rows sorted by expert),
+x (T, K) times one weight per expert, N outputs. Implementations (rows), output bf16:
+  xla-bf16-einsum     per-expert batched jnp.einsum on bf16 ("gmk,gkn->gmn", equal groups): the
+                      baseline the issue's ratio is taken against
+  xla-ragged-dot-bf16 jax.lax.ragged_dot on bf16 (on GPU XLA makes it a dense masked dot)
+  mgpu-ragged-dot-bf16  jax's Pallas Mosaic GPU ragged_dot_mgpu on bf16 (Hopper only)
+  jfp8-<impl>         jfp8.grouped_scaled_matmul: 1x128 tiles x 128x128 blocks, FP32 promotion
+                      (impl "mosaic" on Hopper, else the XLA reference path)
+The bf16 baselines get the weights in their preferred (G, K, N) layout; jfp8 stores them (G, N, K)
+as its kernel needs. FLOPs are the useful 2*T*N*K for every row. Checks, timing and the record
+(`<out>/bench_grouped-<device>-<date>.json`) work as in bench_gemm.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jfp8
+from jfp8.backend import is_hopper
+from jfp8.benchmarking import (
+    PEAK_SOURCE,
+    TIMING_METHOD,
+    Case,
+    Skip,
+    add_common_args,
+    add_ratios,
+    device_rel_error,
+    gemm_row,
+    run_cases,
+    timing_from_args,
+    write_record,
+)
+from pallas_kernels.shapes import GROUPED_SHAPES, GroupedShape
+
+BASELINE = "xla-bf16-einsum"
+BASELINES = ("xla-bf16-einsum", "xla-ragged-dot-bf16", "mgpu-ragged-dot-bf16")
+TARGET_VS_BF16 = 1.4
+TOL_BF16_OPERANDS = 2e-2
+TOL_FP8_OUTPUT = 1e-2
+CPU_GROUPED_SHAPES = (GroupedShape(2, 128, 256, 256), GroupedShape(4, 64, 128, 512))
+# ragged_dot_mgpu's tiling: one of the configurations its own autotuner (ragged_dot_mgpu.main)
+# searches; override with --mgpu-config.
+MGPU_DEFAULTS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=2)
+
+
+def parse_grouped_shape(s: str) -> GroupedShape:
+    try:
+        g, r, n, k = (int(v) for v in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape must look like GxRxNxK (e.g. 8x4096x4096x7168), got {s!r}")
+    return GroupedShape(g, r, n, k)
+
+
+def parse_kv(text: str) -> dict[str, int]:
+    out = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{item!r} must look like name=value")
+        out[name.strip()] = int(value)
+    return out
+
+
+class Operands(NamedTuple):
+    x: jax.Array  # [T, K] f32
+    w_nk: jax.Array  # [G, N, K] f32
+    group_sizes: jax.Array  # [G] int32
+
+
+def _operands(shape: GroupedShape, seed: int) -> Operands:
+    g, r, n, k = shape
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (g * r, k), jnp.float32)
+    w = jax.random.normal(kw, (g, n, k), jnp.float32) / np.sqrt(k)
+    return Operands(x, w, jnp.full((g,), r, jnp.int32))
+
+
+def _check(ref):
+    return lambda out: device_rel_error(out.reshape(ref().shape), ref())
+
+
+def _mgpu_case(shape: GroupedShape, xb, wb_kn, sizes, mgpu_config: dict, ref):
+    """ragged_dot_mgpu on bf16 (Hopper only), or the reason it cannot run."""
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    except Exception as e:  # noqa: BLE001 - recorded as the reason
+        return Skip("mgpu-ragged-dot-bf16", f"import failed: {type(e).__name__}: {e}")
+    config = {**MGPU_DEFAULTS, **mgpu_config}
+    fn = jax.jit(functools.partial(ragged_dot_mgpu.ragged_dot, **config))
+    return Case("mgpu-ragged-dot-bf16", lambda: fn(xb, wb_kn, group_sizes=sizes),
+                _check(ref), TOL_BF16_OPERANDS, "bf16")
+
+
+def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict):
+    g, r, n, k = shape
+    x, w, sizes = _operands(shape, seed)
+    xb = x.astype(jnp.bfloat16)
+    wb_kn = jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)  # [G, K, N]
+    cases, skips = [], []
+
+    f32_ref = jax.jit(lambda x, w: jnp.einsum("gmk,gnk->gmn", x.reshape(g, r, k), w,
+                                              precision="highest").reshape(g * r, n))
+    bf16_ref = functools.cache(lambda: f32_ref(x, w))
+
+    einsum = jax.jit(lambda x, w: jnp.einsum(
+        "gmk,gkn->gmn", x.reshape(g, r, k), w, preferred_element_type=jnp.float32
+    ).astype(jnp.bfloat16))
+    cases.append(Case(BASELINE, lambda: einsum(xb, wb_kn), _check(bf16_ref), TOL_BF16_OPERANDS, "bf16"))
+
+    ragged = jax.jit(lambda x, w, s: jax.lax.ragged_dot(
+        x, w, s, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    cases.append(Case("xla-ragged-dot-bf16", lambda: ragged(xb, wb_kn, sizes), _check(bf16_ref),
+                      TOL_BF16_OPERANDS, "bf16"))
+
+    if use_kernels:
+        case = _mgpu_case(shape, xb, wb_kn, sizes, mgpu_config, bf16_ref)
+        (cases if isinstance(case, Case) else skips).append(case)
+    else:
+        skips.append(Skip("mgpu-ragged-dot-bf16", "needs a Hopper GPU"))
+
+    a = jfp8.quantize(x, (1, jfp8.TILE))
+    b = jfp8.quantize(w, (jfp8.TILE, jfp8.TILE))  # [G, N, K] in 128x128 blocks per expert
+    fp8_ref = jax.jit(lambda a, b, s: jfp8.grouped_scaled_matmul_reference(a, b, s, jnp.float32))
+    ref = functools.cache(lambda: fp8_ref(a, b, sizes))
+    impl = "mosaic" if use_kernels else "xla"
+    grouped = jax.jit(lambda a, b, s: jfp8.grouped_scaled_matmul(a, b, s, out_dtype=jnp.bfloat16, impl=impl))
+    cases.append(Case(f"jfp8-{impl}", lambda: grouped(a, b, sizes), _check(ref), TOL_FP8_OUTPUT, "fp8"))
+    return cases, skips
+
+
+def _label(shape) -> str:
+    return "x".join(map(str, shape))
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"\n{'impl':24s} {'GxRxNxK':>20s} {'TFLOP/s':>9} {'x bf16':>7} {'fp8 peak':>8}")
+    for r in rows:
+        ratio = "" if r.get("ratio_vs_bf16") is None else f"{r['ratio_vs_bf16']:7.2f}"
+        frac = "" if r.get("frac_fp8_peak") is None else f"{r['frac_fp8_peak']:8.1%}"
+        shape = f"{r['groups']}x{r['m'] // r['groups']}x{r['n']}x{r['k']}"
+        print(f"{r['impl']:24s} {shape:>20s} {r['tflops']:9.4g} {ratio:>7} {frac:>8}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", type=parse_grouped_shape, nargs="+", default=None, metavar="GxRxNxK")
+    p.add_argument("--mgpu-config", type=parse_kv, default={}, metavar="NAME=INT,...",
+                   help=f"ragged_dot_mgpu tiling overrides (defaults {MGPU_DEFAULTS})")
+    add_common_args(p)
+    args = p.parse_args(argv)
+
+    device = jax.devices()[0]
+    on_gpu = device.platform == "gpu"
+    use_kernels = is_hopper(device)
+    shapes = args.shapes or (GROUPED_SHAPES if on_gpu else CPU_GROUPED_SHAPES)
+    timing = timing_from_args(args, on_gpu)
+    print(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}")
+    if not use_kernels:
+        print("no Hopper GPU: the jfp8 row is the XLA reference path and ragged_dot_mgpu is skipped.")
+
+    start = time.perf_counter()
+    rows, failed, skipped = [], [], []
+    key = lambda r: (r["groups"], r["m"], r["n"], r["k"])  # noqa: E731
+
+    def save():
+        add_ratios(rows, BASELINE, BASELINES, key=key)
+        return write_record(
+            "bench_grouped", rows, args.out, timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
+            peak_source=PEAK_SOURCE, target_vs_bf16=TARGET_VS_BF16,
+            mgpu_config={**MGPU_DEFAULTS, **args.mgpu_config}, failed=failed, skipped=skipped,
+        )
+
+    for i, shape in enumerate(shapes):
+        label = _label(shape)
+        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            skipped += [dict(problem=_label(s), reason=f"time budget {args.budget_s:.0f} s spent")
+                        for s in shapes[i:]]
+            break
+        try:
+            cases, skips = _cases(shape, use_kernels, args.seed, args.mgpu_config)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
+            failed.append(dict(impl="(operands)", problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
+            continue
+        skipped += [dict(impl=s.impl, problem=label, reason=s.reason) for s in skips]
+        g, r, n, k = shape
+        row = functools.partial(gemm_row, device_kind=device.device_kind, flops=2.0 * g * r * n * k,
+                                groups=g, m=g * r, n=n, k=k)
+        run_cases(cases, label, timing, row, rows, failed)
+        save()
+    path = save()
+    print_rows(rows)
+    for s in skipped:
+        print(f"skipped: {s}")
+    for f in failed:
+        print(f"FAILED: {f}")
+    print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

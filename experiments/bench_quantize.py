@@ -1,0 +1,248 @@
+"""Quantization benchmark: jfp8's fused FP8 quantization kernels against the device's measured copy
+bandwidth, one run, one device.
+
+    python experiments/bench_quantize.py                      # GPU: large inputs; CPU: tiny, XLA only
+    python experiments/bench_quantize.py --shapes 8192x8192:bfloat16 7168x2048:float32
+
+Rows:
+  copy-xla-add-one    jit(x + 1) on a large bf16 array: reads and writes every byte once (XLA
+                      forwards a plain copy of an input without running anything)
+  copy-torch          torch `dst.copy_(src)`, device to device (GPU with torch only)
+  jfp8-<impl>-<kernel> for kernel in
+    tile      jfp8.quantize(x, (1, 128))                 activations (Fprop / Dgrad lhs)
+    block     jfp8.quantize(x, (128, 128))               weights
+    column-t  jfp8.quantize_wgrad_operand(x)             x^T scaled per 128 tokens (Wgrad)
+    retile    jfp8.retile_wgrad_operand(tile-quantized x) dequantize, transpose, requantize (§3.5.2)
+  (impl "mosaic", the fused kernels, on Hopper; the XLA reference path elsewhere)
+
+Bytes are the fewest a kernel must move: its input read once plus its outputs (E4M3 data and
+FP32 scales) written once, counted from the actual arrays. GB/s = bytes / median time; the
+fraction is against the best copy row of the same run (the issue's target: >= 0.7). Every
+quantizer's data and scales must equal the XLA reference bit for bit before it is timed.
+Record: `<out>/bench_quantize-<device>-<date>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jfp8
+from jfp8.backend import is_hopper
+from jfp8.benchmarking import (
+    TIMING_METHOD,
+    Case,
+    Measurement,
+    Skip,
+    add_common_args,
+    run_cases,
+    timing_from_args,
+    torch_cuda,
+    torch_sync,
+    write_record,
+)
+
+TARGET_FRAC_OF_COPY = 0.7
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+class QShape(NamedTuple):
+    m: int
+    k: int
+    dtype: str
+
+
+GPU_SHAPES = (QShape(8192, 8192, "bfloat16"), QShape(4096, 7168, "bfloat16"), QShape(7168, 2048, "float32"))
+CPU_SHAPES = (QShape(256, 512, "bfloat16"),)
+# The copy ceiling: large enough to dwarf the L2 (50-60 MB) several times over.
+GPU_COPY_ELEMS = 1 << 27  # 256 MiB of bf16
+CPU_COPY_ELEMS = 1 << 20
+
+
+def parse_qshape(s: str) -> QShape:
+    try:
+        dims, _, dtype = s.partition(":")
+        m, k = (int(v) for v in dims.lower().split("x"))
+        dtype = dtype or "bfloat16"
+        if dtype not in _DTYPES:
+            raise ValueError(dtype)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"shape must look like MxK[:dtype] with dtype in {sorted(_DTYPES)}, got {s!r}")
+    return QShape(m, k, dtype)
+
+
+def _fp8_outputs(out) -> list[jax.Array]:
+    """The arrays a quantizer writes (data and scales), from an Fp8Tensor."""
+    return [out.data, out.scale]
+
+
+# Each kernel: (measured implementation, reference), both x -> Fp8Tensor. The measured side takes
+# `impl`; the reference is always the XLA path. Module level so tests can substitute a wrong one.
+def _retile_input(x):
+    return jfp8.quantize(x, (1, jfp8.TILE))
+
+
+MEASURED: dict[str, Callable] = {
+    "tile": lambda x, impl: jfp8.quantize(x, (1, jfp8.TILE), impl=impl),
+    "block": lambda x, impl: jfp8.quantize(x, (jfp8.TILE, jfp8.TILE), impl=impl),
+    "column-t": lambda x, impl: jfp8.quantize_wgrad_operand(x, impl=impl),
+    "retile": lambda t, impl: jfp8.retile_wgrad_operand(t, impl=impl),
+}
+REFERENCE: dict[str, Callable] = {
+    "tile": lambda x: jfp8.quantize(x, (1, jfp8.TILE), impl="xla"),
+    "block": lambda x: jfp8.quantize(x, (jfp8.TILE, jfp8.TILE), impl="xla"),
+    "column-t": lambda x: jfp8.quantize_wgrad_operand(x, impl="xla"),
+    "retile": lambda t: jfp8.retile_wgrad_operand(t, impl="xla"),
+}
+
+
+def _mismatches(out, ref) -> float:
+    """Elements of data and scales that differ from the reference bit pattern (NaN == NaN)."""
+    bad = 0
+    for got, want in zip(_fp8_outputs(out), _fp8_outputs(ref)):
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return float("inf")
+        bits = jnp.uint8 if got.dtype.itemsize == 1 else jnp.uint32
+        bad += int(jnp.sum(jax.lax.bitcast_convert_type(got, bits) != jax.lax.bitcast_convert_type(want, bits)))
+    return float(bad)
+
+
+def _nbytes(arrays) -> int:
+    return int(sum(a.size * a.dtype.itemsize for a in arrays))
+
+
+class QCase(NamedTuple):
+    case: Case
+    bytes: int
+    m: int
+    k: int
+    dtype: str
+    kernel: str
+
+
+def _copy_cases(on_gpu: bool, seed: int) -> tuple[list[QCase], list[Skip]]:
+    elems = GPU_COPY_ELEMS if on_gpu else CPU_COPY_ELEMS
+    cols = 8192 if on_gpu else 1024
+    x = jax.random.normal(jax.random.key(seed), (elems // cols, cols), jnp.bfloat16)
+    add_one = jax.jit(lambda x: x + 1)
+    nbytes = 2 * x.size * x.dtype.itemsize
+    check = lambda out: float(jnp.sum(out != x + 1))  # noqa: E731
+    cases = [QCase(Case("copy-xla-add-one", lambda: add_one(x), check, 0, ""), nbytes,
+                   x.shape[0], cols, "bfloat16", "copy")]
+    skips = []
+    torch, why = torch_cuda() if on_gpu else (None, "no GPU")
+    if torch is None:
+        skips.append(Skip("copy-torch", why))
+        return cases, skips
+    src = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    check_t = lambda out: float((out != src).sum().item())  # noqa: E731
+    cases.append(QCase(Case("copy-torch", lambda: dst.copy_(src), check_t, 0, "", torch_sync(torch)),
+                       nbytes, x.shape[0], cols, "bfloat16", "copy"))
+    return cases, skips
+
+
+def _quantize_cases(shape: QShape, impl: str, seed: int) -> list[QCase]:
+    m, k, dtype = shape
+    x = jax.random.normal(jax.random.key(seed), (m, k), jnp.float32)
+    # A few large values per row so the scales vary (never time on constant data).
+    x = (x * jnp.exp2(jax.random.randint(jax.random.key(seed + 1), (m, 1), -4, 5))).astype(_DTYPES[dtype])
+    cases = []
+    for kernel in MEASURED:
+        arg = _retile_input(x) if kernel == "retile" else x
+        fn = jax.jit(functools.partial(MEASURED[kernel], impl=impl))
+        ref = functools.cache(lambda kernel=kernel, arg=arg: REFERENCE[kernel](arg))
+        in_bytes = _nbytes(_fp8_outputs(arg)) if kernel == "retile" else _nbytes([arg])
+        out_bytes = _nbytes(_fp8_outputs(jax.eval_shape(fn, arg)))
+        case = Case(f"jfp8-{impl}-{kernel}", lambda fn=fn, arg=arg: fn(arg),
+                    lambda out, ref=ref: _mismatches(out, ref()), 0, "")
+        cases.append(QCase(case, in_bytes + out_bytes, m, k, dtype, kernel))
+    return cases
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", type=parse_qshape, nargs="+", default=None, metavar="MxK[:dtype]")
+    add_common_args(p)
+    args = p.parse_args(argv)
+
+    device = jax.devices()[0]
+    on_gpu = device.platform == "gpu"
+    impl = "mosaic" if is_hopper(device) else "xla"
+    shapes = args.shapes or (GPU_SHAPES if on_gpu else CPU_SHAPES)
+    timing = timing_from_args(args, on_gpu)
+    print(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}; impl={impl}")
+
+    start = time.perf_counter()
+    rows, failed, skipped = [], [], []
+    copy_gbps: list[float] = []
+
+    def row_fn(qcase: QCase, case: Case, meas: Measurement) -> dict:
+        gbps = qcase.bytes / meas.seconds / 1e9
+        return dict(impl=case.name, kernel=qcase.kernel, m=qcase.m, k=qcase.k, dtype=qcase.dtype,
+                    bytes=qcase.bytes, ms=meas.seconds * 1e3, ms_min=meas.seconds_min * 1e3,
+                    ms_max=meas.seconds_max * 1e3, gbps=gbps, repeats=meas.repeats, inner=meas.inner,
+                    mismatches=meas.check,
+                    frac_of_copy=gbps / max(copy_gbps) if copy_gbps else None)
+
+    def run(qcases: list[QCase], label: str) -> None:
+        for qc in qcases:
+            run_cases([qc.case], label, timing, functools.partial(row_fn, qc), rows, failed)
+
+    def save():
+        return write_record(
+            "bench_quantize", rows, args.out, timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
+            copy_gbps=max(copy_gbps) if copy_gbps else None, target_frac_of_copy=TARGET_FRAC_OF_COPY,
+            bytes_counted="input read once + E4M3 data and FP32 scales written once",
+            failed=failed, skipped=skipped,
+        )
+
+    try:
+        qcases, skips = _copy_cases(on_gpu, args.seed)
+        skipped += [dict(impl=s.impl, problem="copy", reason=s.reason) for s in skips]
+        run(qcases, "copy")
+    except Exception as e:  # noqa: BLE001 - without a copy row the fractions stay empty
+        failed.append(dict(impl="copy", problem="copy", error=f"{type(e).__name__}: {str(e)[:800]}"))
+    copy_gbps += [r["gbps"] for r in rows if r["kernel"] == "copy"]
+    for r in rows:
+        r["frac_of_copy"] = r["gbps"] / max(copy_gbps) if copy_gbps else None
+    save()
+
+    for i, shape in enumerate(shapes):
+        label = f"{shape.m}x{shape.k}:{shape.dtype}"
+        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            skipped += [dict(problem=f"{s.m}x{s.k}:{s.dtype}", reason=f"time budget {args.budget_s:.0f} s spent")
+                        for s in shapes[i:]]
+            break
+        try:
+            qcases = _quantize_cases(shape, impl, args.seed)
+        except Exception as e:  # noqa: BLE001
+            failed.append(dict(impl="(operands)", problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
+            continue
+        run(qcases, label)
+        save()
+    path = save()
+
+    print(f"\n{'impl':26s} {'MxK:dtype':>20s} {'GB/s':>9} {'of copy':>8}")
+    for r in rows:
+        frac = "" if r["frac_of_copy"] is None else f"{r['frac_of_copy']:8.1%}"
+        print(f"{r['impl']:26s} {f'{r['m']}x{r['k']}:{r['dtype']}':>20s} {r['gbps']:9.4g} {frac:>8}")
+    for s in skipped:
+        print(f"skipped: {s}")
+    for f in failed:
+        print(f"FAILED: {f}")
+    print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
