@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import pathlib
 import sys
 import time
 from typing import Callable
@@ -50,6 +49,7 @@ from jfp8.benchmarking import (
     gemm_row,
     parse_config,
     parse_shape,
+    random_normal,
     run_cases,
     timing_from_args,
     to_torch,
@@ -163,39 +163,58 @@ def _torch_cases(shape: GemmShape, xb, wb, bf16_ref, a, b, ref) -> tuple[list[Ca
 # ------------------------------------------------------------------------------------ cases
 
 
+@jax.jit
+def _operands(x: jax.Array, w: jax.Array) -> dict:
+    """x (M, K), w (N, K) in f32 and bf16, and their per-tensor and tile x block FP8 forms."""
+    return dict(x=x, w=w, xb=x.astype(jnp.bfloat16), wb=w.astype(jnp.bfloat16),
+                pa=jfp8.quantize(x, None), pb=jfp8.quantize(w, None),
+                a=jfp8.quantize(x, (1, jfp8.TILE)), b=jfp8.quantize(w, (jfp8.TILE, jfp8.TILE)))
+
+
+# The implementations and references, jitted once. References take their operands as arguments
+# (a closure would bake them into the program as constants).
+@jax.jit
+def _bf16_dot(a, b):
+    return jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+@jax.jit
+def _f32_dot(a, b):
+    return jnp.dot(a, b.T, precision="highest")
+
+
+@jax.jit
+def _fp8_per_tensor(ad, sa, bd, sb):
+    # Per-tensor FP8: XLA fuses scalar scales into a cuBLASLt FP8 GEMM on GPU.
+    return (jnp.dot(ad, bd.T, preferred_element_type=jnp.float32) * (sa * sb)).astype(jnp.bfloat16)
+
+
+@jax.jit
+def _dequantized_dot(a, b):
+    """The exact product of two FP8 tensors up to f32 rounding: the per-tensor reference."""
+    return jnp.dot(a.dequantize(), b.dequantize().T, precision="highest")
+
+
+@jax.jit
+def _tiled_reference(a, b):
+    return jfp8.scaled_matmul_reference(a, b, jnp.float32)
+
+
 def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], on_gpu: bool):
     """(cases, skips, info) for one shape."""
     m, n, k = shape
-    kx, kw = jax.random.split(jax.random.key(seed))
-    x = jax.random.normal(kx, (m, k), jnp.float32)
-    w = jax.random.normal(kw, (n, k), jnp.float32) / np.sqrt(k)
-    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    ops = _operands(random_normal(seed, (m, k)), random_normal(seed + 1, (n, k)) / np.sqrt(k))
+    x, w, xb, wb, pa, pb, a, b = (ops[key] for key in ("x", "w", "xb", "wb", "pa", "pb", "a", "b"))
     cases, skips, info = [], [], {}
 
-    bf16 = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    # References take their operands as arguments (a closure would bake them into the program as
-    # constants) and are computed once per shape.
-    f32_dot = jax.jit(lambda a, b: jnp.dot(a, b.T, precision="highest"))
-    bf16_ref = functools.cache(lambda: f32_dot(x, w))
-    cases.append(Case(BASELINE, lambda: bf16(xb, wb), _jax_check(bf16_ref), TOL_BF16_OPERANDS, "bf16"))
+    bf16_ref = functools.cache(lambda: _f32_dot(x, w))
+    cases.append(Case(BASELINE, lambda: _bf16_dot(xb, wb), _jax_check(bf16_ref), TOL_BF16_OPERANDS, "bf16"))
 
-    # Per-tensor FP8: XLA fuses scalar scales into a cuBLASLt FP8 GEMM on GPU.
-    pa, pb = jfp8.quantize(x, None), jfp8.quantize(w, None)
-    fp8_tensor = jax.jit(
-        lambda ad, sa, bd, sb: (
-            jnp.dot(ad, bd.T, preferred_element_type=jnp.float32) * (sa * sb)
-        ).astype(jnp.bfloat16)
-    )
     pargs = (pa.data, pa.scale[0, 0], pb.data, pb.scale[0, 0])
-    cases.append(Case(
-        "xla-fp8-per-tensor", lambda: fp8_tensor(*pargs),
-        _jax_check(lambda: jfp8.scaled_matmul_oracle(pa, pb)), TOL_FP8_OUTPUT, "fp8",
-    ))
+    cases.append(Case("xla-fp8-per-tensor", lambda: _fp8_per_tensor(*pargs),
+                      _jax_check(lambda: _dequantized_dot(pa, pb)), TOL_FP8_OUTPUT, "fp8"))
 
-    a, b = jfp8.quantize(x, (1, jfp8.TILE)), jfp8.quantize(w, (jfp8.TILE, jfp8.TILE))
-    tiled_ref = jax.jit(lambda a, b: jfp8.scaled_matmul_reference(a, b, jnp.float32))
-    ref = functools.cache(lambda: tiled_ref(a, b))
-
+    ref = functools.cache(lambda: _tiled_reference(a, b))
     if on_gpu:
         t_cases, t_skips, t_info = _torch_cases(shape, xb, wb, bf16_ref, a, b, ref)
         cases += t_cases
@@ -214,7 +233,7 @@ def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], o
         # The kernel's operands, laid out once (outside the timed call): a's chunk scales per row,
         # b's (128, 128) block scales as stored.
         kp = a.data.shape[1]
-        a_data, a_scale = chunk_operand(a, kp)
+        a_data, a_scale = jax.jit(chunk_operand, static_argnums=1)(a, kp)
         for text in configs:
             name = f"jfp8-mosaic[{config_label(text)}]"
             config = parse_config(text, gemm.GemmConfig)  # bad fields fail here, on any machine
@@ -289,7 +308,7 @@ def main(argv=None) -> int:
         skipped += [dict(impl=s.impl, problem=label, reason=s.reason) for s in skips]
         row = functools.partial(gemm_row, device_kind=device.device_kind, flops=2.0 * m * n * k,
                                 m=m, n=n, k=k)
-        run_cases(cases, label, timing, row, rows, failed)
+        run_cases(cases, label, timing, row, rows, failed, args.only)
         save()
     path = save()
     print_rows(rows)

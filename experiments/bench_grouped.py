@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import sys
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +40,7 @@ from jfp8.benchmarking import (
     add_ratios,
     device_rel_error,
     gemm_row,
+    random_normal,
     run_cases,
     timing_from_args,
     write_record,
@@ -76,25 +76,45 @@ def parse_kv(text: str) -> dict[str, int]:
     return out
 
 
-class Operands(NamedTuple):
-    x: jax.Array  # [T, K] f32
-    w_nk: jax.Array  # [G, N, K] f32
-    group_sizes: jax.Array  # [G] int32
+@functools.partial(jax.jit, static_argnums=2)
+def _operands(x: jax.Array, w: jax.Array, rows_per_group: int) -> dict:
+    """x (T, K) and per-expert weights w (G, N, K) in f32, bf16 (weights as (G, K, N)) and FP8
+    (weights in 128x128 blocks), and the equal group sizes."""
+    g = w.shape[0]
+    return dict(x=x, w=w, xb=x.astype(jnp.bfloat16), wb_kn=jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16),
+                a=jfp8.quantize(x, (1, jfp8.TILE)), b=jfp8.quantize(w, (jfp8.TILE, jfp8.TILE)),
+                sizes=jnp.full((g,), rows_per_group, jnp.int32))
 
 
-def _operands(shape: GroupedShape, seed: int) -> Operands:
-    g, r, n, k = shape
-    kx, kw = jax.random.split(jax.random.key(seed))
-    x = jax.random.normal(kx, (g * r, k), jnp.float32)
-    w = jax.random.normal(kw, (g, n, k), jnp.float32) / np.sqrt(k)
-    return Operands(x, w, jnp.full((g,), r, jnp.int32))
+@functools.partial(jax.jit, static_argnums=0)
+def _f32_reference(groups, x, w_nk):
+    t, k = x.shape
+    return jnp.einsum("gmk,gnk->gmn", x.reshape(groups, t // groups, k), w_nk,
+                      precision="highest").reshape(t, -1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _einsum_bf16(groups, x, w_kn):
+    t, k = x.shape
+    return jnp.einsum("gmk,gkn->gmn", x.reshape(groups, t // groups, k), w_kn,
+                      preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+@jax.jit
+def _ragged_bf16(x, w_kn, sizes):
+    return jax.lax.ragged_dot(x, w_kn, sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+@jax.jit
+def _fp8_reference(a, b, sizes):
+    return jfp8.grouped_scaled_matmul_reference(a, b, sizes, jnp.float32)
 
 
 def _check(ref):
     return lambda out: device_rel_error(out.reshape(ref().shape), ref())
 
 
-def _mgpu_case(shape: GroupedShape, xb, wb_kn, sizes, mgpu_config: dict, ref):
+def _mgpu_case(xb, wb_kn, sizes, mgpu_config: dict, ref):
     """ragged_dot_mgpu on bf16 (Hopper only), or the reason it cannot run."""
     try:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
@@ -108,35 +128,21 @@ def _mgpu_case(shape: GroupedShape, xb, wb_kn, sizes, mgpu_config: dict, ref):
 
 def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict):
     g, r, n, k = shape
-    x, w, sizes = _operands(shape, seed)
-    xb = x.astype(jnp.bfloat16)
-    wb_kn = jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)  # [G, K, N]
+    ops = _operands(random_normal(seed, (g * r, k)), random_normal(seed + 1, (g, n, k)) / np.sqrt(k), r)
+    x, w, xb, wb_kn, a, b, sizes = (ops[key] for key in ("x", "w", "xb", "wb_kn", "a", "b", "sizes"))
     cases, skips = [], []
 
-    f32_ref = jax.jit(lambda x, w: jnp.einsum("gmk,gnk->gmn", x.reshape(g, r, k), w,
-                                              precision="highest").reshape(g * r, n))
-    bf16_ref = functools.cache(lambda: f32_ref(x, w))
-
-    einsum = jax.jit(lambda x, w: jnp.einsum(
-        "gmk,gkn->gmn", x.reshape(g, r, k), w, preferred_element_type=jnp.float32
-    ).astype(jnp.bfloat16))
-    cases.append(Case(BASELINE, lambda: einsum(xb, wb_kn), _check(bf16_ref), TOL_BF16_OPERANDS, "bf16"))
-
-    ragged = jax.jit(lambda x, w, s: jax.lax.ragged_dot(
-        x, w, s, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    cases.append(Case("xla-ragged-dot-bf16", lambda: ragged(xb, wb_kn, sizes), _check(bf16_ref),
+    bf16_ref = functools.cache(lambda: _f32_reference(g, x, w))
+    cases.append(Case(BASELINE, lambda: _einsum_bf16(g, xb, wb_kn), _check(bf16_ref), TOL_BF16_OPERANDS, "bf16"))
+    cases.append(Case("xla-ragged-dot-bf16", lambda: _ragged_bf16(xb, wb_kn, sizes), _check(bf16_ref),
                       TOL_BF16_OPERANDS, "bf16"))
-
     if use_kernels:
-        case = _mgpu_case(shape, xb, wb_kn, sizes, mgpu_config, bf16_ref)
+        case = _mgpu_case(xb, wb_kn, sizes, mgpu_config, bf16_ref)
         (cases if isinstance(case, Case) else skips).append(case)
     else:
         skips.append(Skip("mgpu-ragged-dot-bf16", "needs a Hopper GPU"))
 
-    a = jfp8.quantize(x, (1, jfp8.TILE))
-    b = jfp8.quantize(w, (jfp8.TILE, jfp8.TILE))  # [G, N, K] in 128x128 blocks per expert
-    fp8_ref = jax.jit(lambda a, b, s: jfp8.grouped_scaled_matmul_reference(a, b, s, jnp.float32))
-    ref = functools.cache(lambda: fp8_ref(a, b, sizes))
+    ref = functools.cache(lambda: _fp8_reference(a, b, sizes))
     impl = "mosaic" if use_kernels else "xla"
     grouped = jax.jit(lambda a, b, s: jfp8.grouped_scaled_matmul(a, b, s, out_dtype=jnp.bfloat16, impl=impl))
     cases.append(Case(f"jfp8-{impl}", lambda: grouped(a, b, sizes), _check(ref), TOL_FP8_OUTPUT, "fp8"))
@@ -200,7 +206,7 @@ def main(argv=None) -> int:
         g, r, n, k = shape
         row = functools.partial(gemm_row, device_kind=device.device_kind, flops=2.0 * g * r * n * k,
                                 groups=g, m=g * r, n=n, k=k)
-        run_cases(cases, label, timing, row, rows, failed)
+        run_cases(cases, label, timing, row, rows, failed, args.only)
         save()
     path = save()
     print_rows(rows)

@@ -43,6 +43,7 @@ from jfp8.benchmarking import (
     Measurement,
     Skip,
     add_common_args,
+    random_normal,
     run_cases,
     timing_from_args,
     torch_cuda,
@@ -87,6 +88,7 @@ def _fp8_outputs(out) -> list[jax.Array]:
 
 # Each kernel: (measured implementation, reference), both x -> Fp8Tensor. The measured side takes
 # `impl`; the reference is always the XLA path. Module level so tests can substitute a wrong one.
+@jax.jit
 def _retile_input(x):
     return jfp8.quantize(x, (1, jfp8.TILE))
 
@@ -98,21 +100,21 @@ MEASURED: dict[str, Callable] = {
     "retile": lambda t, impl: jfp8.retile_wgrad_operand(t, impl=impl),
 }
 REFERENCE: dict[str, Callable] = {
-    "tile": lambda x: jfp8.quantize(x, (1, jfp8.TILE), impl="xla"),
-    "block": lambda x: jfp8.quantize(x, (jfp8.TILE, jfp8.TILE), impl="xla"),
-    "column-t": lambda x: jfp8.quantize_wgrad_operand(x, impl="xla"),
-    "retile": lambda t: jfp8.retile_wgrad_operand(t, impl="xla"),
+    "tile": jax.jit(lambda x: jfp8.quantize(x, (1, jfp8.TILE), impl="xla")),
+    "block": jax.jit(lambda x: jfp8.quantize(x, (jfp8.TILE, jfp8.TILE), impl="xla")),
+    "column-t": jax.jit(lambda x: jfp8.quantize_wgrad_operand(x, impl="xla")),
+    "retile": jax.jit(lambda t: jfp8.retile_wgrad_operand(t, impl="xla")),
 }
 
 
 def _mismatches(out, ref) -> float:
-    """Elements of data and scales that differ from the reference bit pattern (NaN == NaN)."""
+    """Elements of data and scales whose bits differ from the reference (so NaN == NaN)."""
     bad = 0
     for got, want in zip(_fp8_outputs(out), _fp8_outputs(ref)):
         if got.shape != want.shape or got.dtype != want.dtype:
             return float("inf")
-        bits = jnp.uint8 if got.dtype.itemsize == 1 else jnp.uint32
-        bad += int(jnp.sum(jax.lax.bitcast_convert_type(got, bits) != jax.lax.bitcast_convert_type(want, bits)))
+        bits = np.uint8 if got.dtype.itemsize == 1 else np.uint32
+        bad += int(np.sum(np.asarray(got).view(bits) != np.asarray(want).view(bits)))
     return float(bad)
 
 
@@ -132,10 +134,11 @@ class QCase(NamedTuple):
 def _copy_cases(on_gpu: bool, seed: int) -> tuple[list[QCase], list[Skip]]:
     elems = GPU_COPY_ELEMS if on_gpu else CPU_COPY_ELEMS
     cols = 8192 if on_gpu else 1024
-    x = jax.random.normal(jax.random.key(seed), (elems // cols, cols), jnp.bfloat16)
+    x = _input(QShape(elems // cols, cols, "bfloat16"), seed)
     add_one = jax.jit(lambda x: x + 1)
+    mismatches = jax.jit(lambda out, x: jnp.sum(out != x + 1))
     nbytes = 2 * x.size * x.dtype.itemsize
-    check = lambda out: float(jnp.sum(out != x + 1))  # noqa: E731
+    check = lambda out: float(mismatches(out, x))  # noqa: E731
     cases = [QCase(Case("copy-xla-add-one", lambda: add_one(x), check, 0, ""), nbytes,
                    x.shape[0], cols, "bfloat16", "copy")]
     skips = []
@@ -151,11 +154,21 @@ def _copy_cases(on_gpu: bool, seed: int) -> tuple[list[QCase], list[Skip]]:
     return cases, skips
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _scaled_rows(x: jax.Array, dtype: str) -> jax.Array:
+    # Rows of different magnitudes (2^-4 .. 2^4), so that the scales vary: never time on constant
+    # data.
+    rows = jnp.arange(x.shape[0]) % 9 - 4
+    return (x * jnp.exp2(rows.astype(jnp.float32))[:, None]).astype(_DTYPES[dtype])
+
+
+def _input(shape: QShape, seed: int) -> jax.Array:
+    return _scaled_rows(random_normal(seed, (shape.m, shape.k)), shape.dtype)
+
+
 def _quantize_cases(shape: QShape, impl: str, seed: int) -> list[QCase]:
     m, k, dtype = shape
-    x = jax.random.normal(jax.random.key(seed), (m, k), jnp.float32)
-    # A few large values per row so the scales vary (never time on constant data).
-    x = (x * jnp.exp2(jax.random.randint(jax.random.key(seed + 1), (m, 1), -4, 5))).astype(_DTYPES[dtype])
+    x = _input(shape, seed)
     cases = []
     for kernel in MEASURED:
         arg = _retile_input(x) if kernel == "retile" else x
@@ -196,7 +209,7 @@ def main(argv=None) -> int:
 
     def run(qcases: list[QCase], label: str) -> None:
         for qc in qcases:
-            run_cases([qc.case], label, timing, functools.partial(row_fn, qc), rows, failed)
+            run_cases([qc.case], label, timing, functools.partial(row_fn, qc), rows, failed, args.only)
 
     def save():
         return write_record(
@@ -235,7 +248,7 @@ def main(argv=None) -> int:
     print(f"\n{'impl':26s} {'MxK:dtype':>20s} {'GB/s':>9} {'of copy':>8}")
     for r in rows:
         frac = "" if r["frac_of_copy"] is None else f"{r['frac_of_copy']:8.1%}"
-        print(f"{r['impl']:26s} {f'{r['m']}x{r['k']}:{r['dtype']}':>20s} {r['gbps']:9.4g} {frac:>8}")
+        print(f"{r['impl']:26s} {'%dx%d:%s' % (r['m'], r['k'], r['dtype']):>20s} {r['gbps']:9.4g} {frac:>8}")
     for s in skipped:
         print(f"skipped: {s}")
     for f in failed:

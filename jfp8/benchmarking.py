@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import pathlib
 import platform
@@ -130,6 +131,22 @@ def measure(
         warmup = min(warmup, max(calls // 10, 1))
     samples = time_samples(fn, warmup, repeats, inner=inner, sync=sync)
     return Measurement(statistics.median(samples), min(samples), max(samples), repeats, inner, err)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jax_normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def random_normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
+    """Standard-normal f32 data on the default device.
+
+    jax.random on an accelerator; numpy on CPU, where compiling XLA's generator costs seconds,
+    more than a tiny benchmark run (tests, --quick) spends on anything else.
+    """
+    if jax.default_backend() == "cpu":
+        return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
+    return _jax_normal(seed, tuple(shape))
 
 
 def rel_error(x, ref) -> float:
@@ -267,10 +284,14 @@ class Skip(NamedTuple):
     reason: str
 
 
-def run_cases(cases, label: str, timing: Timing, row_fn, rows: list, failed: list) -> None:
+def run_cases(cases, label: str, timing: Timing, row_fn, rows: list, failed: list,
+              only: tuple[str, ...] = ()) -> None:
     """Check and time each case, appending `row_fn(case, measurement)` to `rows`; a case that
-    fails its check or raises goes to `failed` (with the reason) and the others still run."""
+    fails its check or raises goes to `failed` (with the reason) and the others still run.
+    With `only`, just the cases whose names start with one of its prefixes run."""
     for case in cases:
+        if only and not case.name.startswith(tuple(only)):
+            continue
         try:
             meas = measure(case.fn, case.check, case.tol, timing, sync=case.sync)
         except CheckFailed as e:
@@ -330,6 +351,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="cap on one implementation's timed calls at one problem")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new problem after this many seconds (the rest are listed as skipped)")
+    p.add_argument("--only", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
+                   metavar="PREFIX,...", help="run only the implementations whose names start so")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="directory for the JSON record")
 
