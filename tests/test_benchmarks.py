@@ -1,0 +1,164 @@
+"""Smoke tests of the benchmark scripts and the GPU-session orchestrator, on CPU at tiny shapes.
+
+Each benchmark's `main(argv)` must write a well-formed record, and its check before timing must be
+real: a wrong implementation is reported as failed (and not timed), with exit status 1.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+import jfp8
+from jfp8.benchmarking import parse_config
+
+EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
+FAST = ["--warmup", "0", "--repeats", "1", "--max-seconds", "0.5"]
+GEMM_KEYS = {"impl", "m", "n", "k", "ms", "tflops", "ratio_vs_bf16", "rel_error"}
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(out: pathlib.Path, name: str) -> dict:
+    (path,) = out.glob(f"{name}-*.json")
+    record = json.loads(path.read_text())
+    for key in ("device", "jax_version", "date", "rows", "failed", "skipped"):
+        assert key in record, key
+    return record
+
+
+@pytest.fixture(scope="module")
+def benches():
+    """The benchmark modules, loaded once: their jitted references compile once for all tests."""
+    return {name: _load(name) for name in ("bench_gemm", "bench_grouped", "bench_quantize")}
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory, benches):
+    """One tiny run of each benchmark into one directory (shared by the tests below)."""
+    out = tmp_path_factory.mktemp("bench")
+    rc = benches["bench_gemm"].main(["--shapes", "128x128x256", "--config", "tile_m=64", "--out", str(out), *FAST])
+    assert rc == 0
+    rc = benches["bench_grouped"].main(["--shapes", "2x128x128x256", "--out", str(out), *FAST])
+    assert rc == 0
+    rc = benches["bench_quantize"].main(["--shapes", "128x256:bfloat16", "--out", str(out), *FAST])
+    assert rc == 0
+    return out
+
+
+def test_gemm_record(records):
+    record = _record(records, "bench_gemm")
+    rows = {r["impl"]: r for r in record["rows"]}
+    assert {"xla-bf16", "xla-fp8-per-tensor", "jfp8-xla"} <= set(rows)
+    for r in rows.values():
+        assert GEMM_KEYS <= set(r) and r["tflops"] > 0 and (r["m"], r["n"], r["k"]) == (128, 128, 256)
+    assert rows["xla-bf16"]["ratio_vs_bf16"] == 1.0
+    assert "xla-bf16" in rows["jfp8-xla"]["ratio_vs"]
+    skipped = {s["impl"]: s["reason"] for s in record["skipped"]}
+    assert "torch-fp8-blockwise" in skipped and "jfp8-mosaic[tile_m=64]" in skipped  # no GPU here
+
+
+def test_grouped_record(records):
+    rows = {r["impl"]: r for r in _record(records, "bench_grouped")["rows"]}
+    assert {"xla-bf16-einsum", "xla-ragged-dot-bf16", "jfp8-xla"} <= set(rows)
+    for r in rows.values():
+        assert GEMM_KEYS <= set(r) and r["groups"] == 2 and r["m"] == 256
+
+
+def test_quantize_record(records):
+    record = _record(records, "bench_quantize")
+    kernels = {r["kernel"]: r for r in record["rows"]}
+    assert {"copy", "tile", "block", "column-t", "retile"} <= set(kernels)
+    assert record["copy_gbps"] > 0
+    for r in kernels.values():
+        assert r["gbps"] > 0 and r["mismatches"] == 0 and r["frac_of_copy"] > 0
+
+
+def test_wrong_gemm_fails_its_check(tmp_path, monkeypatch, benches, records):
+    right = jfp8.scaled_matmul
+    monkeypatch.setattr(jfp8, "scaled_matmul", lambda a, b, **kw: right(a, b, **kw) * 1.1)
+    argv = ["--shapes", "128x128x256", "--only", "jfp8", "--out", str(tmp_path), *FAST]
+    assert benches["bench_gemm"].main(argv) == 1
+    record = _record(tmp_path, "bench_gemm")
+    assert "jfp8-xla" not in {r["impl"] for r in record["rows"]}
+    (failure,) = record["failed"]
+    assert failure["impl"] == "jfp8-xla" and "check failed" in failure["error"]
+
+
+def test_wrong_quantizer_fails_its_check(tmp_path, monkeypatch, benches, records):
+    bench = benches["bench_quantize"]
+    right = bench.MEASURED["block"]
+    monkeypatch.setitem(bench.MEASURED, "block", lambda x, impl: dataclasses.replace(
+        right(x, impl), scale=right(x, impl).scale * 2))
+    argv = ["--shapes", "128x256:bfloat16", "--only", "jfp8-xla-block", "--out", str(tmp_path), *FAST]
+    assert bench.main(argv) == 1
+    (failure,) = _record(tmp_path, "bench_quantize")["failed"]
+    assert failure["impl"] == "jfp8-xla-block" and "check failed" in failure["error"]
+
+
+def test_unknown_config_field_is_a_clear_error(capsys, benches):
+    with pytest.raises(SystemExit):
+        benches["bench_gemm"].main(["--config", "tile_m=128,no_such_field=1"])
+    assert "no field 'no_such_field'" in capsys.readouterr().err
+
+
+def test_parse_config_converts_like_the_defaults():
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        tile_m: int = 64
+        fast: bool = False
+        cluster: tuple = (1, 1)
+
+    assert parse_config("tile_m=128, fast=1,cluster=2x1", Config) == Config(128, True, (2, 1))
+    with pytest.raises(ValueError, match="fields are tile_m, fast, cluster"):
+        parse_config("tile_n=3", Config)
+    with pytest.raises(ValueError, match="fast='maybe'"):
+        parse_config("fast=maybe", Config)
+
+
+def test_gpu_session_runs_on_cpu(tmp_path, records):
+    session = _load("gpu_session")
+    # The dry run plans everything (the GPU stages are skipped with a reason) and runs nothing.
+    assert session.main(["--dry-run", "--out", str(tmp_path / "dry")]) == 0
+    (summary,) = (tmp_path / "dry").glob("gpu_session-*.json")
+    stages = {s["name"]: s for s in json.loads(summary.read_text())["stages"]}
+    assert list(stages) == list(session.STAGES)
+    for name in ("pytest_gpu", "sass", "memcheck", "racecheck"):
+        assert stages[name]["status"] == "skipped" and stages[name]["skip"]
+    # Planned as on an H100: the issue's shapes, 8192^3 first, and the kernel configs as rows.
+    argv = ["--dry-run", "--assume-hopper", "--gemm-config", "tile_m=128", "--out", str(tmp_path / "plan")]
+    assert session.main(argv) == 0
+    stages = json.loads(next((tmp_path / "plan").glob("gpu_session-*.json")).read_text())["stages"]
+    gemm = next(s for s in stages if s["name"] == "bench_gemm")["argv"]
+    assert gemm[gemm.index("--shapes") + 1] == "8192x8192x8192" and "tile_m=128" in gemm
+    # A real run of the env stage, the GPU stages skipped, and the table over the benchmark records.
+    out = tmp_path / "run"
+    out.mkdir()
+    for path in records.glob("*.json"):
+        (out / path.name).write_text(path.read_text())
+    assert session.main(["--stages", "env,pytest_gpu,sass,memcheck,racecheck", "--out", str(out)]) == 0
+    summary = json.loads(next(out.glob("gpu_session-*.json")).read_text())
+    env = next(s for s in summary["stages"] if s["name"] == "env")
+    assert env["status"] == "ok" and env["summary"]["jax"]
+    table = session.gemm_table(json.loads(next(out.glob("bench_gemm-*.json")).read_text()))
+    assert any("jfp8-xla" in line for line in table)
+    assert session.quantize_table(json.loads(next(out.glob("bench_quantize-*.json")).read_text()))[1:]
+
+
+def test_sass_counting():
+    sass = """
+        /*0a50*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24, gsb0 ;
+        /*0a60*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], R88 ;
+        /*0a70*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0a80*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24, gsb0 ;
+    """
+    assert _load("gpu_session").count_sass(sass) == {"QGMMA": 2, "HGMMA": 1, "HMMA": 1, "IMMA": 0}
