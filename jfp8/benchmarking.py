@@ -22,10 +22,10 @@ from pallas_kernels.shapes import GemmShape
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 # Dense (no structured sparsity) tensor-core peaks in TFLOP/s, from NVIDIA's H100 SXM datasheet:
-# 1979 FP8, 989 BF16 (the 3958 / 1979 figures are "with sparsity"). The H200 SXM, which
-# nvidia-smi names plainly "NVIDIA H200", has the H100's arithmetic rates (see
-# /work/.library/device/H200.md and /work/shared/docs/pallas-notes.md). Measured ceilings on these
-# machines: bf16 cuBLAS ~790-800 TFLOP/s at 8192^3; device copy ~3.0 TB/s (H100), ~4.3 TB/s (H200).
+# 1979 FP8, 989 BF16 (3958 / 1979 are the "with sparsity" figures). The H200 SXM, which
+# nvidia-smi names plainly "NVIDIA H200", has the H100's arithmetic rates. Measured ceilings on the
+# project's GPU machines (see the shared pallas notes): bf16 cuBLAS ~790-800 TFLOP/s at 8192^3;
+# device copy ~3.0 TB/s (H100), ~4.3 TB/s (H200).
 _HOPPER_SXM_PEAKS = {"fp8": 1979.0, "bf16": 989.0}
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "NVIDIA H100 80GB HBM3": _HOPPER_SXM_PEAKS,
