@@ -14,12 +14,54 @@ registers:
 which is exactly `jfp8.reference.scaled_matmul_reference`, operation for operation. Because the
 K tile equals the scaling block (`TILE` = 128), every K step is one promotion.
 
-Launch structure (the simple form; pipelining depth is a config knob, warp specialization and a
-persistent grid are left for later): one CTA of one warpgroup per `(tile_m, tile_n)` output
-tile. `plgpu.emit_pipeline` streams the K chunks of a, b and their scales GMEM -> SMEM with TMA
-(`max_concurrent_steps` stages in flight), the fp8 tiles in the 128-byte swizzle that wgmma
-needs. b is stored K-major, `(N, K)`, and handed to wgmma transposed (fp8 wgmma takes no other
-B layout). The epilogue casts in registers and TMA-stores the tile through a swizzled SMEM tile.
+Launch structure, two forms selected by `GemmConfig`:
+
+- `GemmConfig.simple()`, the correct-first form: one CTA of one warpgroup per 64 x 128 output
+  tile. `plgpu.emit_pipeline` streams the K chunks of a, b and their scales GMEM -> SMEM with TMA
+  (2 stages), and the same warpgroup waits for each chunk, runs the wgmma, waits for it and
+  promotes.
+- `GemmConfig()`, the fast form (the default): 128 x 128 tiles, 4 SMEM stages, warp-specialized
+  (`plgpu.emit_pipeline_warp_specialized`: warpgroup 2 only issues TMA, with 40 registers per
+  thread; consumer warpgroups 0 and 1 each own 64 rows of the tile, with 232 registers), and
+  persistent (one CTA per SM looping over tiles in a grouped order, `plgpu.nd_loop` +
+  `plgpu.planar_snake`). The stages are allocated once per CTA and reused by every tile.
+  The four changes are independent fields, so each can be measured alone.
+
+In both, the fp8 tiles are in the 128-byte swizzle that wgmma needs, b is stored K-major, `(N, K)`,
+and handed to wgmma transposed (fp8 wgmma takes no other B layout), and each warpgroup casts its
+rows in registers and TMA-stores them through a swizzled SMEM tile, leaving the store in flight
+until that SMEM is needed again. The numerics do not depend on the config: every output element
+gets the same chunk products promoted in the same order.
+
+Predicted effects, to be measured on a GPU (nothing here has been timed; `experiments/
+bench_gemm.py` times the default config; the fields can be flipped one at a time from
+`GemmConfig.simple()`):
+1. Deeper pipeline (`max_concurrent_steps` 2 -> 4). With 2 stages only the next chunk's copies
+   are in flight while one is computed, so each step can wait a full TMA round trip from L2/HBM.
+   More stages hide that latency; expected to help most where per-tile compute is shortest
+   relative to load latency (tile_n small, or few CTAs per SM). Sweep 2..5 at fixed tiles.
+2. Warp specialization. In the simple form the tensor cores idle while the one warpgroup waits
+   for TMA, waits for its wgmma, and promotes (a multiply-add per accumulator element per 128 K).
+   With two consumers, one's promotion (FMA units) overlaps the other's wgmma (tensor cores), and
+   the 128-row tile halves the b traffic per FLOP compared with 64 rows. Expected to be the
+   largest gain at every DENSE_SHAPES entry; to separate the two causes, compare
+   `GemmConfig(warp_specialized=False, tile_m=128, ...)` with the default.
+3. Persistent grid. Removes a CTA launch, barrier setup and pipeline fill per tile, and lets the
+   producer fetch the next tile's first chunks while the consumers store the previous tile.
+   Expected to matter most at short K (4096x24576x1536, 4096x7168x2048), where fill and epilogue
+   are a larger share of a tile's time; it does not remove wave quantization (tiles % 132).
+4. Grouped tile order (`grid_tile_group` = 8 row tiles). A wave of 132 concurrent 128 x 128
+   tiles then spans 8 row tiles x about 17 column tiles, i.e. 25 distinct 128-row panels of a and
+   b (128 x K bytes each), instead of about 4 + 56 = 60 in row order at N = 7168 (1 + 132 at
+   N = 24576). Concurrent CTAs move through K at similar rates, so a panel shared within a wave
+   should come from HBM about once: per wave 2 * 132 * 128^2 * K FLOP over 25 * 128 * K bytes is
+   ~1350 FLOP/byte, against ~560 for 60 panels, and the H100 datasheet ratio (1979 TFLOP/s over
+   3.35 TB/s) is ~590. Expected: less DRAM read traffic (`ncu` dram bytes) at every shape, and
+   higher throughput where panels do not also survive in the 50 MB L2 between waves (large K:
+   4096x7168x16384, 8192^3).
+Also to check on the GPU: the SASS should show `QGMMA` for the wgmma and `SETMAXNREG` in the
+warp-specialized form; the per-chunk `commit_smem` (proxy fence + warpgroup barrier, see
+`_promote`) is expected to cost little, since the other consumer's wgmma runs meanwhile.
 
 Tails: TMA zero-fills loads past the inputs' edges (zero data and zero scales add exact zeros)
 and drops stores past the output's edge, so partial tiles need no masking in the kernel. What
@@ -54,31 +96,56 @@ WGMMA_M = 64
 MAX_TMA_BOX = 256
 # The narrowest output tile whose bf16 rows can be swizzled (32 bytes).
 MIN_TILE_N = 16
+# Warp specialization: consumer (wgmma) warpgroups per CTA, besides the one producer (TMA)
+# warpgroup, and the registers per thread the producer keeps (setmaxnreg; the rest of the
+# register file goes to the consumers). 40 is what jax's Hopper matmul gives its producer.
+WS_CONSUMER_WGS = 2
+WS_PRODUCER_REGISTERS = 40
+# Shared memory per block on Hopper (opt-in maximum, 227 KiB), and the alignment of each SMEM
+# buffer (the 128-byte swizzle repeats every 8 rows = 1024 bytes).
+SMEM_BYTES = 227 * 1024
+SMEM_ALIGN = 1024
+BARRIER_BYTES = 8
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _B_BLOCK_ROWS = (1, TILE)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
-    """Tiling of the kernel.
+    """Tiling and launch structure of the kernel. The defaults are the fast form (see the module
+    docstring); `GemmConfig.simple()` is the correct-first one.
 
     Attributes:
-      tile_m: output rows per CTA, a multiple of 64 (one warpgroup's wgmma M). 64 keeps the two
-        f32 register tiles of the promotion (`partial` and `out`, 64 registers/thread each at
-        tile_n=128) well inside the register file.
+      tile_m: output rows per CTA, a multiple of 64 (one warpgroup's wgmma M); with
+        `warp_specialized`, a multiple of 128, split evenly between the consumer warpgroups.
       tile_n: output columns per CTA, a multiple of 16 and at most 256 (wgmma N, TMA box, and
-        a swizzled bf16 output row).
-      max_concurrent_steps: K steps whose TMA copies may be in flight at once (SMEM stages).
+        a swizzled bf16 output row). A warpgroup computing r rows holds f32 register tiles of
+        r x tile_n (`partial`, the scale product, `out`), each 64 registers/thread at 64 x 128;
+        at tile_n = 256 they take 3 x 128, more than a thread has (232 for a warp-specialized
+        consumer, 255 otherwise), and spill.
+      max_concurrent_steps: SMEM stages: K steps whose TMA copies may be in flight at once.
+      warp_specialized: one producer warpgroup issues the TMA copies and `WS_CONSUMER_WGS`
+        consumer warpgroups run wgmma and the promotion on their rows of the tile; otherwise one
+        warpgroup does both.
+      persistent: launch one CTA per SM (at most one per tile), each looping over its tiles, so
+        that a tile's epilogue overlaps the next tile's loads; otherwise one CTA per tile.
+      grid_tile_group: row tiles walked together along the tile order (L2 reuse); 1 walks the
+        tiles row by row.
     """
 
-    tile_m: int = 64
+    tile_m: int = 128
     tile_n: int = 128
-    max_concurrent_steps: int = 2
+    max_concurrent_steps: int = 4
+    warp_specialized: bool = True
+    persistent: bool = True
+    grid_tile_group: int = 8
 
     def __post_init__(self):
-        if self.tile_m < WGMMA_M or self.tile_m % WGMMA_M or self.tile_m > MAX_TMA_BOX:
+        rows = WGMMA_M * (WS_CONSUMER_WGS if self.warp_specialized else 1)
+        if self.tile_m < rows or self.tile_m % rows or self.tile_m > MAX_TMA_BOX:
+            why = f" ({WS_CONSUMER_WGS} consumer warpgroups)" if self.warp_specialized else ""
             raise ValueError(
-                f"tile_m={self.tile_m} must be a multiple of {WGMMA_M} and at most {MAX_TMA_BOX}"
+                f"tile_m={self.tile_m} must be a multiple of {rows}{why} and at most {MAX_TMA_BOX}"
             )
         if self.tile_n < MIN_TILE_N or self.tile_n % MIN_TILE_N or self.tile_n > MAX_TMA_BOX:
             raise ValueError(
@@ -86,6 +153,21 @@ class GemmConfig:
             )
         if self.max_concurrent_steps < 1:
             raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
+        if self.grid_tile_group < 1:
+            raise ValueError(f"grid_tile_group={self.grid_tile_group} must be >= 1")
+
+    @classmethod
+    def simple(cls) -> GemmConfig:
+        """The correct-first form: one warpgroup per CTA on a 64 x 128 tile, 2 stages, one CTA
+        per tile in row order."""
+        return cls(
+            tile_m=64,
+            tile_n=128,
+            max_concurrent_steps=2,
+            warp_specialized=False,
+            persistent=False,
+            grid_tile_group=1,
+        )
 
 
 def _round_up(x: int, m: int) -> int:
@@ -111,50 +193,162 @@ def _swizzled(dtype, row_elems: int) -> tuple:
     )
 
 
-def _gemm_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem, *, config: GemmConfig):
-    """One `(tile_m, tile_n)` output tile.
+def _zeros(shape: tuple[int, int]) -> jax.Array:
+    """An f32 register tile of zeros in the wgmma accumulator layout."""
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array) -> jax.Array:
+    """One K chunk for one warpgroup: fresh FP32 wgmma, then `out + partial * (sa * sb)`.
+
+    a_smem [rows, TILE_K], b_smem [tile_n, TILE_K] (K-major), sa_smem [rows], sb_smem [tile_n];
+    out [rows, tile_n] f32 in registers, rows a multiple of 64.
+    """
+    rows, cols = out.shape
+    wgmma_layout = plgpu.Layout.WGMMA
+
+    def chunk_product(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))  # b is K-major: pass b.T
+        plgpu.wgmma_wait(0)  # the promotion needs the finished partial sum
+        return acc_ref[...]
+
+    partial = pl.run_scoped(chunk_product, plgpu.ACC((rows, cols), jnp.float32))  # zeroed
+    sa = plgpu.load(sa_smem, layout=wgmma_layout.reduce(1))  # [rows] per output row
+    sb = plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [cols] per output column
+    sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
+    out = out + partial * (sa * sb)
+    # The pipeline hands this stage back to TMA next. The scale loads above are generic-proxy
+    # reads and TMA writes through the async proxy, which PTX orders only across a proxy fence
+    # (`fence.proxy.async`, here with a warpgroup barrier); without it the interpreter's race
+    # detector reports the stage's next TMA write as racing with these reads.
+    plgpu.commit_smem()
+    return out
+
+
+def _in_specs(config: GemmConfig, mi, ni) -> list[plgpu.BlockSpec]:
+    """K step k of output tile (mi, ni): a, b (128-byte swizzled fp8) and their scales."""
+    tm, tn = config.tile_m, config.tile_n
+    fp8_tile = _swizzled(FP8_DTYPE, TILE_K)
+    return [
+        plgpu.BlockSpec((tm, TILE_K), lambda k: (mi, k), transforms=fp8_tile),
+        plgpu.BlockSpec((tn, TILE_K), lambda k: (ni, k), transforms=fp8_tile),
+        plgpu.BlockSpec((None, tm), lambda k: (k, mi)),
+        plgpu.BlockSpec((None, tn), lambda k: (k, ni)),
+    ]
+
+
+def _tile_at(lin, tiles: tuple[int, int], config: GemmConfig) -> tuple[jax.Array, jax.Array]:
+    """(row tile, column tile) number `lin` of the tile order.
+
+    A grouped ("planar snake") order: `grid_tile_group` row tiles side by side, walked column
+    by column, the direction flipping from one group to the next, so that the tiles running at
+    the same time share few a and b panels.
+    """
+    group = min(config.grid_tile_group, tiles[0])
+    return plgpu.planar_snake(lin, tiles, 0, group)  # minor dim 0: groups of row tiles
+
+
+def _for_each_tile(config: GemmConfig, tiles: tuple[int, int], tile_fn) -> None:
+    """Calls `tile_fn(mi, ni)` for this CTA's output tiles: non-persistent, CTA i computes tile
+    i of `_tile_at`; persistent, CTA i computes tiles i, i + #CTAs, i + 2 #CTAs, ..."""
+    if not config.persistent:
+        tile_fn(*_tile_at(lax.axis_index("sm"), tiles, config))
+        return
+
+    @plgpu.nd_loop((tiles[0] * tiles[1],), collective_axes="sm")
+    def _(loop_info):
+        tile_fn(*_tile_at(loop_info.index[0], tiles, config))
+
+
+def _store_tile(out: jax.Array, out_smem, out_gmem_tile) -> None:
+    """Registers -> swizzled SMEM -> TMA store, which drops rows/columns past the output's edge.
+
+    The store is left in flight (it overlaps the next tile's main loop); only before `out_smem`
+    is written again do we wait for the previous store to have read it.
+    """
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_smem[...] = out.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem_tile)
+
+
+def _simple_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem, *, config, tiles):
+    """One warpgroup per CTA: TMA and wgmma issued from the same warpgroup.
 
     Refs (C = Kp // TILE_K; primes mark the padded extents of `_kernel_operands`/`_out_shape`):
       a_gmem [M', Kp] e4m3, b_gmem [Nb', Kp] e4m3 (K-major), sa_gmem [C, M''] f32, sb_gmem
       [C, N''] f32 (scales, K chunk-major), out_gmem [M_out, N_out], out_smem [tile_m, tile_n].
     """
     tm, tn = config.tile_m, config.tile_n
-    mi, ni = lax.axis_index("m"), lax.axis_index("n")
-    wgmma_layout = plgpu.Layout.WGMMA
 
-    def promote(_, a_smem, b_smem, sa_smem, sb_smem, out):
-        """One K chunk: fresh FP32 wgmma, then `out + partial * (sa * sb)` in registers."""
+    def tile(mi, ni):
+        out = plgpu.emit_pipeline(
+            lambda _, a_smem, b_smem, sa_smem, sb_smem, out: _promote(
+                a_smem, b_smem, sa_smem, sb_smem, out
+            ),
+            grid=(a_gmem.shape[1] // TILE_K,),
+            in_specs=_in_specs(config, mi, ni),
+            max_concurrent_steps=config.max_concurrent_steps,
+            init_carry=_zeros((tm, tn)),
+        )(a_gmem, b_gmem, sa_gmem, sb_gmem)
+        _store_tile(out, out_smem, out_gmem.at[pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)])
 
-        def chunk_product(acc_ref):
-            plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))  # b is K-major: pass b.T
-            plgpu.wgmma_wait(0)  # the promotion needs the finished partial sum
-            return acc_ref[...]
+    _for_each_tile(config, tiles, tile)
+    plgpu.wait_smem_to_gmem(0)
 
-        partial = pl.run_scoped(chunk_product, plgpu.ACC((tm, tn), jnp.float32))  # zeroed
-        sa = plgpu.load(sa_smem, layout=wgmma_layout.reduce(1))  # [tm] per output row
-        sb = plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [tn] per output column
-        scale = lax.broadcast_in_dim(sa, (tm, tn), [0]) * lax.broadcast_in_dim(sb, (tm, tn), [1])
-        return out + partial * scale
 
-    fp8_tile = _swizzled(FP8_DTYPE, TILE_K)
-    out0 = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), wgmma_layout)
-    out = plgpu.emit_pipeline(
-        promote,
-        grid=(a_gmem.shape[1] // TILE_K,),
-        in_specs=[
-            plgpu.BlockSpec((tm, TILE_K), lambda k: (mi, k), transforms=fp8_tile),
-            plgpu.BlockSpec((tn, TILE_K), lambda k: (ni, k), transforms=fp8_tile),
-            plgpu.BlockSpec((None, tm), lambda k: (k, mi)),
-            plgpu.BlockSpec((None, tn), lambda k: (k, ni)),
-        ],
-        max_concurrent_steps=config.max_concurrent_steps,
-        init_carry=out0,
-    )(a_gmem, b_gmem, sa_gmem, sb_gmem)
+def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles):
+    """Warp-specialized: warpgroup `WS_CONSUMER_WGS` only issues TMA; consumer warpgroup w
+    (0 <= w < WS_CONSUMER_WGS) owns rows [w * wm, (w + 1) * wm) of each (tile_m, tile_n) tile.
 
-    # Epilogue: registers -> swizzled SMEM -> TMA store, which drops rows/columns past the edge.
-    out_smem[...] = out.astype(out_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)])
+    Each consumer runs `_promote` on its rows with its own FP32 registers and stores its rows
+    itself, so the two consumers only meet at the pipeline's "consumed" barrier: while one
+    promotes a chunk (FMA units), the other's wgmma can occupy the tensor cores. Refs as in
+    `_simple_kernel`; the SMEM stages and the output tile are shared by the three warpgroups.
+    """
+    tm, tn = config.tile_m, config.tile_n
+    wm = tm // WS_CONSUMER_WGS
+
+    def pipeline(mi, ni, body=None, compute_context=None):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(a_gmem.shape[1] // TILE_K,),
+            memory_registers=WS_PRODUCER_REGISTERS,
+            in_specs=_in_specs(config, mi, ni),
+            wg_axis="wg",
+            num_compute_wgs=WS_CONSUMER_WGS,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    operands = (a_gmem, b_gmem, sa_gmem, sb_gmem)
+    out_tile = plgpu.SMEM((tm, tn), out_gmem.dtype, transforms=_swizzled(out_gmem.dtype, tn))
+
+    # The stages are allocated once, outside the tile loop: a scoped allocation per tile would
+    # synchronise the three warpgroups at every tile (the allocations depend only on shapes).
+    @functools.partial(
+        pl.run_scoped,
+        stages=pipeline(0, 0).get_allocations(*operands),
+        out_smem=out_tile,
+        collective_axes="wg",
+    )
+    def _(stages, out_smem):
+        wg = lax.axis_index("wg")
+        rows = pl.ds(wg * wm, wm)  # this consumer's rows of the tile
+
+        def tile(mi, ni):
+            def body(_, a_smem, b_smem, sa_smem, sb_smem, out):
+                return _promote(a_smem.at[rows], b_smem, sa_smem.at[rows], sb_smem, out)
+
+            def compute_context(run_pipeline):
+                out = run_pipeline(_zeros((wm, tn)))
+                out_rows = out_gmem.at[pl.ds(mi * tm + wg * wm, wm), pl.ds(ni * tn, tn)]
+                _store_tile(out, out_smem.at[rows], out_rows)
+
+            pipeline(mi, ni, body, compute_context)(*operands, allocations=stages)
+
+        _for_each_tile(config, tiles, tile)
+
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -229,6 +423,40 @@ def _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows):
     return a_data, b_data, sa, sb
 
 
+def smem_bytes(config: GemmConfig, out_dtype, chunks: int) -> int:
+    """Shared memory the kernel allocates, in bytes, for `chunks` = Kp // 128 K steps.
+
+    Per stage a [tile_m, 128] and b [tile_n, 128] fp8 tile and their f32 scales, plus the output
+    tile and the pipeline's mbarriers (one per stage, two with warp specialization: "produced"
+    and "consumed"); each buffer starts on a 1024-byte boundary. The pipelines allocate no more
+    stages than there are K steps. This reproduces Mosaic GPU's own count
+    (`tests/test_gemm_kernel.py` checks it), so a config is rejected before lowering, in the
+    interpreter too, with the fields to change.
+    """
+    stages = min(config.max_concurrent_steps, chunks)
+    tm, tn = config.tile_m, config.tile_n
+    f32 = jnp.dtype(jnp.float32).itemsize
+    buffers = (
+        stages * tm * TILE_K,  # a, fp8
+        stages * tn * TILE_K,  # b, fp8
+        stages * tm * f32,  # a's scales
+        stages * tn * f32,  # b's scales
+        tm * tn * jnp.dtype(out_dtype).itemsize,  # output tile
+    )
+    barriers = stages * (2 if config.warp_specialized else 1)
+    return sum(_round_up(b, SMEM_ALIGN) for b in buffers) + barriers * BARRIER_BYTES
+
+
+def _check_smem(config: GemmConfig, out_dtype, chunks: int) -> None:
+    need = smem_bytes(config, out_dtype, chunks)
+    if need > SMEM_BYTES:
+        raise ValueError(
+            f"{config} with {jnp.dtype(out_dtype)} output needs {need} bytes of shared memory, "
+            f"over the {SMEM_BYTES} a Hopper block can have: lower max_concurrent_steps, "
+            "tile_n or tile_m"
+        )
+
+
 def _out_shape(m: int, n: int, out_dtype, config: GemmConfig) -> tuple[int, int]:
     """The kernel's output array: (M, n), padded only where the swizzled TMA store cannot tile it.
 
@@ -241,18 +469,32 @@ def _out_shape(m: int, n: int, out_dtype, config: GemmConfig) -> tuple[int, int]
     return _tma_extent(m, SWIZZLE_ROWS), _tma_extent(n, cols, align)
 
 
-def _gemm_call(out_shape: tuple[int, int], out_dtype, config: GemmConfig, grid: tuple[int, int]):
-    """The Mosaic GPU kernel: one CTA (one warpgroup) per output tile of the `(m, n)` grid."""
+def _gemm_call(
+    out_shape: tuple[int, int],
+    out_dtype,
+    config: GemmConfig,
+    tiles: tuple[int, int],
+    num_sms: int | None = None,
+):
+    """The Mosaic GPU kernel over `tiles = (row tiles, column tiles)` output tiles.
+
+    One CTA per tile, or with `config.persistent` one per SM (`num_sms`, the device's when None;
+    fewer CTAs for fewer tiles), each walking its share of the tiles.
+    """
+    num_tiles = tiles[0] * tiles[1]
+    num_sms = _mgpu.num_sms() if num_sms is None else num_sms
+    ctas = min(num_tiles, num_sms) if config.persistent else num_tiles
+    launch = dict(
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(ctas,), grid_names=("sm",)
+    )
+    if config.warp_specialized:
+        kernel = functools.partial(_ws_kernel, config=config, tiles=tiles)
+        return plgpu.kernel(kernel, num_threads=WS_CONSUMER_WGS + 1, thread_name="wg", **launch)
     out_tile = plgpu.SMEM(
         (config.tile_m, config.tile_n), out_dtype, transforms=_swizzled(out_dtype, config.tile_n)
     )
-    return plgpu.kernel(
-        functools.partial(_gemm_kernel, config=config),
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=grid,
-        grid_names=("m", "n"),
-        scratch_types=dict(out_smem=out_tile),
-    )
+    kernel = functools.partial(_simple_kernel, config=config, tiles=tiles)
+    return plgpu.kernel(kernel, scratch_types=dict(out_smem=out_tile), **launch)
 
 
 def scaled_matmul(
@@ -290,10 +532,11 @@ def scaled_matmul(
     m, kp = a_data.shape
     if m == 0 or n == 0 or kp == 0:
         return jnp.zeros((m, n), out_dtype)  # nothing to launch; K = 0 sums to zero
+    _check_smem(config, out_dtype, kp // TILE_K)
     operands = _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows)
     m_out, n_out = _out_shape(m, n, out_dtype, config)
-    grid = (pl.cdiv(m, config.tile_m), pl.cdiv(n, config.tile_n))
-    out = _gemm_call((m_out, n_out), out_dtype, config, grid)(*operands)
+    tiles = (pl.cdiv(m, config.tile_m), pl.cdiv(n, config.tile_n))
+    out = _gemm_call((m_out, n_out), out_dtype, config, tiles)(*operands)
     return out if (m_out, n_out) == (m, n) else out[:m, :n]
 
 

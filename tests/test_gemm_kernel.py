@@ -15,6 +15,12 @@ Comparison strength, found by experiment:
   an order that changes with the matrix shape (e.g. N=200 vs N=256), unlike the interpreter's
   per-tile matmul, so the last bit of some outputs differs. Those tests use f32 outputs, since a
   one-ulp f32 difference can flip a bf16 rounding.
+
+Both launch structures are tested: `GemmConfig.simple()` and the default (warp-specialized,
+persistent, grouped tile order). The interpreter runs the warp-specialized form as three
+warpgroup threads with real mbarriers, and its race detector checks their synchronization; a
+persistent CTA walks several tiles only when there are more tiles than SMs, so those tests
+launch the kernel with a small SM count.
 """
 
 from __future__ import annotations
@@ -26,10 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+    get_races,
+    reset_gpu_interpret_mode_state,
+)
 
 from jfp8.fp8 import Fp8Tensor, quantize
 from jfp8.reference import scaled_matmul_reference
-from pallas_kernels import gemm
+from pallas_kernels import _mgpu, gemm
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE
 from pallas_kernels.shapes import DENSE_SHAPES
 from helpers import interpret as _interpret
@@ -86,6 +96,19 @@ def _kernel(a: Fp8Tensor, b: Fp8Tensor, b_block_rows: int, out_dtype, config=Non
     )
 
 
+def _interpret_detecting_races(fn, *args):
+    """`helpers.interpret` with the interpreter's race detector on; returns (result, races found).
+
+    A race is printed ("RACE DETECTED", with both accesses) and recorded, not raised."""
+    try:
+        with _mgpu.interpret_mode(True, detect_races=True):
+            out = jax.block_until_ready(fn(*args))
+    except Exception:
+        reset_gpu_interpret_mode_state()
+        raise
+    return out, get_races().races_found
+
+
 def _assert_bitwise_equal(out, ref, seed):
     out, ref = np.asarray(out), np.asarray(ref)
     assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, seed)
@@ -97,8 +120,13 @@ def _assert_bitwise_equal(out, ref, seed):
     )
 
 
+SIMPLE = gemm.GemmConfig.simple()
+FAST = gemm.GemmConfig()
+CONFIGS = {"simple": SIMPLE, "fast": FAST}
+
 # (M, N, K, b_block_rows, out_dtype): M/N tails within and past one tile, b with padded rows
-# (N=200 and 136 under 128x128 blocks), K tails (K=200 -> 2 chunks), 1 and 4 chunks.
+# (N=200 and 136 under 128x128 blocks), K tails (K=200 -> 2 chunks), 1 and 4 chunks (more
+# chunks than SMEM stages in the simple form).
 EXACT_CASES = [
     (64, 128, 256, TILE, jnp.float32),
     (65, 200, 200, TILE, jnp.bfloat16),
@@ -108,28 +136,45 @@ EXACT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("m,n,k,b_block_rows,out_dtype", EXACT_CASES)
-def test_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype):
+@pytest.mark.parametrize(
+    "m,n,k,b_block_rows,out_dtype,config",
+    [(*case, "simple") for case in EXACT_CASES]
+    # The fast form's other combinations (tile-scaled b with f32 output, several chunks per
+    # stage) are covered by the tests below.
+    + [(*EXACT_CASES[1], "fast"), (*EXACT_CASES[3], "fast")],
+)
+def test_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype, config):
     seed = _seed()
     a, b = _operands(seed, m, n, k, b_block_rows, exact=True)
-    out = _interpret(_kernel, a, b, b_block_rows, out_dtype)
+    out = _interpret(_kernel, a, b, b_block_rows, out_dtype, CONFIGS[config])
     _assert_bitwise_equal(out, _reference(a, b, out_dtype), seed)
 
 
-def test_bit_identical_with_another_tiling():
-    """tile_m=128 (two wgmma row blocks in one warpgroup), tile_n=64, no TMA overlap."""
+@pytest.mark.parametrize(
+    "config,k",
+    [
+        # tile_m=128 in one warpgroup (two wgmma row blocks), tile_n=64, no TMA overlap.
+        (dataclasses.replace(SIMPLE, tile_m=128, tile_n=64, max_concurrent_steps=1), 256),
+        # Warp-specialized on its own: one CTA per tile, 64-wide tiles, 2 stages for 3 chunks.
+        (gemm.GemmConfig(tile_n=64, max_concurrent_steps=2, persistent=False), 300),
+    ],
+    ids=["one-warpgroup-128x64", "ws-not-persistent"],
+)
+def test_bit_identical_with_other_tilings(config, k):
     seed = _seed()
-    config = gemm.GemmConfig(tile_m=128, tile_n=64, max_concurrent_steps=1)
-    a, b = _operands(seed, 130, 100, 256, 1, exact=True)
+    a, b = _operands(seed, 130, 100, k, 1, exact=True)
     out = _interpret(_kernel, a, b, 1, jnp.float32, config)
     _assert_bitwise_equal(out, _reference(a, b, jnp.float32), seed)
 
 
-@pytest.mark.parametrize("m,n,k,b_block_rows", [(96, 160, 300, TILE), (40, 72, 256, 1)])
-def test_quantized_gaussian_matches_reference(m, n, k, b_block_rows):
+@pytest.mark.parametrize(
+    "m,n,k,b_block_rows,config",
+    [(96, 160, 300, TILE, "simple"), (40, 72, 256, 1, "simple"), (96, 160, 300, TILE, "fast")],
+)
+def test_quantized_gaussian_matches_reference(m, n, k, b_block_rows, config):
     seed = _seed()
     a, b = _operands(seed, m, n, k, b_block_rows, exact=False)
-    out = np.asarray(_interpret(_kernel, a, b, b_block_rows, jnp.float32))
+    out = np.asarray(_interpret(_kernel, a, b, b_block_rows, jnp.float32, CONFIGS[config]))
     ref = np.asarray(_reference(a, b, jnp.float32))
     assert out.shape == (m, n)
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
@@ -143,15 +188,57 @@ def test_interpreter_poisons_unwritten_output():
     store would be NaN, never an accidentally right value.
     """
     seed = _seed()
-    config = gemm.GemmConfig()
+    config = SIMPLE
     m, n = 2 * config.tile_m, config.tile_n
     a, b = _operands(seed, m, n, TILE, 1, exact=True)
     operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, 1)
-    call = gemm._gemm_call((m, n), jnp.float32, config, grid=(1, 1))
+    call = gemm._gemm_call((m, n), jnp.float32, config, tiles=(1, 1))
     out = np.asarray(_interpret(call, *operands))
     ref = np.asarray(_reference(a, b, jnp.float32))
     _assert_bitwise_equal(out[: config.tile_m], ref[: config.tile_m], seed)
     assert np.isnan(out[config.tile_m :]).all()
+
+
+@pytest.mark.parametrize(
+    "config,m,n,num_sms",
+    [
+        # 2 x 2 tiles of 128 x 128 on 3 CTAs: CTA 0 computes two tiles, reusing its stages (3
+        # chunks over 2 stages) and output tile; the last row and column tiles are partial.
+        (dataclasses.replace(FAST, max_concurrent_steps=2, grid_tile_group=2), 200, 200, 3),
+        # The one-warpgroup persistent form: 3 x 2 tiles of 64 x 128 on 4 CTAs.
+        (dataclasses.replace(SIMPLE, persistent=True, grid_tile_group=2), 130, 200, 4),
+    ],
+    ids=["ws", "one-warpgroup"],
+)
+def test_persistent_ctas_walk_every_tile_without_races(config, m, n, num_sms):
+    """CTAs that each own several tiles write every output element (the outputs start as NaN),
+    bit-identical to the reference, and the race detector finds no unordered access between the
+    producer, the consumers, TMA and the reused SMEM."""
+    seed = _seed()
+    a, b = _operands(seed, m, n, 3 * TILE, TILE, exact=True)
+    operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, TILE)
+    out_shape = gemm._out_shape(m, n, jnp.float32, config)
+    tiles = (-(-m // config.tile_m), -(-n // config.tile_n))
+    call = gemm._gemm_call(out_shape, jnp.float32, config, tiles, num_sms=num_sms)
+    out, races = _interpret_detecting_races(call, *operands)
+    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
+    _assert_bitwise_equal(np.asarray(out)[:m, :n], _reference(a, b, jnp.float32), seed)
+
+
+@pytest.mark.parametrize(
+    "tiles,group", [((1, 1), 8), ((5, 7), 2), ((16, 2), 8), ((3, 9), 8)]
+)
+def test_tile_order_visits_every_tile_once(tiles, group):
+    """The grouped order is a permutation of the tiles, and consecutive tile numbers (CTAs that
+    run together) stay within one group of `group` row tiles."""
+    config = dataclasses.replace(FAST, grid_tile_group=group)
+    lin = jnp.arange(tiles[0] * tiles[1], dtype=jnp.int32)
+    mi, ni = jax.jit(jax.vmap(lambda i: gemm._tile_at(i, tiles, config)))(lin)
+    order = list(zip(np.asarray(mi).tolist(), np.asarray(ni).tolist()))
+    assert sorted(order) == [(i, j) for i in range(tiles[0]) for j in range(tiles[1])]
+    g = min(group, tiles[0])
+    for k, (i, _) in enumerate(order):
+        assert i // g == min(k // (g * tiles[1]), (tiles[0] - 1) // g), (k, order)
 
 
 @pytest.mark.parametrize("m,n,kp", [(0, 16, 128), (16, 0, 128), (0, 0, 128), (4, 16, 0)])
@@ -205,8 +292,17 @@ def test_invalid_inputs_raise(change, error, match):
 
 
 @pytest.mark.parametrize(
-    "fields", [dict(tile_m=96), dict(tile_m=512), dict(tile_n=8), dict(tile_n=320),
-               dict(max_concurrent_steps=0)]
+    "fields",
+    [
+        dict(tile_m=96),
+        dict(tile_m=512),
+        dict(tile_m=64),  # warp-specialized: 64 rows for each of 2 consumer warpgroups at least
+        dict(tile_m=192),
+        dict(tile_n=8),
+        dict(tile_n=320),
+        dict(max_concurrent_steps=0),
+        dict(grid_tile_group=0),
+    ],
 )
 def test_invalid_config_raises(fields):
     with pytest.raises(ValueError):
@@ -226,34 +322,85 @@ LOWERING_CASES = (
 )
 
 
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("m,n,k,b_block_rows,out_dtype", LOWERING_CASES)
-def test_lowers_for_hopper(m, n, k, b_block_rows, out_dtype):
-    text = gemm.lower_scaled_matmul(m, n, k, b_block_rows=b_block_rows, out_dtype=out_dtype)
+def test_lowers_for_hopper(m, n, k, b_block_rows, out_dtype, config):
+    text = gemm.lower_scaled_matmul(
+        m, n, k, b_block_rows=b_block_rows, out_dtype=out_dtype, config=CONFIGS[config]
+    )
     assert "mosaic_gpu" in text
 
 
-def test_lowers_with_deeper_pipeline():
-    config = gemm.GemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4)
-    text = gemm.lower_scaled_matmul(8192, 8192, 8192, b_block_rows=TILE, config=config)
+# Each change of the fast form alone.
+PARTIAL_CONFIGS = {
+    "deeper-pipeline": dataclasses.replace(SIMPLE, tile_m=128, max_concurrent_steps=4),
+    "ws-only": dataclasses.replace(SIMPLE, tile_m=128, warp_specialized=True),
+    "persistent-grouped-only": dataclasses.replace(SIMPLE, persistent=True, grid_tile_group=8),
+}
+
+
+@pytest.mark.parametrize("config", PARTIAL_CONFIGS)
+def test_each_change_lowers_for_hopper(config):
+    text = gemm.lower_scaled_matmul(
+        4097, 2111, 7168, b_block_rows=1, out_dtype=jnp.float32, config=PARTIAL_CONFIGS[config]
+    )
     assert "mosaic_gpu" in text
 
 
-def test_lowering_rejects_a_config_over_the_smem_budget():
-    """4 stages of (128 + 256) x 128 fp8 plus a 128 x 256 f32 output tile exceed 227 KiB."""
-    config = gemm.GemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=4)
-    with pytest.raises(ValueError, match="shared memory"):
+@pytest.mark.parametrize(
+    "config,out_dtype,chunks",
+    [
+        (FAST, jnp.float32, 56),
+        (dataclasses.replace(FAST, tile_n=48), jnp.bfloat16, 2),  # 2 of the 4 stages allocated
+        (gemm.GemmConfig(256, 16, 3, warp_specialized=False, persistent=False), jnp.float32, 9),
+    ],
+)
+def test_smem_estimate_equals_mosaic_count(config, out_dtype, chunks, monkeypatch):
+    """`gemm.smem_bytes` is Mosaic GPU's own count: with the budget set to it the kernel lowers,
+    one byte less and Mosaic rejects it (its bound is lowered through a private knob)."""
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+
+    need = gemm.smem_bytes(config, out_dtype, chunks)
+    lower = functools.partial(
+        gemm.lower_scaled_matmul, 512, 512, chunks * TILE, b_block_rows=TILE,
+        out_dtype=out_dtype, config=config,
+    )
+    monkeypatch.setattr(gemm, "SMEM_BYTES", 2 * need)  # let `_check_smem` pass: test Mosaic's
+    monkeypatch.setattr(mosaic_core, "_SMEM_SIZE_BOUND", need)
+    assert "mosaic_gpu" in lower()
+    monkeypatch.setattr(mosaic_core, "_SMEM_SIZE_BOUND", need - 1)
+    with pytest.raises(ValueError, match=f"smem_bytes={need} "):
+        lower()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        gemm.GemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=4, warp_specialized=False),
+        gemm.GemmConfig(tile_n=256, max_concurrent_steps=4),
+        gemm.GemmConfig(max_concurrent_steps=5),  # 5 x 33 KiB + a 64 KiB f32 tile
+    ],
+    ids=["one-warpgroup", "ws-wide", "ws-deep"],
+)
+def test_a_config_over_the_smem_budget_is_rejected(config):
+    """Rejected before lowering, so in the interpreter (which has no SMEM limit) too."""
+    with pytest.raises(ValueError, match="shared memory.*lower max_concurrent_steps"):
         gemm.lower_scaled_matmul(
             4096, 4096, 7168, b_block_rows=TILE, out_dtype=jnp.float32, config=config
         )
+    a, b = _operands(_seed(), 8, 16, 7 * TILE, TILE, exact=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        _interpret(_kernel, a, b, TILE, jnp.float32, config)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("b_block_rows", [TILE, 1])
-def test_on_gpu_matches_reference(b_block_rows):
+def test_on_gpu_matches_reference(b_block_rows, config):
     seed = _seed()
     a, b = _operands(seed, 1000, 1500, 2000, b_block_rows, exact=False)
-    out = np.asarray(_kernel(a, b, b_block_rows, jnp.float32))
+    out = np.asarray(_kernel(a, b, b_block_rows, jnp.float32, CONFIGS[config]))
     ref = np.asarray(_reference(a, b, jnp.float32))
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err <= 1e-5, f"seed={seed}: relative Frobenius error {err}"
