@@ -69,7 +69,11 @@ def main(argv=None) -> dict:
     out = pathlib.Path(args.out)
     results = {}
     for precision in ("fp8", "bf16"):
-        cfg = dataclasses.replace(config_from_args(args), precision=precision, out=str(out / precision))
+        base = config_from_args(args)
+        cfg = dataclasses.replace(
+            base, precision=precision, out=str(out / precision),
+            recipe_overrides=base.recipe_overrides if precision == "fp8" else (),
+        )
         results[precision] = train(cfg, resume=args.resume)
     fp8, bf16 = read_metrics(out / "fp8" / "metrics.jsonl"), read_metrics(out / "bf16" / "metrics.jsonl")
     val8, val16 = fp8[-1]["val_loss"], bf16[-1]["val_loss"]

@@ -2,14 +2,17 @@
 
     python experiments/train_moe.py --precision fp8 --preset tiny --steps 200 --out runs/tiny-fp8
     python experiments/train_moe.py ... --resume          # continue a stopped run from its checkpoint
+    python experiments/train_moe.py ... --recipe grad_block=128x128,pow2_scale=true   # recipe ablation
 
 Writes DIR/config.json, DIR/metrics.jsonl (one JSON object per logged step: step, loss, ce,
 mtp_ce, balance, lr, tokens_per_s; val_loss on evaluation steps) and DIR/checkpoints/.
 """
 
 import argparse
+import dataclasses
 import json
 
+from jfp8.recipe import Fp8Recipe
 from jfp8.train.loop import PRESETS, TrainConfig, train
 from jfp8.train.optim import OptimizerConfig
 
@@ -38,9 +41,50 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--recipe", default="", type=parse_recipe_overrides,
+                   help="FP8 recipe changes, 'field=value,...' (Fp8Recipe fields; blocks as 1x128, "
+                        "128x128 or none; booleans as true/false), e.g. grad_block=128x128")
     p.add_argument("--mesh", default=None,
                    help="'data=D,expert=E': data- and expert-parallel over D*E devices (see jfp8.parallel)")
     return p
+
+
+def parse_recipe_overrides(text: str) -> tuple[tuple[str, object], ...]:
+    """'grad_block=128x128,pow2_scale=true' -> (("grad_block", (128, 128)), ("pow2_scale", True))."""
+    fields = {f.name: f for f in dataclasses.fields(Fp8Recipe)}
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip().lower()
+        if not sep or name not in fields:
+            raise argparse.ArgumentTypeError(
+                f"--recipe {item!r}: expected field=value with a field among {sorted(fields)}"
+            )
+        default = getattr(Fp8Recipe(), name)
+        try:
+            if name.endswith("_block"):
+                parsed = None if value == "none" else tuple(int(v) for v in value.split("x"))
+                if parsed is not None and len(parsed) != 2:
+                    raise ValueError(value)
+            elif isinstance(default, bool):
+                if value not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                parsed = value in ("true", "1")
+            elif isinstance(default, int):
+                parsed = int(value)
+            else:
+                parsed = value
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--recipe {item!r}: bad value for {name} (blocks: 1x128, 128x128 or none; "
+                "booleans: true/false)"
+            ) from None
+        out.append((name, parsed))
+    try:
+        Fp8Recipe(**dict(out))
+    except (ValueError, NotImplementedError) as e:
+        raise argparse.ArgumentTypeError(f"--recipe {text!r}: {e}") from None
+    return tuple(out)
 
 
 def config_from_args(args) -> TrainConfig:
@@ -59,6 +103,7 @@ def config_from_args(args) -> TrainConfig:
         log_every=args.log_every,
         ckpt_every=args.ckpt_every,
         optimizer=OptimizerConfig(peak_lr=pick("lr", "peak_lr"), warmup_steps=pick("warmup", "warmup")),
+        recipe_overrides=args.recipe,
         out=args.out,
         progress=not args.no_progress,
     )

@@ -42,12 +42,18 @@ class Fp8Linear(nnx.Module):
         self.in_features, self.out_features, self.recipe = in_features, out_features, recipe
         self.weight = nnx.Param(normal_init(rngs, (in_features, out_features), init_std))
         self.bias = nnx.Param(jnp.zeros((out_features,), jnp.float32)) if use_bias else None
+        # A `jfp8.nn.capture` tap while its GEMM operands are being recorded; None otherwise.
+        self.tap = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., in_features] (bf16 or f32) -> [..., out_features] in x's dtype."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Fp8Linear expects x[..., {self.in_features}], got shape {x.shape}")
+        if self.tap is not None:
+            x = self.tap.input(x)
         y = fp8_linear(x, self.weight[...], self.recipe)
+        if self.tap is not None:
+            y = self.tap.output(y)  # records the output gradient dy (the Dgrad/Wgrad operand)
         if self.bias is not None:
             y = (y.astype(jnp.float32) + self.bias[...]).astype(x.dtype)
         return y

@@ -44,7 +44,9 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """A training run. `model_overrides` are applied to the preset's `ModelConfig`."""
+    """A training run. `model_overrides` are applied to the preset's `ModelConfig`;
+    `recipe_overrides` to the FP8 recipe (`Fp8Recipe` fields, e.g. `(("grad_block", (128, 128)),)`
+    for the Appendix B.2 ablation; FP8 runs only)."""
 
     preset: str = "tiny"
     precision: Precision = "fp8"
@@ -60,6 +62,7 @@ class TrainConfig:
     ckpt_every: int = 100
     optimizer: OptimizerConfig = OptimizerConfig()
     model_overrides: tuple[tuple[str, object], ...] = ()
+    recipe_overrides: tuple[tuple[str, object], ...] = ()
     out: str = "runs/default"
     progress: bool = True
 
@@ -71,20 +74,42 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "ckpt_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.recipe_overrides and self.precision != "fp8":
+            raise ValueError("recipe_overrides change the FP8 recipe; they need precision='fp8'")
+        unknown = set(dict(self.recipe_overrides)) - {f.name for f in dataclasses.fields(Fp8Recipe)}
+        if unknown:
+            raise ValueError(
+                f"unknown recipe_overrides {sorted(unknown)}; Fp8Recipe's fields are "
+                f"{[f.name for f in dataclasses.fields(Fp8Recipe)]}"
+            )
 
     def model_config(self) -> ModelConfig:
         base = getattr(ModelConfig, self.preset)()
-        recipe = Fp8Recipe() if self.precision == "fp8" else Fp8Recipe.off()
+        recipe = Fp8Recipe(**dict(self.recipe_overrides)) if self.precision == "fp8" else Fp8Recipe.off()
         cfg = dataclasses.replace(base, recipe=recipe, **dict(self.model_overrides))
         if self.seq_len > cfg.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
         return cfg
 
     def to_json(self) -> dict:
+        """The configuration as JSON values (tuples become lists), plus the resolved model."""
         d = dataclasses.asdict(self)
         d["model_overrides"] = dict(self.model_overrides)
-        d["model"] = _jsonable(dataclasses.asdict(self.model_config()))
-        return d
+        d["recipe_overrides"] = dict(self.recipe_overrides)
+        d["model"] = dataclasses.asdict(self.model_config())
+        return _jsonable(d)
+
+    @classmethod
+    def from_json(cls, d: dict) -> TrainConfig:
+        """The `TrainConfig` a run's config.json was written from (`to_json`'s inverse)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["optimizer"] = OptimizerConfig(**{
+            k: tuple(v) if isinstance(v, list) else v for k, v in d.get("optimizer", {}).items()
+        })
+        for name in ("model_overrides", "recipe_overrides"):
+            kw[name] = tuple((k, _untuple(v)) for k, v in d.get(name, {}).items())
+        return cls(**kw)
 
 
 def _jsonable(x):
@@ -95,6 +120,11 @@ def _jsonable(x):
     if isinstance(x, (str, int, float, bool)) or x is None:
         return x
     return str(x)
+
+
+def _untuple(x):
+    """JSON lists back to the tuples a config holds (blocks such as (128, 128))."""
+    return tuple(_untuple(v) for v in x) if isinstance(x, list) else x
 
 
 def _split(model: Transformer):
@@ -190,7 +220,8 @@ def train(
     start = 0
     state = {"params": params, "rest": rest, "opt_state": opt_state}
     if resume and ckpt.latest_step() is not None:
-        saved = json.loads((out / "config.json").read_text())
+        # Through TrainConfig, so that fields added since the run was saved take their defaults.
+        saved = TrainConfig.from_json(json.loads((out / "config.json").read_text())).to_json()
         now = config.to_json()
         differ = [k for k in now if k not in _BOOKKEEPING and saved.get(k) != now[k]]
         if differ:
@@ -204,6 +235,10 @@ def train(
     else:
         metrics_path.write_text("")
     (out / "config.json").write_text(json.dumps(config.to_json(), indent=1) + "\n")
+    if mesh is None:
+        # Restored arrays are committed to a device; commit fresh ones too, so that a resumed run
+        # (and the next segment of a segmented one) reuses the compiled step instead of recompiling.
+        state = jax.device_put(state, jax.devices()[0])
 
     params, rest, opt_state = state["params"], state["rest"], state["opt_state"]
     val = data.eval_batches(split.val, config.batch_size, config.seq_len, config.eval_batches)

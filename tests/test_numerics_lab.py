@@ -1,0 +1,148 @@
+"""The numerics lab's training-side tools: recipe overrides in a run's configuration, capturing
+GEMM operands from a model, gradient-error probes at a run's checkpoint, and the experiment
+scripts built on them (capture_tensors.py, recipe_ablation.py)."""
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jfp8.nn import ModelConfig, Transformer
+from jfp8.nn.capture import capture_linear_operands, linear_layers
+from jfp8.recipe import Fp8Recipe
+from jfp8.train.loop import TrainConfig, train
+from jfp8.train.optim import OptimizerConfig
+from jfp8.train.probes import gradient_errors, load_run
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+import capture_tensors  # noqa: E402
+import recipe_ablation  # noqa: E402
+from train_moe import parse_recipe_overrides  # noqa: E402
+
+# One small configuration for every run here (the one `recipe_ablation.py` builds from the
+# arguments below), so that the jitted train steps and gradients compile once for all tests.
+RUN = dict(preset="tiny", steps=4, batch_size=2, seq_len=32, eval_every=2, eval_batches=1, log_every=1,
+           ckpt_every=2, progress=False, optimizer=OptimizerConfig(peak_lr=3e-3, warmup_steps=20))
+
+
+def test_recipe_overrides_reach_the_model_and_survive_config_json():
+    cfg = TrainConfig(recipe_overrides=(("grad_block", (128, 128)), ("pow2_scale", True)))
+    recipe = cfg.model_config().recipe
+    assert recipe.grad_block == (128, 128) and recipe.pow2_scale and recipe.activation_block == (1, 128)
+    back = TrainConfig.from_json(json.loads(json.dumps(cfg.to_json())))
+    assert back == cfg
+    # A config.json written before recipe_overrides existed reads as the default recipe.
+    old = {k: v for k, v in TrainConfig().to_json().items() if k != "recipe_overrides"}
+    assert TrainConfig.from_json(old) == TrainConfig()
+
+
+def test_recipe_overrides_bad_input():
+    with pytest.raises(ValueError, match="need precision='fp8'"):
+        TrainConfig(precision="bf16", recipe_overrides=(("pow2_scale", True),))
+    with pytest.raises(ValueError, match="unknown recipe_overrides"):
+        TrainConfig(recipe_overrides=(("grad_blocks", (128, 128)),))
+
+
+def test_recipe_flag_parses_and_rejects():
+    assert parse_recipe_overrides("grad_block=128x128, pow2_scale=true") == (
+        ("grad_block", (128, 128)), ("pow2_scale", True))
+    assert parse_recipe_overrides("activation_block=none") == (("activation_block", None),)
+    assert parse_recipe_overrides("") == ()
+    for bad in ("grad_block", "gradblock=1x128", "pow2_scale=maybe", "grad_block=128", "grad_block=1x64"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_recipe_overrides(bad)
+
+
+def test_captured_operands_are_the_layers_x_and_dy():
+    """With FP8 off and FP32 activations, each weight's gradient is exactly x^T dy of its layer, so
+    the captured x and dy are the right tensors (a wrong or shifted capture breaks the identity)."""
+    cfg = ModelConfig.tiny(recipe=Fp8Recipe.off(), dtype="float32")
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    tokens = jax.random.randint(jax.random.key(2), (2, 32), 0, cfg.vocab_size)
+    captured = capture_linear_operands(model, tokens)
+    layers = linear_layers(model)
+    assert set(captured) == set(layers) and len(layers) > 10
+    assert all(layer.tap is None for layer in layers.values())  # the model is left as it was
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    from jfp8.nn import model_loss
+
+    grads = jax.grad(lambda p: model_loss(nnx.merge(graphdef, p, rest), tokens)[0])(params)
+    grad_model = nnx.merge(graphdef, grads, rest)
+    for name, t in captured.items():
+        assert t["x"].shape == (64, layers[name].in_features) and t["dy"].shape == (64, layers[name].out_features)
+        expected = np.asarray(linear_layers(grad_model)[name].weight[...], np.float64)
+        got = t["x"].astype(np.float64).T @ t["dy"].astype(np.float64)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max(), err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    config = TrainConfig(**RUN, out=str(out))
+    train(config)
+    return config, out
+
+
+def test_load_run_restores_the_newest_or_a_given_checkpoint(tiny_run):
+    config, out = tiny_run
+    cfg, params, rest = load_run(out)
+    assert cfg == config
+    _, params2, _ = load_run(out, step=2)
+    leaves, leaves2 = jax.tree.leaves(params), jax.tree.leaves(params2)
+    assert len(leaves) == len(leaves2) and any(not np.array_equal(a, b) for a, b in zip(leaves, leaves2))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_run(out / "checkpoints")
+
+
+def test_gradient_errors_zero_for_the_reference_and_ordered_for_fp8(tiny_run):
+    config, out = tiny_run
+    _, params, rest = load_run(out)
+    tokens = [np.asarray(jax.random.randint(jax.random.key(3), (2, 32), 0, 256))]
+    # The FP32 reference configuration measured against itself: exactly zero.
+    f32 = dataclasses.replace(config.model_config(), dtype="float32")
+    e = gradient_errors(f32, params, rest, tokens, {"ref": Fp8Recipe.off()}, bf16_floor=False)
+    assert e["ref"]["rel_error"] == 0.0 and e["ref"]["cosine"] == pytest.approx(1.0)
+    e = gradient_errors(config.model_config(), params, rest, tokens, {"fp8": Fp8Recipe()})
+    # FP8 GEMMs (E4M3: 3 mantissa bits) lose more than BF16 ones (8 bits), and both are small.
+    assert 0 < e["bf16"]["rel_error"] < e["fp8"]["rel_error"] < 0.3
+    assert {"attention", "routed experts", "router", "shared expert", "dense ffn"} <= set(e["fp8"]["groups"])
+
+
+def test_capture_tensors_script_writes_the_selected_layers(tiny_run, tmp_path):
+    _, out = tiny_run
+    path = tmp_path / "t.npz"
+    tensors = capture_tensors.main(["--run", str(out), "--layers", "blocks.0.*", "--out", str(path)])
+    with np.load(path) as saved:
+        assert set(saved.files) == set(tensors)
+        assert "blocks.0.attn.wq_a:x" in saved.files and "blocks.0.ffn.w2:dy" in saved.files
+        assert not any(name.startswith("blocks.1") for name in saved.files)
+        assert all(np.isfinite(saved[k]).all() for k in saved.files)
+    with pytest.raises(SystemExit, match="no layer matches"):
+        capture_tensors.main(["--run", str(out), "--layers", "nothing.*", "--out", str(path)])
+
+
+def test_recipe_ablation_runs_arms_and_probes(tmp_path):
+    args = ["--preset", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2",
+            "--log-every", "1", "--probe-every", "2", "--probe-batches", "1", "--no-progress",
+            "--arms", "deepseek,dgrad-128x128", "--out", str(tmp_path)]
+    summary = recipe_ablation.main(args)
+    assert set(summary["arms"]) == {"deepseek", "dgrad-128x128"}
+    assert summary["arms"]["deepseek"]["gap_vs_deepseek"] == 0.0
+    for arm in summary["arms"].values():
+        assert arm["finite"] and set(arm["gradient_rel_error"]) == {0, 2, 4}
+        assert all(0 < e < 0.3 for e in arm["gradient_rel_error"].values())
+    # Both arms start from the same parameters; the recipes differ only in dy's blocks.
+    assert json.loads((tmp_path / "dgrad-128x128" / "config.json").read_text())["recipe_overrides"] == {
+        "grad_block": [128, 128]}
+    for name in ("probes.csv", "summary.json", "summary.md", "ablation.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    with pytest.raises(SystemExit, match="must divide"):
+        recipe_ablation.main([*args[:-2], "--probe-every", "3", "--out", str(tmp_path / "x")])
