@@ -40,22 +40,43 @@ def _tokens(seed=0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (BATCH, SEQ)).astype(np.int32)
 
 
-@functools.cache
+# functools.cache keys on the arguments as passed: `f(2, 4)` and `f(2, 4, "fp8", ())` are two
+# entries, i.e. two builds whose jitted steps compile separately (a minute each on the CPU). The
+# public helpers pass every argument to the cached ones.
+
+
 def _single(precision="fp8", overrides=()):
+    return _single_cached(precision, overrides)
+
+
+@functools.cache
+def _single_cached(precision, overrides):
     _, _, params, rest, tx, _, step, _ = build(_config(precision, overrides))
     return step(params, rest, tx.init(params), jnp.asarray(_tokens()))
 
 
-@functools.cache
 def _sharded_run(data, expert, precision="fp8", overrides=()):
+    return _sharded_run_cached(data, expert, precision, overrides)
+
+
+@functools.cache
+def _sharded_run_cached(data, expert, precision, overrides):
     mesh = par.make_mesh(data, expert)
     run = par.build_sharded(_config(precision, overrides), mesh)
     return mesh, run
 
 
+def _sharded_opt_state(tx, params, mesh):
+    """`tx.init(params)` placed as the sharded step returns it (moments sharded like their
+    params). The step's first call then compiles the program every later step reuses; an unplaced
+    state compiles a second one at step 2 (a minute of CPU time per mesh). The values are the
+    same zeros either way."""
+    return par.shard_params(tx.init(params), mesh)
+
+
 def _sharded_step(data, expert, precision="fp8", overrides=()):
     mesh, (_, _, params, rest, tx, _, step, _) = _sharded_run(data, expert, precision, overrides)
-    return step(params, rest, tx.init(params), par.shard_batch(_tokens(), mesh))
+    return step(params, rest, _sharded_opt_state(tx, params, mesh), par.shard_batch(_tokens(), mesh))
 
 
 def _max_rel(a_tree, b_tree) -> float:
@@ -164,7 +185,7 @@ def test_dispatch_sends_fp8_and_half_the_bytes():
 def test_uneven_expert_loads_do_not_drop_tokens():
     """Bias every token towards expert 0 (top-2: experts 0 and 1 on device 0 of each row)."""
     mesh, (_, graphdef, params, rest, _, _, _, _) = _sharded_run(2, 4)
-    model = nnx.merge(graphdef, params, rest)
+    model = nnx.merge(graphdef, params, rest, copy=True)  # the shared run's router biases stay
     for moe in model.moe_layers():
         moe.router_bias[...] = jnp.zeros_like(moe.router_bias[...]).at[0].set(10.0).at[1].set(5.0)
     _, _, rest = nnx.split(model, nnx.Param, ...)
@@ -185,7 +206,9 @@ def test_uneven_expert_loads_do_not_drop_tokens():
 @pytest.mark.slow
 def test_few_steps_on_2x4_mesh_decrease_loss():
     mesh, (_, _, params, rest, tx, _, step, _) = _sharded_run(2, 4)
-    opt_state, tokens, losses = tx.init(params), par.shard_batch(_tokens(1), mesh), []
+    # Placed like test_sharded_fp8_step_matches_single_device[2-4]'s state: all three steps run
+    # the program that test compiled.
+    opt_state, tokens, losses = _sharded_opt_state(tx, params, mesh), par.shard_batch(_tokens(1), mesh), []
     for _ in range(3):
         params, rest, opt_state, m = step(params, rest, opt_state, tokens)
         losses.append(float(m["loss"]))
