@@ -8,38 +8,48 @@ import pytest
 from jfp8.train.loop import NonFiniteLossError, TrainConfig, read_metrics, train
 from jfp8.train.optim import OptimizerConfig
 
+# Every test below but the non-finite one runs this model, optimizer and schedule (steps=30), so
+# they share one compiled train step and one eval step (`_step_functions` is cached on them);
+# eval_every, ckpt_every, log_every and out are bookkeeping and may differ without a recompile.
 TINY = TrainConfig(
-    preset="tiny", steps=12, batch_size=4, seq_len=64, log_every=1, eval_every=6, eval_batches=2,
-    ckpt_every=6, optimizer=OptimizerConfig(peak_lr=3e-3, warmup_steps=2), progress=False,
+    preset="tiny", steps=30, batch_size=4, seq_len=64, log_every=1, eval_every=5, eval_batches=2,
+    ckpt_every=30, optimizer=OptimizerConfig(peak_lr=3e-3, warmup_steps=2), progress=False,
 )
 
 
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One uninterrupted 30-step run: the loss test reads it, the resume test replays it."""
+    out = tmp_path_factory.mktemp("loop") / "full"
+    summary = train(dataclasses.replace(TINY, out=str(out)))
+    return out, summary
+
+
 @pytest.mark.slow
-def test_tiny_fp8_loss_decreases_and_metrics_are_written(tmp_path):
-    cfg = dataclasses.replace(TINY, steps=30, eval_every=15, ckpt_every=30, out=str(tmp_path / "run"))
-    summary = train(cfg)
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+def test_tiny_fp8_loss_decreases_and_metrics_are_written(full_run):
+    out, summary = full_run
+    rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert {"step", "loss", "ce", "mtp_ce", "balance", "lr", "tokens_per_s"} <= set(rows[0])
     first, last = sum(r["ce"] for r in rows[:3]) / 3, sum(r["ce"] for r in rows[-3:]) / 3
     assert last < first - 1.0, (first, last)  # from ~5.5 nats (uniform over 256 bytes) down
     assert rows[-1]["val_loss"] < rows[14]["val_loss"] < 5.6
-    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    saved = json.loads((out / "config.json").read_text())
     assert saved["precision"] == "fp8" and saved["model"]["recipe"]["fprop"] is True
     assert summary["steps"] == 30 and summary["tokens"] == 30 * 4 * 64
 
 
 @pytest.mark.slow
-def test_resume_replays_the_uninterrupted_run_exactly(tmp_path):
-    full = train(dataclasses.replace(TINY, out=str(tmp_path / "full")))
-    cut = dataclasses.replace(TINY, out=str(tmp_path / "cut"))
+def test_resume_replays_the_uninterrupted_run_exactly(full_run, tmp_path):
+    full_out, full = full_run
+    cut = dataclasses.replace(TINY, ckpt_every=6, out=str(tmp_path / "cut"))
     train(cut, stop_after=8)  # "killed" after step 8; the newest checkpoint is step 6
     rows_cut = read_metrics(tmp_path / "cut" / "metrics.jsonl")
     assert rows_cut[-1]["step"] == 8
-    train(cut, resume=True)
-    a = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    train(cut, resume=True)  # steps 7..30 again from the step-6 checkpoint: evaluations at 10..30
+    a = read_metrics(full_out / "metrics.jsonl")
     b = read_metrics(tmp_path / "cut" / "metrics.jsonl")
-    assert [r["step"] for r in b] == [r["step"] for r in a] == list(range(1, 13))
+    assert [r["step"] for r in b] == [r["step"] for r in a] == list(range(1, 31))
     for ra, rb in zip(a, b):
         for key in ("loss", "ce", "mtp_ce", "balance", "grad_norm", "val_loss"):
             assert ra.get(key) == rb.get(key), (ra["step"], key, ra.get(key), rb.get(key))
@@ -47,7 +57,7 @@ def test_resume_replays_the_uninterrupted_run_exactly(tmp_path):
 
 
 def test_resume_refuses_a_different_configuration(tmp_path):
-    # TINY's model, optimizer and steps: the step functions compiled by the other tests are reused.
+    # TINY's model, optimizer and steps: the step functions compiled for full_run are reused.
     cfg = dataclasses.replace(TINY, ckpt_every=1, out=str(tmp_path / "r"))
     train(cfg, stop_after=2)
     with pytest.raises(ValueError, match="differs"):
@@ -55,9 +65,14 @@ def test_resume_refuses_a_different_configuration(tmp_path):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    # Its own optimizer means its own compile, so a smaller model than TINY's (one MoE block, no
+    # dense block, no MTP; still the FP8 recipe): what is tested is the loop's (the divergence, its
+    # detection, the checkpoint kept), which does not depend on the model's size. About 40 % of
+    # TINY's compile time.
     cfg = dataclasses.replace(
         TINY, steps=20, ckpt_every=1, eval_every=100, out=str(tmp_path / "nan"),
         optimizer=OptimizerConfig(peak_lr=1e9, warmup_steps=0, clip_norm=1e9),
+        model_overrides=(("n_layers", 1), ("n_dense_layers", 0), ("mtp", False)),
     )
     with pytest.raises(NonFiniteLossError, match="last good checkpoint"):
         train(cfg)
