@@ -1,5 +1,6 @@
 """FP8 training ops: gradients against the reference numerics and f32 autodiff, composability."""
 
+import functools
 
 import chex
 import jax
@@ -18,7 +19,26 @@ from helpers import fresh_rng as _rng, rel_error as _rel
 XLA = Fp8Recipe(impl="xla")
 QUANT_BOUND = 0.06  # two operands at ~2.6 % rms E4M3 error each: ~3.7 % expected
 
+# The op under test and the hand-built references run jitted, each as its own program (as in
+# training): eagerly, every primitive compiles on its own at every new shape, about three times
+# the compile time here. Separate programs keep XLA from sharing work between the two sides.
 
+
+@functools.partial(jax.jit, static_argnames="recipe")
+def _linear_vjp(x, w, dy, recipe=XLA):
+    """y, dx, dW of fp8_linear."""
+    y, vjp = jax.vjp(lambda x, w: fp8_linear(x, w, recipe), x, w)
+    return (y, *vjp(dy))
+
+
+@functools.partial(jax.jit, static_argnames="recipe")
+def _grouped_vjp(x, w, group_sizes, dy, recipe=XLA):
+    """y, dx, dW of grouped_fp8_linear."""
+    y, vjp = jax.vjp(lambda x, w: grouped_fp8_linear(x, w, group_sizes, recipe), x, w)
+    return (y, *vjp(dy))
+
+
+@jax.jit
 def _reference_linear_vjp(x, w, dy):
     """y, dx, dW of fp8_linear built by hand from the reference functions (§3.3 / §3.5.2)."""
     qx, qw = quantize(x, (1, TILE)), quantize(w, (TILE, TILE))
@@ -36,8 +56,7 @@ def test_linear_vjp_equals_the_reference_numerics(dtype, m, k, n):
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((m, n)), dtype)
-    y, vjp = jax.vjp(lambda x, w: fp8_linear(x, w, XLA), x, w)
-    dx, dw = vjp(dy)
+    y, dx, dw = _linear_vjp(x, w, dy)
     y_ref, dx_ref, dw_ref = _reference_linear_vjp(x, w, dy)
     chex.assert_trees_all_equal_dtypes((y, dx, dw), (x, x, w))
     for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
@@ -73,8 +92,9 @@ def test_partial_recipes_mix_fp8_and_plain_gemms():
     w = jnp.asarray(rng.standard_normal((256, 64)) / 16, jnp.float32)
     dy = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
     _, dx_ref, dw_ref = _reference_linear_vjp(x, w, dy)
-    _, vjp = jax.vjp(lambda x, w: fp8_linear(x, w, Fp8Recipe(impl="xla", wgrad=False)), x, w)
-    dx, dw = vjp(dy)
+    recipe = Fp8Recipe(impl="xla", wgrad=False)
+    vjp = jax.jit(lambda x, w, dy: jax.vjp(lambda x, w: fp8_linear(x, w, recipe), x, w)[1](dy))
+    dx, dw = vjp(x, w, dy)
     assert _rel(dx, dx_ref) <= 1e-6
     np.testing.assert_allclose(dw, x.T @ dy, rtol=1e-5, atol=1e-4, err_msg=f"seed {seed}")
 
@@ -83,8 +103,8 @@ def test_per_tensor_recipe_runs_and_is_close():
     rng, seed = _rng()
     x = jnp.asarray(rng.standard_normal((64, 256)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((256, 64)) / 16, jnp.float32)
-    g = jax.grad(lambda x, w: jnp.sum(fp8_linear(x, w, Fp8Recipe.per_tensor(impl="xla")) ** 2), (0, 1))(x, w)
-    g32 = jax.grad(lambda x, w: jnp.sum((x @ w) ** 2), (0, 1))(x, w)
+    g = jax.jit(jax.grad(lambda x, w: jnp.sum(fp8_linear(x, w, Fp8Recipe.per_tensor(impl="xla")) ** 2), (0, 1)))(x, w)
+    g32 = jax.jit(jax.grad(lambda x, w: jnp.sum((x @ w) ** 2), (0, 1)))(x, w)
     assert _rel(g[0], g32[0]) < 2 * QUANT_BOUND and _rel(g[1], g32[1]) < 2 * QUANT_BOUND, f"seed {seed}"
 
 
@@ -125,7 +145,8 @@ def test_composes_with_vmap_remat_scan_and_batch_shapes():
             h = jax.nn.gelu(fp8_linear(h, ws[i], XLA))
         return jnp.sum(h.astype(jnp.float32) ** 2)
 
-    g2 = sum(jax.grad(unrolled)(ws, x[i]) for i in range(x.shape[0]))
+    grad_unrolled = jax.jit(jax.grad(unrolled))  # one compile serves both items (eager: 3x slower)
+    g2 = sum(grad_unrolled(ws, x[i]) for i in range(x.shape[0]))
     assert _rel(g, g2) < 1e-3, f"seed {seed}"  # bf16 activations: fusion may round differently
 
 
@@ -153,7 +174,8 @@ def test_shard_map_over_a_simulated_mesh():
     sharded = jax.shard_map(local_loss, mesh=mesh, in_specs=(P("data"), P()), out_specs=P())
     g = jax.jit(jax.grad(sharded, argnums=1))(x, w)
     # per-shard tiles: the same as summing the per-shard gradients computed separately
-    g_ref = sum(jax.grad(lambda w: jnp.sum(fp8_linear(x[i * 32 : (i + 1) * 32], w, XLA) ** 2))(w) for i in range(4))
+    shard_grad = jax.jit(jax.grad(lambda w, xs: jnp.sum(fp8_linear(xs, w, XLA) ** 2)))  # one compile, 4 shards
+    g_ref = sum(shard_grad(w, x[i * 32 : (i + 1) * 32]) for i in range(4))
     assert _rel(g, g_ref) < 1e-5, f"seed {seed}"
 
 
@@ -251,13 +273,18 @@ def test_grouped_vjp_equals_the_reference_numerics():
     rng, seed = _rng()
     x, w, gs = _grouped_problem(rng)
     dy = jnp.asarray(rng.standard_normal((300, 130)), jnp.float32)
-    y, vjp = jax.vjp(lambda x, w: grouped_fp8_linear(x, w, gs, XLA), x, w)
-    dx, dw = vjp(dy)
-    qx, qw = quantize(x), quantize(w, (TILE, TILE))
-    y_ref = grouped_scaled_matmul_reference(qx, qw.mT, gs, jnp.float32)
-    dx_ref = grouped_scaled_matmul_reference(quantize(dy), qw, gs, jnp.float32)
-    x_t = quantize(qx.dequantize(), (TILE, 1)).mT
-    dw_ref = grouped_wgrad_reference(x_t, quantize(dy, (TILE, 1)).mT, gs)
+
+    @jax.jit
+    def reference(x, w, gs, dy):
+        qx, qw = quantize(x), quantize(w, (TILE, TILE))
+        y_ref = grouped_scaled_matmul_reference(qx, qw.mT, gs, jnp.float32)
+        dx_ref = grouped_scaled_matmul_reference(quantize(dy), qw, gs, jnp.float32)
+        x_t = quantize(qx.dequantize(), (TILE, 1)).mT
+        dw_ref = grouped_wgrad_reference(x_t, quantize(dy, (TILE, 1)).mT, gs)
+        return y_ref, dx_ref, dw_ref
+
+    y, dx, dw = _grouped_vjp(x, w, gs, dy)
+    y_ref, dx_ref, dw_ref = reference(x, w, gs, dy)
     for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         assert _rel(got, want) <= 1e-5, f"seed {seed}"
     np.testing.assert_array_equal(np.asarray(y[270:]), 0.0)  # rows past the groups
@@ -268,9 +295,9 @@ def test_grouped_grads_within_bound_of_ragged_dot_autodiff():
     x, w, gs = _grouped_problem(rng, sizes=(64, 128, 0, 100))
     loss = lambda f: lambda x, w: jnp.sum(jnp.tanh(f(x, w)))  # noqa: E731
     g8 = jax.jit(jax.grad(loss(lambda x, w: grouped_fp8_linear(x, w, gs, XLA)), (0, 1)))(x, w)
-    g32 = jax.grad(loss(lambda x, w: jax.lax.ragged_dot(x, w, gs)), (0, 1))(x, w)
+    g32 = jax.jit(jax.grad(loss(lambda x, w: jax.lax.ragged_dot(x, w, gs)), (0, 1)))(x, w)
     assert _rel(g8[0], g32[0]) < QUANT_BOUND and _rel(g8[1], g32[1]) < QUANT_BOUND, f"seed {seed}"
-    g_off = jax.grad(loss(lambda x, w: grouped_fp8_linear(x, w, gs, Fp8Recipe.off())), (0, 1))(x, w)
+    g_off = jax.jit(jax.grad(loss(lambda x, w: grouped_fp8_linear(x, w, gs, Fp8Recipe.off())), (0, 1)))(x, w)
     # Off: the same f32 math as ragged_dot, summed per (row tile, group) item: only the order of
     # the f32 additions differs, so the gradients agree to f32 rounding (not bit for bit).
     assert _rel(g_off[0], g32[0]) < 1e-5 and _rel(g_off[1], g32[1]) < 1e-5, f"seed {seed}"
@@ -295,18 +322,14 @@ def test_ops_through_the_kernels_in_the_interpreter():
     x = jnp.asarray(rng.standard_normal((150, 256)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((256, 136)) / 16, jnp.float32)
     dy = jnp.asarray(rng.standard_normal((150, 136)), jnp.bfloat16)
-    outs = []
-    for recipe in (kernels, XLA):
-        y, vjp = jax.vjp(lambda x, w, r=recipe: fp8_linear(x, w, r), x, w)
-        outs.append((y, *vjp(dy)))
+    # Jitted like the other tests here: the interpreter runs inside the program; eager dispatch
+    # would compile every small op of both paths on its own (about twice the time).
+    outs = [_linear_vjp(x, w, dy, recipe=recipe) for recipe in (kernels, XLA)]
     for got, want in zip(*outs):
         assert _rel(got, want) <= 1e-5, f"seed {seed}"
 
     xg, wg, gs = _grouped_problem(rng, t=200, k=256, n=128, sizes=(70, 0, 100))
     dyg = jnp.asarray(rng.standard_normal((200, 128)), jnp.float32)
-    outs = []
-    for recipe in (kernels, XLA):
-        y, vjp = jax.vjp(lambda x, w, r=recipe: grouped_fp8_linear(x, w, gs, r), xg, wg)
-        outs.append((y, *vjp(dyg)))
+    outs = [_grouped_vjp(xg, wg, gs, dyg, recipe=recipe) for recipe in (kernels, XLA)]
     for got, want in zip(*outs):
         assert _rel(got, want) <= 1e-5, f"seed {seed}"
