@@ -25,6 +25,14 @@ PAIRINGS = {
 }
 U = 2.0**-4  # E4M3 relative half-ulp
 
+# Jitted: eagerly, every primitive of quantize and of the references compiles on its own at each
+# new shape, a few times slower than one program. (Eager against jitted numerics: the variants
+# in tests/test_quantize.py and TestReferenceVariants below.)
+_quantize = jax.jit(quantize, static_argnums=1)
+_reference = jax.jit(scaled_matmul_reference, static_argnums=2)
+_grouped_reference = jax.jit(grouped_scaled_matmul_reference, static_argnums=3)
+_grouped_wgrad_reference = jax.jit(grouped_wgrad_reference)
+
 
 def _elementwise_quant_error_bound(x: np.ndarray, q) -> np.ndarray:
     """Per-element bound on |dequantize(q) - x|: half an ulp, or half the subnormal step."""
@@ -48,8 +56,8 @@ def test_reference_matches_oracle_and_quantization_bound(pairing, m, n, k):
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 1)).astype(np.float32)
     a_block, b_block = PAIRINGS[pairing]
-    qa, qb = quantize(jnp.asarray(x), a_block), quantize(jnp.asarray(w), b_block)
-    out = np.asarray(scaled_matmul_reference(qa, qb, jnp.float32), np.float64)
+    qa, qb = _quantize(jnp.asarray(x), a_block), _quantize(jnp.asarray(w), b_block)
+    out = np.asarray(_reference(qa, qb, jnp.float32), np.float64)
     chex.assert_shape(out, (m, n))
     oracle = scaled_matmul_oracle(qa, qb)
     # Same FP8 operands: only the f32 accumulation differs from the oracle.
@@ -121,8 +129,9 @@ def test_grouped_references_match_the_oracle(sizes):
     x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((g, n, k)), jnp.float32)
     gs = jnp.asarray(sizes, jnp.int32)
-    lhs, rhs = quantize(x), quantize(w, (TILE, TILE))
-    out = np.asarray(grouped_scaled_matmul_reference(lhs, rhs, gs, jnp.float32), np.float64)
+    lhs, rhs = _quantize(x, (1, TILE)), _quantize(w, (TILE, TILE))
+    # gs is an argument of the jitted references: the four size lists share one compile
+    out = np.asarray(_grouped_reference(lhs, rhs, gs, jnp.float32), np.float64)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     xd, wd = dequantize_f64(lhs), dequantize_f64(rhs)
     for gi in range(g):
@@ -132,8 +141,8 @@ def test_grouped_references_match_the_oracle(sizes):
     assert np.all(out[starts[-1] :] == 0), "rows past the groups must be zero"
 
     dy = jnp.asarray(rng.standard_normal((t, n)), jnp.float32)
-    xt, dyt = quantize(x, (TILE, 1)).mT, quantize(dy, (TILE, 1)).mT
-    dw = np.asarray(grouped_wgrad_reference(xt, dyt, gs), np.float64)
+    xt, dyt = _quantize(x, (TILE, 1)).mT, _quantize(dy, (TILE, 1)).mT
+    dw = np.asarray(_grouped_wgrad_reference(xt, dyt, gs), np.float64)
     chex.assert_shape(dw, (g, k, n))
     xtd, dytd = dequantize_f64(xt), dequantize_f64(dyt)
     for gi in range(g):
