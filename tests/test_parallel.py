@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 from jfp8 import parallel as par
+from jfp8.nn import model_loss
 from jfp8.train.loop import TrainConfig, build
 from jfp8.train.optim import OptimizerConfig
 
@@ -151,12 +152,26 @@ def test_sharded_fp8_step_matches_single_device(data, expert):
 
 
 @pytest.mark.slow
-def test_sharded_f32_step_matches_single_device_tightly():
-    ov = (("dtype", "float32"),)
-    ref, got = _single("bf16", ov), _sharded_step(2, 4, "bf16", ov)
-    np.testing.assert_allclose(float(got[3]["loss"]), float(ref[3]["loss"]), rtol=1e-6)
-    np.testing.assert_allclose(float(got[3]["grad_norm"]), float(ref[3]["grad_norm"]), rtol=1e-5)
-    assert _max_rel(ref[0], got[0]) < 1e-4
+def test_sharded_f32_gradients_match_single_device_tightly():
+    """FP32 compute, FP8 off: the sharded loss and its gradient differ from one device's only by
+    summation order. Compared before the optimizer: Adam's first step divides by |g| + eps, which
+    turns an ulp-level change of a gradient near eps (routed experts that see few tokens) into
+    a few % of the learning rate, and says nothing about the gradient itself."""
+    cfg = _config("bf16", (("dtype", "float32"),))
+    _, graphdef, params, rest, *_ = build(cfg)
+    tokens = _tokens()
+
+    def single(params):
+        return model_loss(nnx.merge(graphdef, params, rest), jnp.asarray(tokens))[0]
+
+    mesh = par.make_mesh(2, 4)
+    sharded = par.sharded_loss_fn(graphdef, mesh, params, rest)
+    p_mesh, r_mesh = par.shard_params(params, mesh), par.shard_params(rest, mesh)
+    t_mesh = par.shard_batch(tokens, mesh)
+    ref_loss, ref = jax.jit(jax.value_and_grad(single))(params)
+    got_loss, got = jax.jit(jax.value_and_grad(lambda p: sharded(p, r_mesh, t_mesh)[0]))(p_mesh)
+    np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-6)
+    assert _max_rel(ref, got) < 1e-5
 
 
 # ------------------------------------------------------------------------------ FP8 on the wire
