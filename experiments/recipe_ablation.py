@@ -1,7 +1,8 @@
 """Recipe ablations in training: 128x128 blocks for the Dgrad input, and power-of-two scales.
 
-    python experiments/recipe_ablation.py --preset small --steps 150 --batch-size 8 --seq-len 256 \
-        --probe-every 50 --out experiments/results/ablation-small
+    python experiments/recipe_ablation.py --preset small --steps 100 --batch-size 8 --seq-len 256 \
+        --warmup 30 --eval-every 50 --probe-every 50 --out experiments/results/ablation-small
+    ... --loss-scale 16384 --out experiments/results/ablation-small-ls16k   # dy above the amax floor
 
 DeepSeek-V3 Appendix B.2 reports that quantizing the activation gradient dy (the Dgrad input) in
 128x128 blocks, instead of 1x128 tiles, made a 16B MoE diverge after ~300B tokens. This trains the
@@ -74,7 +75,7 @@ def run_arm(base, arm: str, probe_steps: list[int], batches, out: pathlib.Path, 
             _, _, params, rest, *_ = build(cfg)
         t = time.perf_counter()
         errors = gradient_errors(cfg.model_config(), params, rest, batches, {arm: recipe},
-                                 bf16_floor=arm == BASELINE)
+                                 bf16_floor=arm == BASELINE, loss_scale=cfg.loss_scale)
         rows = []
         for name, e in errors.items():
             rows.append({"step": step, "arm": arm, "gemms": name, "group": "all", "rel_error": e["rel_error"],
@@ -128,7 +129,7 @@ def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: 
     final = {arm: rows[-1] for arm, rows in metrics.items()}
     base_val = final[BASELINE]["val_loss"] if BASELINE in final else None
     summary = {"preset": cfg.preset, "steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
-               "arms": {}}
+               "loss_scale": cfg.loss_scale, "arms": {}}
     for arm, rows in metrics.items():
         f = final[arm]
         loads = [r["max_over_mean_load"] for r in rows]
@@ -148,8 +149,8 @@ def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: 
     summary["bf16_floor_gradient_rel_error"] = floor
     steps = sorted({r["step"] for r in probes})
     lines = [f"# Recipe ablations in training (`{command}`)", "",
-             f"{cfg.preset} preset, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} bytes, same seed/init/data "
-             "for every arm. Gap = (val CE - deepseek val CE) / deepseek val CE. Gradient error = "
+             f"{cfg.preset} preset, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} bytes, loss scale "
+             f"{cfg.loss_scale:g}, same seed/init/data for every arm. Gap = (val CE - deepseek val CE) / deepseek val CE. Gradient error = "
              "‖g − g_FP32‖/‖g_FP32‖ of the full parameter gradient on held-out batches at that arm's "
              "parameters (routing flips included); BF16 floor = the same for BF16 GEMMs at the "
              "deepseek arm's parameters.", "", "```",

@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default="", type=parse_recipe_overrides,
                    help="FP8 recipe changes, 'field=value,...' (Fp8Recipe fields; blocks as 1x128, "
                         "128x128 or none; booleans as true/false), e.g. grad_block=128x128")
+    p.add_argument("--loss-scale", type=float, default=1.0,
+                   help="multiply the loss by this for the backward pass (a power of two; lifts small "
+                        "activation gradients above the FP8 quantizer's amax floor of 1e-4)")
     p.add_argument("--mesh", default=None,
                    help="'data=D,expert=E': data- and expert-parallel over D*E devices (see jfp8.parallel)")
     return p
@@ -104,6 +107,7 @@ def config_from_args(args) -> TrainConfig:
         ckpt_every=args.ckpt_every,
         optimizer=OptimizerConfig(peak_lr=pick("lr", "peak_lr"), warmup_steps=pick("warmup", "warmup")),
         recipe_overrides=args.recipe,
+        loss_scale=args.loss_scale,
         out=args.out,
         progress=not args.no_progress,
     )

@@ -477,7 +477,8 @@ def sharded_loss_fn(graphdef, mesh: Mesh, params, rest, options: ParallelOptions
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs)
 
 
-def make_sharded_train_step(graphdef, tx, mesh: Mesh, params, rest, options: ParallelOptions = ParallelOptions()):
+def make_sharded_train_step(graphdef, tx, mesh: Mesh, params, rest, options: ParallelOptions = ParallelOptions(),
+                            loss_scale: float = 1.0):
     """The jitted sharded counterpart of `jfp8.train.loop.build`'s `train_step`.
 
     `step(params, rest, opt_state, tokens) -> (params, rest, opt_state, metrics)`, tokens a global
@@ -493,7 +494,7 @@ def make_sharded_train_step(graphdef, tx, mesh: Mesh, params, rest, options: Par
 
     def step(params, rest, opt_state, tokens):
         params, rest, opt_state, metrics = optimizer_step(
-            graphdef, tx, loss_fn, params, rest, opt_state, tokens
+            graphdef, tx, loss_fn, params, rest, opt_state, tokens, loss_scale
         )
         params = jax.lax.with_sharding_constraint(params, p_shard)
         rest = jax.lax.with_sharding_constraint(rest, r_shard)
@@ -520,7 +521,7 @@ def build_sharded(config, mesh: Mesh, options: ParallelOptions = ParallelOptions
 
     model_cfg, graphdef, params, rest, tx, schedule, _, _ = build(config)
     params, rest = shard_params(params, mesh), shard_params(rest, mesh)
-    train_step = make_sharded_train_step(graphdef, tx, mesh, params, rest, options)
+    train_step = make_sharded_train_step(graphdef, tx, mesh, params, rest, options, config.loss_scale)
     loss_fn = sharded_loss_fn(graphdef, mesh, params, rest, options)
     eval_step = jax.jit(lambda params, rest, tokens: loss_fn(params, rest, tokens)[1]["ce"])
     return model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step

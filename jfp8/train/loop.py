@@ -63,6 +63,10 @@ class TrainConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
     model_overrides: tuple[tuple[str, object], ...] = ()
     recipe_overrides: tuple[tuple[str, object], ...] = ()
+    # The loss is multiplied by this for the backward pass and the gradients divided by it after:
+    # lifts activation gradients above the quantizer's amax floor (`AMAX_FLOOR`, 1e-4) so that
+    # their scales follow their magnitude. A power of two keeps the round trip exact.
+    loss_scale: float = 1.0
     out: str = "runs/default"
     progress: bool = True
 
@@ -74,6 +78,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "ckpt_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
+            raise ValueError(f"loss_scale must be a positive finite number, got {self.loss_scale}")
         if self.recipe_overrides and self.precision != "fp8":
             raise ValueError("recipe_overrides change the FP8 recipe; they need precision='fp8'")
         unknown = set(dict(self.recipe_overrides)) - {f.name for f in dataclasses.fields(Fp8Recipe)}
@@ -138,11 +144,13 @@ def build(config: TrainConfig):
     model_cfg = config.model_config()
     graphdef, params, rest = _split(Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
     return (model_cfg, graphdef, params, rest,
-            *_step_functions(graphdef, model_cfg, config.optimizer, config.steps))
+            *_step_functions(graphdef, model_cfg, config.optimizer, config.steps, config.loss_scale))
 
 
 @functools.lru_cache(maxsize=8)
-def _step_functions(graphdef, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int):
+def _step_functions(
+    graphdef, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int, loss_scale: float = 1.0
+):
     """(tx, schedule, train_step, eval_step), cached so that runs of the same model and schedule in
     one process (a resume, the two halves of a comparison) compile once."""
     del model_cfg  # part of the cache key only (the graphdef holds the structure)
@@ -154,7 +162,7 @@ def _step_functions(graphdef, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, 
 
     @jax.jit
     def train_step(params, rest, opt_state, tokens):
-        return optimizer_step(graphdef, tx, loss_fn, params, rest, opt_state, tokens)
+        return optimizer_step(graphdef, tx, loss_fn, params, rest, opt_state, tokens, loss_scale)
 
     @jax.jit
     def eval_step(params, rest, tokens):
@@ -164,11 +172,12 @@ def _step_functions(graphdef, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, 
     return tx, schedule, train_step, eval_step
 
 
-def optimizer_step(graphdef, tx, loss_fn, params, rest, opt_state, tokens):
+def optimizer_step(graphdef, tx, loss_fn, params, rest, opt_state, tokens, loss_scale: float = 1.0):
     """One training step (traced inside jit): gradients of `loss_fn(params, rest, tokens)`, the
     optimizer update, then the router-bias update from the step's expert loads, outside the
-    gradient (auxiliary-loss-free balancing). Returns (params, rest, opt_state, metrics)."""
-    (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
+    gradient (auxiliary-loss-free balancing). Returns (params, rest, opt_state, metrics).
+    `loss_scale` multiplies the loss for the backward pass; the gradients are divided by it."""
+    (loss, parts), grads = scaled_value_and_grad(loss_fn, loss_scale)(params, rest, tokens)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     model = nnx.merge(graphdef, params, rest)
@@ -180,6 +189,23 @@ def optimizer_step(graphdef, tx, loss_fn, params, rest, opt_state, tokens):
     loads = parts["expert_loads"].astype(jnp.float32)
     metrics["max_over_mean_load"] = jnp.max(loads / jnp.mean(loads, axis=-1, keepdims=True))
     return params, rest, opt_state, metrics
+
+
+def scaled_value_and_grad(loss_fn, loss_scale: float = 1.0):
+    """`jax.value_and_grad(loss_fn, has_aux=True)`, differentiating `loss_scale * loss` and
+    returning the gradients divided by `loss_scale` (exact for a power of two, barring overflow)."""
+    if loss_scale == 1.0:
+        return jax.value_and_grad(loss_fn, has_aux=True)
+
+    def scaled(*args):
+        loss, aux = loss_fn(*args)
+        return loss * loss_scale, (loss, aux)
+
+    def fn(*args):
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(*args)
+        return (loss, aux), jax.tree.map(lambda g: g / jnp.asarray(loss_scale, g.dtype), grads)
+
+    return fn
 
 
 def _all_finite(tree) -> bool:

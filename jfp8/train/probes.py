@@ -26,7 +26,7 @@ from flax import nnx
 from jfp8.nn import ModelConfig, Transformer, model_loss
 from jfp8.recipe import Fp8Recipe
 from jfp8.train.checkpoint import Checkpointer
-from jfp8.train.loop import TrainConfig, _split, build
+from jfp8.train.loop import TrainConfig, _split, build, scaled_value_and_grad
 
 
 def load_run(run_dir: str | pathlib.Path, step: int | None = None):
@@ -51,12 +51,13 @@ def _graphdef(config: ModelConfig):
 
 
 @functools.lru_cache(maxsize=16)
-def _gradient_fn(config: ModelConfig):
+def _gradient_fn(config: ModelConfig, loss_scale: float = 1.0):
     graphdef = _graphdef(config)
 
     @jax.jit
     def grad(params, rest, tokens):
-        return jax.grad(lambda p: model_loss(nnx.merge(graphdef, p, rest), tokens)[0])(params)
+        loss = lambda p: model_loss(nnx.merge(graphdef, p, rest), tokens)  # noqa: E731
+        return scaled_value_and_grad(loss, loss_scale)(params)[1]
 
     return grad
 
@@ -83,13 +84,16 @@ def _flat(tree) -> dict[str, np.ndarray]:
 
 
 def gradient_errors(
-    config: ModelConfig, params, rest, batches, recipes: dict[str, Fp8Recipe], *, bf16_floor: bool = True
+    config: ModelConfig, params, rest, batches, recipes: dict[str, Fp8Recipe], *, bf16_floor: bool = True,
+    loss_scale: float = 1.0,
 ) -> dict[str, dict]:
     """Gradient error of each recipe vs the FP32 reference, summed over `batches` ([B, T] tokens).
 
     Returns {recipe name: {"rel_error", "cosine", "groups": {group: rel_error}}}; the reference
     itself is the model with `Fp8Recipe.off()` and FP32 activations. With `bf16_floor`, also
     returned under "bf16": the BF16 model without FP8, the floor that FP8 error is read against.
+    `loss_scale` differentiates `loss_scale * loss` and divides the gradient by it, as training
+    with `TrainConfig.loss_scale` does (the FP32 reference is unaffected by a power of two).
     """
     # Committed like a checkpoint's arrays: fresh and restored parameters share one compilation.
     params, rest = jax.device_put((params, rest), jax.devices()[0])
@@ -99,7 +103,7 @@ def gradient_errors(
     reference = dataclasses.replace(config, recipe=Fp8Recipe.off(), dtype="float32")
 
     def total(cfg):
-        fn = _gradient_fn(cfg)
+        fn = _gradient_fn(cfg, loss_scale)
         grads = [_flat(fn(params, rest, jnp.asarray(b))) for b in batches]
         return {k: sum(g[k] for g in grads) for k in grads[0]}
 
