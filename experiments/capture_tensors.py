@@ -6,7 +6,8 @@
 
 Loads the newest checkpoint (or `--step`) of a training run (`train_moe.py`, `compare_precision.py`
 or `recipe_ablation.py` output), evaluates the training loss and its gradient on `--batches`
-held-out batches with the run's recipe, and saves, for each `Fp8Linear` whose path matches one of
+held-out batches with the run's recipe and loss scale (`--loss-scale`: dy is then what the
+quantizers saw in that run), and saves, for each `Fp8Linear` whose path matches one of
 `--layers` (shell patterns), `"<path>:x"` [tokens, in_features] (what Fprop quantizes in 1x128
 tiles) and `"<path>:dy"` [tokens, out_features] (what Dgrad quantizes in 1x128 tiles, or 128x128
 blocks in the Appendix B.2 ablation). `jfp8.nn.capture` does the recording.

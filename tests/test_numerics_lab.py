@@ -126,6 +126,11 @@ def test_captured_operands_are_the_layers_x_and_dy():
         expected = np.asarray(linear_layers(grad_model)[name].weight[...], np.float64)
         got = t["x"].astype(np.float64).T @ t["dy"].astype(np.float64)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max(), err_msg=name)
+    # With a loss scale, dy is the scaled cotangent the quantizers see (exact: a power of two, FP32).
+    scaled = capture_linear_operands(model, tokens, loss_scale=1024.0)
+    for name, t in captured.items():
+        np.testing.assert_array_equal(scaled[name]["x"], t["x"])
+        np.testing.assert_array_equal(scaled[name]["dy"], 1024.0 * t["dy"])
 
 
 @pytest.fixture(scope="module")

@@ -70,12 +70,15 @@ def linear_layers(model: nnx.Module) -> dict[str, Fp8Linear]:
     }
 
 
-def capture_linear_operands(model: Transformer, tokens: jax.Array) -> dict[str, dict[str, np.ndarray]]:
+def capture_linear_operands(
+    model: Transformer, tokens: jax.Array, loss_scale: float = 1.0
+) -> dict[str, dict[str, np.ndarray]]:
     """x and dy of every `Fp8Linear` for one loss-and-gradient evaluation on `tokens` [B, T].
 
     Returns {layer path: {"x": [B*T, in_features], "dy": [B*T, out_features]}} as f32 NumPy
     arrays (the values the FP8 GEMMs quantize: x in the compute dtype, dy the cotangent of the
-    layer's output). The gradient is of `model_loss` (CE + λ·MTP CE + balance), as in training.
+    layer's output). The gradient is of `loss_scale * model_loss` (CE + λ·MTP CE + balance), as in
+    training with `TrainConfig.loss_scale`: dy is what the Dgrad/Wgrad quantizers see there.
     The model is left as it was.
     """
     layers = linear_layers(model)
@@ -86,7 +89,7 @@ def capture_linear_operands(model: Transformer, tokens: jax.Array) -> dict[str, 
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
         def loss(p):
-            return model_loss(nnx.merge(graphdef, p, rest), tokens)[0]
+            return model_loss(nnx.merge(graphdef, p, rest), tokens)[0] * loss_scale
 
         jax.block_until_ready(jax.jit(jax.grad(loss))(params))
         jax.effects_barrier()
