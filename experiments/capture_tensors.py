@@ -21,25 +21,17 @@ import pathlib
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jfp8.nn import Transformer
 from jfp8.nn.capture import capture_linear_operands
-from jfp8.train import data
-from jfp8.train.loop import _split
-from jfp8.train.probes import load_run
+from jfp8.train.probes import load_model, val_batches
 
 # One dense FFN, the attention and shared expert of a middle MoE block, and the MTP projection.
 DEFAULT_LAYERS = ("blocks.0.ffn.*", "blocks.3.attn.*", "blocks.3.ffn.shared.*", "mtp.proj")
 
 
 def capture(run: pathlib.Path, step: int | None, layers: list[str], n_batches: int) -> dict[str, np.ndarray]:
-    config, params, rest = load_run(run, step)
-    model_cfg = config.model_config()
-    graphdef = _split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))[0]
-    model = nnx.merge(graphdef, params, rest)
-    split = data.train_val_split(data.load_bytes(config.corpus), config.val_fraction)
-    batches = data.eval_batches(split.val, config.batch_size, config.seq_len, n_batches)
+    config, model = load_model(run, step)
+    batches = val_batches(config, n_batches)
     out: dict[str, list[np.ndarray]] = {}
     for tokens in batches:
         for path, t in capture_linear_operands(model, jnp.asarray(tokens)).items():

@@ -35,9 +35,8 @@ import time
 import numpy as np
 
 from jfp8.recipe import Fp8Recipe
-from jfp8.train import data
 from jfp8.train.loop import build, read_metrics, train
-from jfp8.train.probes import gradient_errors, load_run
+from jfp8.train.probes import gradient_errors, load_run, val_batches
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from train_moe import config_from_args, parser as train_parser  # noqa: E402
@@ -192,10 +191,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--probe-every must divide --steps ({base.steps}); got {args.probe_every}")
     base = dataclasses.replace(base, ckpt_every=args.probe_every)
     out = pathlib.Path(args.out)
-    split = data.train_val_split(data.load_bytes(base.corpus), base.val_fraction)
     # Probe batches: the last held-out batches, disjoint from the ones evaluation uses first.
-    val = data.eval_batches(split.val, base.batch_size, base.seq_len, base.eval_batches + args.probe_batches)
-    batches = val[base.eval_batches:]
+    batches = val_batches(base, base.eval_batches + args.probe_batches)[base.eval_batches:]
     probe_steps = list(range(0, base.steps + 1, args.probe_every))
     out.mkdir(parents=True, exist_ok=True)
     log = out / "probes.jsonl"

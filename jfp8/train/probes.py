@@ -1,6 +1,8 @@
 """Look inside a training run: restore its state, and measure gradient error at its parameters.
 
     config, params, rest = load_run("runs/parity-small/fp8")              # newest checkpoint
+    config, model = load_model("runs/parity-small/fp8")                   # the same, as an nnx model
+    batches = val_batches(config, 2)                                      # held-out [B, T] token batches
     errors = gradient_errors(config.model_config(), params, rest, batches,
                              {"deepseek": Fp8Recipe(), "dgrad 128x128": Fp8Recipe(grad_block=(128, 128))})
 
@@ -25,6 +27,7 @@ from flax import nnx
 
 from jfp8.nn import ModelConfig, Transformer, model_loss
 from jfp8.recipe import Fp8Recipe
+from jfp8.train import data
 from jfp8.train.checkpoint import Checkpointer
 from jfp8.train.loop import TrainConfig, _split, build, scaled_value_and_grad
 
@@ -44,6 +47,18 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None):
     finally:
         ckpt.close()
     return config, state["params"], state["rest"]
+
+
+def load_model(run_dir: str | pathlib.Path, step: int | None = None):
+    """(TrainConfig, Transformer) of a run's checkpoint: `load_run`'s state merged into the model."""
+    config, params, rest = load_run(run_dir, step)
+    return config, nnx.merge(_graphdef(config.model_config()), params, rest)
+
+
+def val_batches(config: TrainConfig, n: int) -> list[np.ndarray]:
+    """The first `n` held-out [batch_size, seq_len] token batches of the run's corpus and split."""
+    split = data.train_val_split(data.load_bytes(config.corpus), config.val_fraction)
+    return data.eval_batches(split.val, config.batch_size, config.seq_len, n)
 
 
 def _graphdef(config: ModelConfig):
