@@ -34,7 +34,7 @@ def capture(run: pathlib.Path, step: int | None, layers: list[str], n_batches: i
     batches = val_batches(config, n_batches)
     out: dict[str, list[np.ndarray]] = {}
     for tokens in batches:
-        for path, t in capture_linear_operands(model, jnp.asarray(tokens)).items():
+        for path, t in capture_linear_operands(model, jnp.asarray(tokens), config.loss_scale).items():
             if any(fnmatch.fnmatchcase(path, pat) for pat in layers):
                 for key, value in t.items():
                     out.setdefault(f"{path}:{key}", []).append(value)

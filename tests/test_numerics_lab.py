@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import shutil
 import sys
 
 import jax
@@ -166,17 +167,30 @@ def test_gradient_errors_zero_for_the_reference_and_ordered_for_fp8(tiny_run):
     assert {"attention", "routed experts", "router", "shared expert", "dense ffn"} <= set(e["fp8"]["groups"])
 
 
-def test_capture_tensors_script_writes_the_selected_layers(tiny_run, tmp_path):
+def test_capture_tensors_script_writes_the_selected_layers(tiny_run, tmp_path, monkeypatch):
     _, out = tiny_run
+    # The same run as if trained with a loss scale: the capture must differentiate the scaled loss.
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps(config | {"loss_scale": 1024.0}))
+    seen = []
+
+    def spy(model, tokens, loss_scale=1.0):
+        seen.append(loss_scale)
+        return capture_linear_operands(model, tokens, loss_scale)
+
+    monkeypatch.setattr(capture_tensors, "capture_linear_operands", spy)
     path = tmp_path / "t.npz"
-    tensors = capture_tensors.main(["--run", str(out), "--layers", "blocks.0.*", "--out", str(path)])
+    tensors = capture_tensors.main(["--run", str(run), "--layers", "blocks.0.*", "--out", str(path)])
+    assert seen == [1024.0]
     with np.load(path) as saved:
         assert set(saved.files) == set(tensors)
         assert "blocks.0.attn.wq_a:x" in saved.files and "blocks.0.ffn.w2:dy" in saved.files
         assert not any(name.startswith("blocks.1") for name in saved.files)
         assert all(np.isfinite(saved[k]).all() for k in saved.files)
     with pytest.raises(SystemExit, match="no layer matches"):
-        capture_tensors.main(["--run", str(out), "--layers", "nothing.*", "--out", str(path)])
+        capture_tensors.main(["--run", str(run), "--layers", "nothing.*", "--out", str(path)])
 
 
 def test_recipe_ablation_runs_arms_and_probes(tmp_path):
