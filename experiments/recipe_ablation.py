@@ -212,8 +212,8 @@ def main(argv=None) -> dict:
     summary, text = summarize(metrics, probes, base, command)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "summary.md").write_text(text)
-    plot(metrics, probes, out / "ablation.png",
-         f"{base.preset}: DeepSeek-V3 recipe vs 128x128 Dgrad blocks vs pow2 scales")
+    scaled = f", loss scale {base.loss_scale:g}" if base.loss_scale != 1 else ""
+    plot(metrics, probes, out / "ablation.png", f"{base.preset}{scaled}: " + " vs ".join(arms))
     print(text)
     print(f"plot: {out / 'ablation.png'}")
     return summary
