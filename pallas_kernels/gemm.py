@@ -225,15 +225,16 @@ def _promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array) -> jax.Array:
     return out
 
 
-def _in_specs(config: GemmConfig, mi, ni) -> list[plgpu.BlockSpec]:
-    """K step k of output tile (mi, ni): a, b (128-byte swizzled fp8) and their scales."""
+def _in_specs(config, mi, ni, k_first=0) -> list[plgpu.BlockSpec]:
+    """K step k of output tile (mi, ni): a, b (128-byte swizzled fp8) and their scales, from K
+    chunk `k_first + k` on (a group's first chunk in the grouped Wgrad)."""
     tm, tn = config.tile_m, config.tile_n
     fp8_tile = _swizzled(FP8_DTYPE, TILE_K)
     return [
-        plgpu.BlockSpec((tm, TILE_K), lambda k: (mi, k), transforms=fp8_tile),
-        plgpu.BlockSpec((tn, TILE_K), lambda k: (ni, k), transforms=fp8_tile),
-        plgpu.BlockSpec((None, tm), lambda k: (k, mi)),
-        plgpu.BlockSpec((None, tn), lambda k: (k, ni)),
+        plgpu.BlockSpec((tm, TILE_K), lambda k: (mi, k_first + k), transforms=fp8_tile),
+        plgpu.BlockSpec((tn, TILE_K), lambda k: (ni, k_first + k), transforms=fp8_tile),
+        plgpu.BlockSpec((None, tm), lambda k: (k_first + k, mi)),
+        plgpu.BlockSpec((None, tn), lambda k: (k_first + k, ni)),
     ]
 
 
@@ -297,38 +298,53 @@ def _simple_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem, *, conf
     plgpu.wait_smem_to_gmem(0)
 
 
-def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles):
-    """Warp-specialized: warpgroup `WS_CONSUMER_WGS` only issues TMA; consumer warpgroup w
-    (0 <= w < WS_CONSUMER_WGS) owns rows [w * wm, (w + 1) * wm) of each (tile_m, tile_n) tile.
+def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transforms=(), dynamic_k=False):
+    """The warp-specialized main loop, shared by the dense and the grouped kernels.
 
-    Each consumer runs `_promote` on its rows with its own FP32 registers and stores its rows
-    itself, so the two consumers only meet at the pipeline's "consumed" barrier: while one
-    promotes a chunk (FMA units), the other's wgmma can occupy the tensor cores. Refs as in
-    `_simple_kernel`; the SMEM stages and the output tile are shared by the three warpgroups.
+    Runs in a kernel of `WS_CONSUMER_WGS + 1` warpgroups (thread axis "wg"): warpgroup
+    `WS_CONSUMER_WGS` only issues TMA; consumer warpgroup w (0 <= w < WS_CONSUMER_WGS) owns rows
+    [w * wm, (w + 1) * wm) of each (tile_m, tile_n) tile, wm = tile_m / WS_CONSUMER_WGS. Each
+    consumer runs `_promote` on its rows with its own FP32 registers and stores its rows itself,
+    so the consumers only meet at the pipeline's "consumed" barrier: while one promotes a chunk
+    (FMA units), the other's wgmma can occupy the tensor cores.
+
+    The SMEM stages and the output tile are allocated once, for every tile the CTA computes (a
+    scoped allocation per tile would synchronise the three warpgroups at every tile), and sized
+    by `operands` = (a [M', Kp], b [N', Kp], sa [C, M''], sb [C, N'']), GMEM refs as in
+    `_simple_kernel`. Then `schedule(run_tile, wg, out_rows)` runs on every warpgroup, with
+    `out_rows` this consumer's rows of the output tile, and calls, the same way on all of them,
+
+        run_tile(mi, ni, views, epilogue, *, k_first=0, k_steps=C, before_chunk=None)
+
+    for each output tile: the K loop of tile (mi, ni) over `views` (refs shaped like `operands`,
+    e.g. one group's weight), from chunk `k_first` for `k_steps` chunks (dynamic with
+    `dynamic_k`), with `before_chunk(step, a_rows)` run by each consumer on its rows of a chunk
+    before the wgmma; then `epilogue(out, out_rows)` on each consumer, out its [wm, tile_n] f32
+    result.
     """
     tm, tn = config.tile_m, config.tile_n
     wm = tm // WS_CONSUMER_WGS
+    chunks = operands[0].shape[1] // TILE_K
 
-    def pipeline(mi, ni, body=None, compute_context=None):
+    def pipeline(mi, ni, k_first=0, k_steps=chunks, body=None, compute_context=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(a_gmem.shape[1] // TILE_K,),
+            grid=(k_steps,),
             memory_registers=WS_PRODUCER_REGISTERS,
-            in_specs=_in_specs(config, mi, ni),
+            in_specs=_in_specs(config, mi, ni, k_first),
             wg_axis="wg",
             num_compute_wgs=WS_CONSUMER_WGS,
             max_concurrent_steps=config.max_concurrent_steps,
             compute_context=compute_context,
         )
 
-    operands = (a_gmem, b_gmem, sa_gmem, sb_gmem)
-    out_tile = plgpu.SMEM((tm, tn), out_gmem.dtype, transforms=_swizzled(out_gmem.dtype, tn))
+    # A static grid shorter than the pipeline allocates fewer stages; a dynamic one allocates all.
+    alloc_steps = max(chunks, config.max_concurrent_steps) if dynamic_k else chunks
+    out_tile = plgpu.SMEM((tm, tn), out_dtype, transforms=out_transforms)
 
-    # The stages are allocated once, outside the tile loop: a scoped allocation per tile would
-    # synchronise the three warpgroups at every tile (the allocations depend only on shapes).
     @functools.partial(
         pl.run_scoped,
-        stages=pipeline(0, 0).get_allocations(*operands),
+        stages=pipeline(0, 0, k_steps=alloc_steps).get_allocations(*operands),
         out_smem=out_tile,
         collective_axes="wg",
     )
@@ -336,20 +352,43 @@ def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles):
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * wm, wm)  # this consumer's rows of the tile
 
-        def tile(mi, ni):
-            def body(_, a_smem, b_smem, sa_smem, sb_smem, out):
-                return _promote(a_smem.at[rows], b_smem, sa_smem.at[rows], sb_smem, out)
+        def run_tile(mi, ni, views, epilogue, *, k_first=0, k_steps=chunks, before_chunk=None):
+            def body(idx, a_smem, b_smem, sa_smem, sb_smem, out):
+                a_rows = a_smem.at[rows]
+                if before_chunk is not None:
+                    before_chunk(idx[0], a_rows)
+                return _promote(a_rows, b_smem, sa_smem.at[rows], sb_smem, out)
 
             def compute_context(run_pipeline):
-                out = run_pipeline(_zeros((wm, tn)))
-                out_rows = out_gmem.at[pl.ds(mi * tm + wg * wm, wm), pl.ds(ni * tn, tn)]
-                _store_tile(out, out_smem.at[rows], out_rows)
+                epilogue(run_pipeline(_zeros((wm, tn))), out_smem.at[rows])
 
-            pipeline(mi, ni, body, compute_context)(*operands, allocations=stages)
+            pipeline(mi, ni, k_first, k_steps, body, compute_context)(*views, allocations=stages)
+
+        schedule(run_tile, wg, out_smem.at[rows])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles):
+    """Warp-specialized dense GEMM (`warp_specialized_tiles`) over the tiles of `_for_each_tile`.
+    Refs as in `_simple_kernel`."""
+    tm, tn = config.tile_m, config.tile_n
+    wm = tm // WS_CONSUMER_WGS
+    operands = (a_gmem, b_gmem, sa_gmem, sb_gmem)
+
+    def schedule(run_tile, wg, _):
+        def tile(mi, ni):
+            def epilogue(out, out_rows):
+                rows = out_gmem.at[pl.ds(mi * tm + wg * wm, wm), pl.ds(ni * tn, tn)]
+                _store_tile(out, out_rows, rows)
+
+            run_tile(mi, ni, operands, epilogue)
 
         _for_each_tile(config, tiles, tile)
 
-    plgpu.wait_smem_to_gmem(0)
+    warp_specialized_tiles(
+        config, operands, out_gmem.dtype, schedule, out_transforms=_swizzled(out_gmem.dtype, tn)
+    )
 
 
 def _check_inputs(a_data, a_scale, b_data, b_scale, n, b_block_rows, out_dtype) -> None:
@@ -469,6 +508,17 @@ def _out_shape(m: int, n: int, out_dtype, config: GemmConfig) -> tuple[int, int]
     return _tma_extent(m, SWIZZLE_ROWS), _tma_extent(n, cols, align)
 
 
+def launch_tiles(kernel, out_type, config, num_tiles: int, num_sms: int | None = None, **kwargs):
+    """`plgpu.kernel` over `num_tiles` output tiles: one CTA per tile, or with `config.persistent`
+    one per SM (`num_sms`, the device's when None; fewer CTAs for fewer tiles), on grid axis
+    "sm"; with `config.warp_specialized`, `WS_CONSUMER_WGS + 1` warpgroups on thread axis "wg"."""
+    num_sms = _mgpu.num_sms() if num_sms is None else num_sms
+    ctas = min(num_tiles, num_sms) if config.persistent else num_tiles
+    if config.warp_specialized:
+        kwargs.update(num_threads=WS_CONSUMER_WGS + 1, thread_name="wg")
+    return plgpu.kernel(kernel, out_type=out_type, grid=(ctas,), grid_names=("sm",), **kwargs)
+
+
 def _gemm_call(
     out_shape: tuple[int, int],
     out_dtype,
@@ -476,25 +526,15 @@ def _gemm_call(
     tiles: tuple[int, int],
     num_sms: int | None = None,
 ):
-    """The Mosaic GPU kernel over `tiles = (row tiles, column tiles)` output tiles.
-
-    One CTA per tile, or with `config.persistent` one per SM (`num_sms`, the device's when None;
-    fewer CTAs for fewer tiles), each walking its share of the tiles.
-    """
-    num_tiles = tiles[0] * tiles[1]
-    num_sms = _mgpu.num_sms() if num_sms is None else num_sms
-    ctas = min(num_tiles, num_sms) if config.persistent else num_tiles
-    launch = dict(
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(ctas,), grid_names=("sm",)
-    )
-    if config.warp_specialized:
-        kernel = functools.partial(_ws_kernel, config=config, tiles=tiles)
-        return plgpu.kernel(kernel, num_threads=WS_CONSUMER_WGS + 1, thread_name="wg", **launch)
-    out_tile = plgpu.SMEM(
-        (config.tile_m, config.tile_n), out_dtype, transforms=_swizzled(out_dtype, config.tile_n)
-    )
-    kernel = functools.partial(_simple_kernel, config=config, tiles=tiles)
-    return plgpu.kernel(kernel, scratch_types=dict(out_smem=out_tile), **launch)
+    """The Mosaic GPU kernel over `tiles = (row tiles, column tiles)` output tiles."""
+    out_type = jax.ShapeDtypeStruct(out_shape, out_dtype)
+    kernel = _ws_kernel if config.warp_specialized else _simple_kernel
+    kernel = functools.partial(kernel, config=config, tiles=tiles)
+    scratch = {}
+    if not config.warp_specialized:
+        transforms = _swizzled(out_dtype, config.tile_n)
+        scratch["out_smem"] = plgpu.SMEM((config.tile_m, config.tile_n), out_dtype, transforms=transforms)
+    return launch_tiles(kernel, out_type, config, tiles[0] * tiles[1], num_sms, scratch_types=scratch)
 
 
 def scaled_matmul(

@@ -2,7 +2,10 @@
 
 import jax
 import numpy as np
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+    get_races,
+    reset_gpu_interpret_mode_state,
+)
 
 from jfp8.benchmarking import rel_error  # noqa: F401  re-exported: ||a - b|| / ||b|| in float64
 from pallas_kernels import _mgpu
@@ -22,3 +25,28 @@ def interpret(fn, *args, **kwargs):
     except Exception:
         reset_gpu_interpret_mode_state()  # the interpreter's state is unusable after a failure
         raise
+
+
+def interpret_detecting_races(fn, *args):
+    """`interpret` with the interpreter's race detector on; returns (result, races found).
+
+    A race is printed ("RACE DETECTED", with both accesses) and recorded, not raised."""
+    try:
+        with _mgpu.interpret_mode(True, detect_races=True):
+            out = jax.block_until_ready(fn(*args))
+    except Exception:
+        reset_gpu_interpret_mode_state()
+        raise
+    return out, get_races().races_found
+
+
+def assert_bitwise_equal(out, ref, seed):
+    """Same shape, dtype and bits (NaNs included); the message names the seed."""
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, seed)
+    bits = {2: np.uint16, 4: np.uint32}[out.dtype.itemsize]
+    diff = out.view(bits) != ref.view(bits)
+    assert not diff.any(), (
+        f"seed={seed}: {diff.sum()} of {diff.size} outputs differ "
+        f"({np.isnan(out).sum()} NaN), first at {np.argwhere(diff)[0]}"
+    )

@@ -32,17 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-    get_races,
-    reset_gpu_interpret_mode_state,
-)
 
 from jfp8.fp8 import Fp8Tensor, quantize
 from jfp8.reference import scaled_matmul_reference
 from pallas_kernels import _mgpu, gemm
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE
 from pallas_kernels.shapes import DENSE_SHAPES
+from helpers import assert_bitwise_equal as _assert_bitwise_equal
 from helpers import interpret as _interpret
+from helpers import interpret_detecting_races as _interpret_detecting_races
 
 # The weight pairing (b_block_rows = 128, Fprop/Dgrad) and the tile pairing (1, Wgrad).
 B_BLOCKS = {TILE: (TILE, TILE), 1: (1, TILE)}
@@ -93,30 +91,6 @@ def _kernel(a: Fp8Tensor, b: Fp8Tensor, b_block_rows: int, out_dtype, config=Non
     return gemm.scaled_matmul(
         a.data, a.scale, b.data, b.scale,
         n=b.logical[0], b_block_rows=b_block_rows, out_dtype=out_dtype, config=config,
-    )
-
-
-def _interpret_detecting_races(fn, *args):
-    """`helpers.interpret` with the interpreter's race detector on; returns (result, races found).
-
-    A race is printed ("RACE DETECTED", with both accesses) and recorded, not raised."""
-    try:
-        with _mgpu.interpret_mode(True, detect_races=True):
-            out = jax.block_until_ready(fn(*args))
-    except Exception:
-        reset_gpu_interpret_mode_state()
-        raise
-    return out, get_races().races_found
-
-
-def _assert_bitwise_equal(out, ref, seed):
-    out, ref = np.asarray(out), np.asarray(ref)
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, seed)
-    bits = {2: np.uint16, 4: np.uint32}[out.dtype.itemsize]
-    diff = out.view(bits) != ref.view(bits)
-    assert not diff.any(), (
-        f"seed={seed}: {diff.sum()} of {diff.size} outputs differ "
-        f"({np.isnan(out).sum()} NaN), first at {np.argwhere(diff)[0]}"
     )
 
 
