@@ -3,6 +3,7 @@
     python experiments/bench_grouped.py                       # GPU: MoE shapes; CPU: tiny, XLA only
     python experiments/bench_grouped.py --shapes 8x4096x4096x7168
     python experiments/bench_grouped.py --mgpu-config block_m=128,block_n=128,max_concurrent_steps=4
+    python experiments/bench_grouped.py --config warp_specialized=false,persistent=false,tile_m=64,max_concurrent_steps=2
 
 A problem GxRxNxK is G experts with R tokens each (equal groups, T = G*R rows sorted by expert),
 x (T, K) times one weight per expert, N outputs. Implementations (rows), output bf16:
@@ -12,6 +13,8 @@ x (T, K) times one weight per expert, N outputs. Implementations (rows), output 
   mgpu-ragged-dot-bf16  jax's Pallas Mosaic GPU ragged_dot_mgpu on bf16 (Hopper only)
   jfp8-<impl>         jfp8.grouped_scaled_matmul: 1x128 tiles x 128x128 blocks, FP32 promotion
                       (impl "mosaic" on Hopper, else the XLA reference path)
+  jfp8-mosaic[<config>]  pallas_kernels.grouped_gemm.grouped_scaled_matmul with
+                      GroupedGemmConfig(<config>), one row per --config (e.g. the simple form)
 The bf16 baselines get the weights in their preferred (G, K, N) layout; jfp8 stores them (G, N, K)
 as its kernel needs. FLOPs are the useful 2*T*N*K for every row. Checks, timing and the record
 (`<out>/bench_grouped-<device>-<date>.json`) work as in bench_gemm.py.
@@ -38,13 +41,16 @@ from jfp8.benchmarking import (
     Skip,
     add_common_args,
     add_ratios,
+    config_label,
     device_rel_error,
     gemm_row,
+    parse_config,
     random_normal,
     run_cases,
     timing_from_args,
     write_record,
 )
+from jfp8.reference import chunk_operand
 from pallas_kernels.shapes import GROUPED_SHAPES, GroupedShape
 
 BASELINE = "xla-bf16-einsum"
@@ -126,7 +132,7 @@ def _mgpu_case(xb, wb_kn, sizes, mgpu_config: dict, ref):
                 _check(ref), TOL_BF16_OPERANDS, "bf16")
 
 
-def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict):
+def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict, configs: list[str]):
     g, r, n, k = shape
     ops = _operands(random_normal(seed, (g * r, k)), random_normal(seed + 1, (g, n, k)) / np.sqrt(k), r)
     x, w, xb, wb_kn, a, b, sizes = (ops[key] for key in ("x", "w", "xb", "wb_kn", "a", "b", "sizes"))
@@ -146,6 +152,22 @@ def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict)
     impl = "mosaic" if use_kernels else "xla"
     grouped = jax.jit(lambda a, b, s: jfp8.grouped_scaled_matmul(a, b, s, out_dtype=jnp.bfloat16, impl=impl))
     cases.append(Case(f"jfp8-{impl}", lambda: grouped(a, b, sizes), _check(ref), TOL_FP8_OUTPUT, "fp8"))
+
+    if configs:
+        from pallas_kernels import grouped_gemm
+
+        # The kernel's operands, laid out once (outside the timed call): a's chunk scales per row.
+        a_data, a_scale = jax.jit(chunk_operand, static_argnums=1)(a, a.data.shape[1])
+        for text in configs:
+            name = f"jfp8-mosaic[{config_label(text)}]"
+            config = parse_config(text, grouped_gemm.GroupedGemmConfig)  # fails here on any machine
+            if not use_kernels:
+                skips.append(Skip(name, "needs a Hopper GPU"))
+                continue
+            kernel = jax.jit(lambda ad, sa, bd, sb, s, config=config: grouped_gemm.grouped_scaled_matmul(
+                ad, sa, bd, sb, s, n=n, out_dtype=jnp.bfloat16, config=config))
+            cases.append(Case(name, lambda kernel=kernel: kernel(a_data, a_scale, b.data, b.scale, sizes),
+                              _check(ref), TOL_FP8_OUTPUT, "fp8"))
     return cases, skips
 
 
@@ -167,8 +189,18 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", type=parse_grouped_shape, nargs="+", default=None, metavar="GxRxNxK")
     p.add_argument("--mgpu-config", type=parse_kv, default={}, metavar="NAME=INT,...",
                    help=f"ragged_dot_mgpu tiling overrides (defaults {MGPU_DEFAULTS})")
+    p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE,...",
+                   help="a GroupedGemmConfig for jfp8's grouped kernel, benched as its own row (repeatable)")
     add_common_args(p)
     args = p.parse_args(argv)
+    if args.config:
+        from pallas_kernels import grouped_gemm
+
+        for text in args.config:  # every config is valid before anything runs
+            try:
+                parse_config(text, grouped_gemm.GroupedGemmConfig)
+            except (ValueError, TypeError) as e:
+                p.error(f"--config {text!r}: {e}")
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
@@ -188,7 +220,8 @@ def main(argv=None) -> int:
         return write_record(
             "bench_grouped", rows, args.out, timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
             peak_source=PEAK_SOURCE, target_vs_bf16=TARGET_VS_BF16,
-            mgpu_config={**MGPU_DEFAULTS, **args.mgpu_config}, failed=failed, skipped=skipped,
+            mgpu_config={**MGPU_DEFAULTS, **args.mgpu_config}, configs=args.config, failed=failed,
+            skipped=skipped,
         )
 
     for i, shape in enumerate(shapes):
@@ -198,7 +231,7 @@ def main(argv=None) -> int:
                         for s in shapes[i:]]
             break
         try:
-            cases, skips = _cases(shape, use_kernels, args.seed, args.mgpu_config)
+            cases, skips = _cases(shape, use_kernels, args.seed, args.mgpu_config, args.config)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
             failed.append(dict(impl="(operands)", problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
             continue

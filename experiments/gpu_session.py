@@ -12,7 +12,8 @@ skipped with that reason):
   pytest_gpu     `pytest -m gpu tests`: the kernel tests that need a Hopper GPU
   bench_gemm     experiments/bench_gemm.py at the issue's dense shapes (8192^3 first, then
                  DeepSeek-V3 M=4096 with K >= 7168), plus any --gemm-config rows
-  bench_grouped  experiments/bench_grouped.py at the MoE shapes (8 experts x 4096 rows first)
+  bench_grouped  experiments/bench_grouped.py at the MoE shapes (8 experts x 4096 rows first),
+                 plus any --grouped-config rows
   bench_quantize experiments/bench_quantize.py against the measured copy bandwidth
   sass           each jfp8 kernel run once with MOSAIC_GPU_DUMP_TO set (jaxlib/mosaic/gpu/dump.cc:
                  PTX, ptxas log and nvdisasm SASS per Mosaic module); QGMMA / HGMMA / HMMA counted
@@ -178,7 +179,8 @@ def plan(args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
                         TIMEOUTS["pytest_gpu"], skip=no_gpu))
     gemm_extra = [a for c in args.gemm_config for a in ("--config", c)]
     stages.append(bench("bench_gemm", "bench_gemm.py", args.gemm_shapes, gemm_extra))
-    stages.append(bench("bench_grouped", "bench_grouped.py", args.grouped_shapes))
+    grouped_extra = [a for c in args.grouped_config for a in ("--config", c)]
+    stages.append(bench("bench_grouped", "bench_grouped.py", args.grouped_shapes, grouped_extra))
     stages.append(bench("bench_quantize", "bench_quantize.py", args.quantize_shapes))
     stages.append(Stage("sass", [py, me, "--worker", "kernels"], TIMEOUTS["sass"], skip=no_gpu,
                         env={"MOSAIC_GPU_DUMP_TO": str(work / "sass"),
@@ -537,6 +539,8 @@ def main(argv=None) -> int:
                    help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--gemm-config", action="append", default=[], metavar="FIELD=VALUE,...",
                    help="a GemmConfig benched as its own row (repeatable; passed to bench_gemm --config)")
+    p.add_argument("--grouped-config", action="append", default=[], metavar="FIELD=VALUE,...",
+                   help="a GroupedGemmConfig benched as its own row (repeatable; bench_grouped --config)")
     p.add_argument("--gemm-shapes", nargs="+", default=list(GEMM_SHAPES))
     p.add_argument("--grouped-shapes", nargs="+", default=list(GROUPED_SHAPES))
     p.add_argument("--quantize-shapes", nargs="+", default=list(QUANTIZE_SHAPES))

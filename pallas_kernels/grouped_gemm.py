@@ -14,9 +14,31 @@ order in which a 128-term chunk product is summed can differ (inside the tensor 
 interpreter's matmul versus XLA's dot), so the outputs are bit-identical whenever those sums are
 exact in f32, and within a few f32 ulps of a chunk product otherwise.
 
-This is the simple, correct form: one CTA per output tile (per work item for the row-grouped
-GEMM), one compute warpgroup, a plain `emit_pipeline`. The tiling lives in the frozen
-`GroupedGemmConfig` so a persistent, warp-specialized body can replace it later.
+Two forms, selected by the frozen `GroupedGemmConfig`:
+
+- `GroupedGemmConfig.simple()`, the correct-first form: one CTA of one warpgroup per output tile
+  (per work item and column tile for the row-grouped GEMM), a plain `emit_pipeline`, the
+  weight-block scale read as one number per K step (Lane semantics, untiled output SMEM).
+- `GroupedGemmConfig()`, the fast form (the default): the dense kernel's warp-specialized main
+  loop, `gemm.warp_specialized_tiles` — one TMA warpgroup, two wgmma warpgroups on 64 rows each
+  of a 128-row tile, 4 SMEM stages allocated once per CTA — with a persistent grid in grouped
+  tile order (`gemm._for_each_tile`). What is grouped is only the schedule:
+  * Fprop/Dgrad walks the (work item, column tile) pairs of `row_tile_work`; an item runs the
+    dense K loop with its group's weight (`b.at[g]`) and per-column weight scales (each 128x128
+    block's scale repeated over its columns, chunk-major, as the dense kernel takes them), and
+    each consumer stores only its rows inside the item's `[lo, hi)` with the power-of-two
+    ladder of TMA stores. Pseudo-group items store zeros without a K loop.
+  * Wgrad walks the (group, K tile, N tile) tiles with a dynamic K loop over the group's own
+    token chunks; each consumer masks the other groups' tokens out of its rows of a shared
+    chunk before its wgmma; an empty group's tiles store zeros.
+  Expected on a GPU for the same reasons as the dense kernel (see `gemm`'s docstring): the
+  tensor cores busy while a consumer promotes, twice the rows per weight tile, no per-tile launch
+  or pipeline fill, and a group's weight panels reused from L2 by the row tiles walked together.
+  Nothing here has been timed; `experiments/bench_grouped.py --config ...` puts both forms side
+  by side.
+
+Both forms give the same bits: each output element gets the same chunk products promoted in the
+same order.
 """
 
 from __future__ import annotations
@@ -30,6 +52,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import gemm
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -56,29 +79,57 @@ _COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemanti
 
 @dataclasses.dataclass(frozen=True)
 class GroupedGemmConfig:
-    """Tiling of the grouped kernels; the contraction tile is always `TILE` (the promotion step).
+    """Tiling and launch structure of the grouped kernels; the contraction tile is always `TILE`
+    (the promotion step). The defaults are the fast form, `GroupedGemmConfig.simple()` the
+    correct-first one (see the module docstring).
 
     Attributes:
       tile_m: output rows per CTA (token rows for `grouped_scaled_matmul`, K rows for
-        `grouped_wgrad`): a multiple of 64 up to 256. One warpgroup holds the chunk accumulator
-        and the running sum, 2 * tile_m * tile_n / 128 f32 registers a thread: 64 x 128 -> 128.
-      tile_n: output columns per CTA: a multiple of 32 up to 256 (wgmma allows 8, but the tile's
-        column-scale vector is TMA-loaded). `grouped_scaled_matmul` needs `TILE` (one
-        weight-block scale per tile).
+        `grouped_wgrad`). Simple form: a multiple of 64 up to 256 (one warpgroup holds the chunk
+        accumulator and the running sum, 2 * tile_m * tile_n / 128 f32 registers a thread).
+        Warp-specialized: a multiple of 128 up to 256, split between the consumer warpgroups.
+      tile_n: output columns per CTA, at most 256. Simple form: a multiple of 32 (the tile's
+        column-scale vector is TMA-loaded), and `grouped_scaled_matmul` needs `TILE` (one
+        weight-block scale per tile). Warp-specialized: a multiple of 16 (the weight-block scales
+        arrive expanded per column, as in the dense kernel).
       max_concurrent_steps: chunks in flight in the TMA pipeline (SMEM slots per operand).
+      warp_specialized: one TMA warpgroup and two wgmma warpgroups per CTA
+        (`gemm.warp_specialized_tiles`); otherwise one warpgroup per CTA does both.
+      persistent: one CTA per SM walking its share of the (work item, column tile) pairs; needs
+        `warp_specialized` (the simple kernels launch one CTA per tile).
+      grid_tile_group: row tiles (work items) walked together along the tile order (L2 reuse of a
+        group's weight and of the token rows); 1 walks them row by row.
     """
 
-    tile_m: int = 64
+    tile_m: int = 128
     tile_n: int = TILE
-    max_concurrent_steps: int = 2
+    max_concurrent_steps: int = 4
+    warp_specialized: bool = True
+    persistent: bool = True
+    grid_tile_group: int = 8
 
     def __post_init__(self):
+        if self.warp_specialized:
+            # The dense kernel's rules: the same main loop runs both.
+            gemm.GemmConfig(self.tile_m, self.tile_n, self.max_concurrent_steps, True,
+                            self.persistent, self.grid_tile_group)
+            return
         if not 0 < self.tile_m <= _WGMMA_MAX_N or self.tile_m % _WGMMA_M:
             raise ValueError(f"tile_m={self.tile_m} must be a multiple of {_WGMMA_M} up to 256")
         if not 0 < self.tile_n <= _WGMMA_MAX_N or self.tile_n % _N_STEP:
             raise ValueError(f"tile_n={self.tile_n} must be a multiple of {_N_STEP} up to 256")
         if self.max_concurrent_steps < 1:
             raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
+        if self.persistent:
+            raise ValueError("persistent=True needs warp_specialized=True (the simple grouped "
+                             "kernels launch one CTA per tile)")
+
+    @classmethod
+    def simple(cls) -> GroupedGemmConfig:
+        """The correct-first form: one warpgroup per CTA on a 64 x 128 tile, 2 stages, one CTA
+        per tile (per work item and column tile for `grouped_scaled_matmul`)."""
+        return cls(tile_m=64, tile_n=TILE, max_concurrent_steps=2, warp_specialized=False,
+                   persistent=False, grid_tile_group=1)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -175,7 +226,8 @@ def _store_rows(o_smem, o_gmem, row0, lo, hi, col) -> None:
     """TMA-store rows `[lo, hi)` of the SMEM tile whose first row is output row `row0`.
 
     A TMA box is static, so the dynamic row count is split into powers of two: one predicated
-    copy per bit of `hi - lo` (the ladder of jax's `ragged_dot_mgpu`).
+    copy per bit of `hi - lo` (the ladder of jax's `ragged_dot_mgpu`). The copies are left in
+    flight: wait for them to have read `o_smem` before writing it again.
     """
     rows, cols = o_smem.shape
     count, offset = hi - lo, lo - row0
@@ -191,7 +243,6 @@ def _store_rows(o_smem, o_gmem, row0, lo, hi, col) -> None:
 
         offset = offset + (count & size)
         size //= 2
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _grouped_matmul_kernel(
@@ -245,6 +296,56 @@ def _grouped_matmul_kernel(
 
         plgpu.commit_smem()
         _store_rows(o_smem, o_gmem, tile * tm, lo, hi, ni * tn)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _ws_matmul_kernel(
+    group_ref, tile_ref, lo_ref, hi_ref,  # [W] int32: the work items of `row_tile_work`
+    a_gmem,  # [T (8-aligned), Kp] e4m3
+    sa_gmem,  # [C, Tpad] f32: lhs scales, chunk-major
+    b_gmem,  # [G, Np, Kp] e4m3
+    sb_gmem,  # [G, C, Np] f32: each weight block's scale repeated over its 128 columns
+    o_gmem,  # [T, n padded to 16 bytes]
+    *,
+    config: GroupedGemmConfig,
+    groups: int,
+    n: int,
+):
+    """Warp-specialized, optionally persistent `grouped_scaled_matmul`: the dense kernel's main
+    loop (`gemm.warp_specialized_tiles`) over the (work item, column tile) pairs.
+
+    A work item of group g < G is the dense tile (its row tile, ni) with g's weight and scales;
+    each consumer then stores only its rows inside the item's `[lo, hi)`. Items of the
+    pseudo-group G (rows past the groups) store zeros without a K loop; unused items do nothing.
+    """
+    tm, tn = config.tile_m, config.tile_n
+    wm = tm // gemm.WS_CONSUMER_WGS
+    operands = (a_gmem, b_gmem.at[0], sa_gmem, sb_gmem.at[0])  # the shapes the stages are cut to
+
+    def schedule(run_tile, wg, out_rows):
+        def tile(item, ni):
+            g, row_tile, lo, hi = group_ref[item], tile_ref[item], lo_ref[item], hi_ref[item]
+            row0 = row_tile * tm + wg * wm  # this consumer's first row
+            lo_w, hi_w = (jnp.clip(x, row0, row0 + wm) for x in (lo, hi))
+
+            def epilogue(out, smem):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores
+                smem[...] = out.astype(smem.dtype)
+                plgpu.commit_smem()
+                _store_rows(smem, o_gmem, row0, lo_w, hi_w, ni * tn)
+
+            @pl.when(g < groups)
+            def _():
+                views = (a_gmem, b_gmem.at[g], sa_gmem, sb_gmem.at[g])
+                run_tile(row_tile, ni, views, epilogue)
+
+            @pl.when((g == groups) & (hi > lo) & (wg < gemm.WS_CONSUMER_WGS))
+            def _():
+                epilogue(gemm._zeros((wm, tn)), out_rows)
+
+        gemm._for_each_tile(config, (group_ref.shape[0], _cdiv(n, tn)), tile)
+
+    gemm.warp_specialized_tiles(config, operands, o_gmem.dtype, schedule)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -331,6 +432,60 @@ def _grouped_wgrad_kernel(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _ws_wgrad_kernel(
+    start_ref, end_ref, first_ref, count_ref,  # [G] int32: token range, first chunk, chunk count
+    a_gmem,  # [K (8-aligned), Tp] e4m3: x^T
+    sa_gmem,  # [C, Kpad] f32: chunk-major
+    b_gmem,  # [N (8-aligned), Tp] e4m3: dy^T
+    sb_gmem,  # [C, Npad] f32: chunk-major
+    o_gmem,  # [G, K', N'] (`gemm._out_shape` of each group's (K, N) gradient)
+    *,
+    config: GroupedGemmConfig,
+    kdim: int,
+    n: int,
+):
+    """Warp-specialized, optionally persistent `grouped_wgrad`: the dense tile x tile GEMM
+    (`gemm.warp_specialized_tiles`) over the (group, K tile, N tile) tiles, each with a dynamic K
+    loop over its group's own token chunks. Each consumer masks the other groups' tokens out of
+    its rows of a shared chunk (the first and last), as `_grouped_wgrad_kernel` does."""
+    tm, tn = config.tile_m, config.tile_n
+    wm = tm // gemm.WS_CONSUMER_WGS
+    m_tiles = _cdiv(kdim, tm)
+    operands = (a_gmem, b_gmem, sa_gmem, sb_gmem)
+
+    def schedule(run_tile, wg, out_rows):
+        def tile(gm, ni):
+            g, mi = gm // m_tiles, gm % m_tiles
+            start, end, first, count = start_ref[g], end_ref[g], first_ref[g], count_ref[g]
+            dst = o_gmem.at[g, pl.ds(mi * tm + wg * wm, wm), pl.ds(ni * tn, tn)]
+
+            def epilogue(out, smem):
+                gemm._store_tile(out, smem, dst)
+
+            def before_chunk(step, a_rows):
+                chunk_start = (first + step) * TILE
+
+                @pl.when((step == 0) | (step == count - 1))
+                def _():
+                    _mask_tokens(a_rows, start - chunk_start, end - chunk_start)
+
+            @pl.when(count > 0)
+            def _():
+                run_tile(mi, ni, operands, epilogue, k_first=first, k_steps=count,
+                         before_chunk=before_chunk)
+
+            @pl.when((count == 0) & (wg < gemm.WS_CONSUMER_WGS))
+            def _():
+                epilogue(gemm._zeros((wm, tn)), out_rows)  # an empty group's gradient
+
+        gemm._for_each_tile(config, (start_ref.shape[0] * m_tiles, _cdiv(n, tn)), tile)
+
+    out_transforms = gemm._swizzled(o_gmem.dtype, tn)
+    gemm.warp_specialized_tiles(
+        config, operands, o_gmem.dtype, schedule, out_transforms=out_transforms, dynamic_k=True
+    )
+
+
 # ------------------------------------------------------------------------------------------------
 # Public entry points.
 # ------------------------------------------------------------------------------------------------
@@ -396,17 +551,17 @@ def grouped_scaled_matmul(
       group_sizes: (G,) int32, any sizes (zeros included) summing to at most T.
       n: the logical output width.
       out_dtype: bfloat16 or float32.
-      config: tiling; `GroupedGemmConfig()` by default (tile_n must be 128).
+      config: tiling and form; `GroupedGemmConfig()` (warp-specialized, persistent) by default.
 
     Returns:
       (T, n) in `out_dtype`, equal to `grouped_scaled_matmul_reference`; rows past
       `sum(group_sizes)` are zeros.
     """
     config = config or GroupedGemmConfig()
-    if config.tile_n != TILE:
+    if not config.warp_specialized and config.tile_n != TILE:
         raise NotImplementedError(
-            f"grouped_scaled_matmul needs tile_n={TILE} (one weight-block scale per output "
-            f"tile), got {config.tile_n}"
+            f"the simple grouped_scaled_matmul needs tile_n={TILE} (one weight-block scale per "
+            f"output tile), got {config.tile_n}; the warp-specialized form takes any tile_n"
         )
     _check_out_dtype(out_dtype)
     _check_fp8(lhs_data, "lhs_data", 2)
@@ -427,6 +582,8 @@ def grouped_scaled_matmul(
     _check_group_sizes(group_sizes, rows, groups)
     if rows == 0 or groups == 0:
         return jnp.zeros((rows, n), out_dtype)
+    if config.warp_specialized:
+        gemm._check_smem(config, out_dtype, chunks)
 
     return _grouped_matmul_call(
         lhs_data, lhs_scale, rhs_data, rhs_scale, group_sizes,
@@ -434,9 +591,9 @@ def grouped_scaled_matmul(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("n", "out_dtype", "config"))
+@functools.partial(jax.jit, static_argnames=("n", "out_dtype", "config", "num_sms"))
 def _grouped_matmul_call(
-    lhs_data, lhs_scale, rhs_data, rhs_scale, group_sizes, *, n, out_dtype, config
+    lhs_data, lhs_scale, rhs_data, rhs_scale, group_sizes, *, n, out_dtype, config, num_sms=None
 ):
     """The launch of `grouped_scaled_matmul` on validated, non-empty operands (one XLA program
     with the work-item and layout preparation around the kernel)."""
@@ -447,16 +604,30 @@ def _grouped_matmul_call(
     # (tile_m,) vector, with a row stride that meets TMA's 16-byte rule.
     sa_t = jnp.pad(lhs_scale.T, ((0, 0), (0, _round_up(rows, tm) - rows)))  # [C, Tpad]
     width = _store_width(n, out_dtype)
-    kernel = plgpu.kernel(
-        functools.partial(
-            _grouped_matmul_kernel, config=config, groups=groups, chunks=kp // TILE
-        ),
-        out_type=jax.ShapeDtypeStruct((rows, width), out_dtype),
-        grid=(work[0].shape[0], np_ // TILE),
-        grid_names=("item", "n"),
-        compiler_params=_COMPILER_PARAMS,
-    )
-    out = kernel(*work, _pad_rows(lhs_data), sa_t, rhs_data, rhs_scale)
+    if config.warp_specialized:  # the row stores tile the columns by the SMEM tile's swizzle
+        width = gemm._out_shape(rows, n, out_dtype, config)[1]
+    out_type = jax.ShapeDtypeStruct((rows, width), out_dtype)
+    if config.warp_specialized:
+        # Each weight block's scale repeated over its 128 columns, chunk-major: [G, C, Np]. One
+        # vector per K step and column tile, as the dense kernel loads (1/32 of the fp8 bytes).
+        sb_cols = jnp.repeat(rhs_scale, TILE, axis=1).transpose(0, 2, 1)
+        num_tiles = work[0].shape[0] * _cdiv(n, config.tile_n)
+        kernel = gemm.launch_tiles(
+            functools.partial(_ws_matmul_kernel, config=config, groups=groups, n=n),
+            out_type, config, num_tiles, num_sms,
+        )
+        out = kernel(*work, _pad_rows(lhs_data), sa_t, rhs_data, sb_cols)
+    else:
+        kernel = plgpu.kernel(
+            functools.partial(
+                _grouped_matmul_kernel, config=config, groups=groups, chunks=kp // TILE
+            ),
+            out_type=out_type,
+            grid=(work[0].shape[0], np_ // TILE),
+            grid_names=("item", "n"),
+            compiler_params=_COMPILER_PARAMS,
+        )
+        out = kernel(*work, _pad_rows(lhs_data), sa_t, rhs_data, rhs_scale)
     return out if width == n else out[:, :n]
 
 
@@ -506,6 +677,8 @@ def grouped_wgrad(
     groups = group_sizes.shape[0]
     if t == 0 or groups == 0 or kdim == 0 or n == 0:
         return jnp.zeros((groups, kdim, n), out_dtype)
+    if config.warp_specialized:  # a dynamic K loop: the pipeline allocates every stage
+        gemm._check_smem(config, out_dtype, max(chunks, config.max_concurrent_steps))
 
     return _grouped_wgrad_call(
         lhs_t_data, lhs_t_scale, rhs_t_data, rhs_t_scale, group_sizes,
@@ -513,9 +686,10 @@ def grouped_wgrad(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "num_sms"))
 def _grouped_wgrad_call(
-    lhs_t_data, lhs_t_scale, rhs_t_data, rhs_t_scale, group_sizes, *, out_dtype, config
+    lhs_t_data, lhs_t_scale, rhs_t_data, rhs_t_scale, group_sizes, *, out_dtype, config,
+    num_sms=None,
 ):
     """The launch of `grouped_wgrad` on validated, non-empty operands."""
     (kdim, _), (n, _), groups = lhs_t_data.shape, rhs_t_data.shape, group_sizes.shape[0]
@@ -525,6 +699,16 @@ def _grouped_wgrad_call(
     # Chunk-major scales, padded to whole output tiles: one contiguous vector per chunk.
     sa_t = jnp.pad(lhs_t_scale.T, ((0, 0), (0, _round_up(kdim, tm) - kdim)))  # [C, Kpad]
     sb_t = jnp.pad(rhs_t_scale.T, ((0, 0), (0, _round_up(n, tn) - n)))  # [C, Npad]
+    operands = (starts, ends, first, count, _pad_rows(lhs_t_data), sa_t, _pad_rows(rhs_t_data), sb_t)
+    if config.warp_specialized:
+        k_out, n_out = gemm._out_shape(kdim, n, out_dtype, config)  # the swizzled store's extents
+        num_tiles = groups * _cdiv(kdim, tm) * _cdiv(n, tn)
+        kernel = gemm.launch_tiles(
+            functools.partial(_ws_wgrad_kernel, config=config, kdim=kdim, n=n),
+            jax.ShapeDtypeStruct((groups, k_out, n_out), out_dtype), config, num_tiles, num_sms,
+        )
+        out = kernel(*operands)
+        return out if (k_out, n_out) == (kdim, n) else out[:, :kdim, :n]
     width = _store_width(n, out_dtype)
     kernel = plgpu.kernel(
         functools.partial(_grouped_wgrad_kernel, config=config),
@@ -533,7 +717,5 @@ def _grouped_wgrad_call(
         grid_names=("g", "m", "n"),
         compiler_params=_COMPILER_PARAMS,
     )
-    out = kernel(
-        starts, ends, first, count, _pad_rows(lhs_t_data), sa_t, _pad_rows(rhs_t_data), sb_t
-    )
+    out = kernel(*operands)
     return out if width == n else out[..., :n]

@@ -28,6 +28,9 @@ def _load(name):
     return module
 
 
+# The grouped kernel's simple form as a --config row (it cannot run here: recorded as skipped).
+GROUPED_SIMPLE = "warp_specialized=false,persistent=false,tile_m=64,max_concurrent_steps=2"
+
 def _record(out: pathlib.Path, name: str) -> dict:
     (path,) = out.glob(f"{name}-*.json")
     record = json.loads(path.read_text())
@@ -48,7 +51,7 @@ def records(tmp_path_factory, benches):
     out = tmp_path_factory.mktemp("bench")
     rc = benches["bench_gemm"].main(["--shapes", "128x128x256", "--config", "max_concurrent_steps=2", "--out", str(out), *FAST])
     assert rc == 0
-    rc = benches["bench_grouped"].main(["--shapes", "2x128x128x256", "--out", str(out), *FAST])
+    rc = benches["bench_grouped"].main(["--shapes", "2x128x128x256", "--config", GROUPED_SIMPLE, "--out", str(out), *FAST])
     assert rc == 0
     rc = benches["bench_quantize"].main(["--shapes", "128x256:bfloat16", "--out", str(out), *FAST])
     assert rc == 0
@@ -68,10 +71,13 @@ def test_gemm_record(records):
 
 
 def test_grouped_record(records):
-    rows = {r["impl"]: r for r in _record(records, "bench_grouped")["rows"]}
+    record = _record(records, "bench_grouped")
+    rows = {r["impl"]: r for r in record["rows"]}
     assert {"xla-bf16-einsum", "xla-ragged-dot-bf16", "jfp8-xla"} <= set(rows)
     for r in rows.values():
         assert GEMM_KEYS <= set(r) and r["groups"] == 2 and r["m"] == 256
+    skipped = {s["impl"]: s["reason"] for s in record["skipped"]}
+    assert f"jfp8-mosaic[{GROUPED_SIMPLE}]" in skipped and record["configs"] == [GROUPED_SIMPLE]  # no GPU here
 
 
 def test_quantize_record(records):
@@ -109,6 +115,9 @@ def test_unknown_config_field_is_a_clear_error(capsys, benches):
     with pytest.raises(SystemExit):
         benches["bench_gemm"].main(["--config", "tile_m=128,no_such_field=1"])
     assert "no field 'no_such_field'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        benches["bench_grouped"].main(["--config", "persistent=true,warp_specialized=false"])
+    assert "needs warp_specialized" in capsys.readouterr().err
 
 
 def test_parse_config_converts_like_the_defaults():
@@ -135,11 +144,14 @@ def test_gpu_session_runs_on_cpu(tmp_path, records):
     for name in ("pytest_gpu", "sass", "memcheck", "racecheck"):
         assert stages[name]["status"] == "skipped" and stages[name]["skip"]
     # Planned as on an H100: the shapes, 8192^3 first, and the kernel configs as rows.
-    argv = ["--dry-run", "--assume-hopper", "--gemm-config", "tile_m=128", "--out", str(tmp_path / "plan")]
+    argv = ["--dry-run", "--assume-hopper", "--gemm-config", "tile_m=128", "--grouped-config", GROUPED_SIMPLE,
+            "--out", str(tmp_path / "plan")]
     assert session.main(argv) == 0
     stages = json.loads(next((tmp_path / "plan").glob("gpu_session-*.json")).read_text())["stages"]
     gemm = next(s for s in stages if s["name"] == "bench_gemm")["argv"]
     assert gemm[gemm.index("--shapes") + 1] == "8192x8192x8192" and "tile_m=128" in gemm
+    grouped = next(s for s in stages if s["name"] == "bench_grouped")["argv"]
+    assert grouped[grouped.index("--config") + 1] == GROUPED_SIMPLE
     # A real run of the env stage, the GPU stages skipped, and the table over the benchmark records.
     out = tmp_path / "run"
     out.mkdir()

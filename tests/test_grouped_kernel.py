@@ -14,12 +14,16 @@ Comparison strength:
   interpreter's matmul (kernel) sum in different orders: each output must then be within
   1e-6 * sum |a_i b_i| (f64) of the reference, the scale of a summation-order difference.
 
+Both forms of each kernel run here: `GroupedGemmConfig()` (warp-specialized: a TMA warpgroup and
+two wgmma warpgroups, persistent CTAs walking several tiles) and `GroupedGemmConfig.simple()`.
+
 Each interpreted call costs seconds whatever its size, so each call covers several edge cases.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +41,16 @@ from pallas_kernels import _mgpu
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE
 from pallas_kernels.grouped_gemm import (
     GroupedGemmConfig,
+    _grouped_matmul_call,
+    _grouped_wgrad_call,
     grouped_scaled_matmul,
     grouped_wgrad,
     row_tile_work,
 )
 from pallas_kernels.shapes import GROUPED_SHAPES
+from helpers import assert_bitwise_equal as _assert_bitwise_equal
 from helpers import interpret as _interpret
+from helpers import interpret_detecting_races as _interpret_detecting_races
 
 # Jitted once per shape: eager quantization and references would compile op by op in every test.
 _quantize = jax.jit(quantize, static_argnums=1)
@@ -51,6 +59,9 @@ _wgrad_reference = jax.jit(grouped_wgrad_reference, static_argnums=3)
 
 # Magnitudes in [1/EXACT_RANGE, 1] times a factor that is constant over each scaling block.
 EXACT_RANGE = 16
+SIMPLE = GroupedGemmConfig.simple()
+SIMPLE_FIELDS = dataclasses.asdict(SIMPLE)
+FAST = GroupedGemmConfig()
 # Summation-order tolerance, relative to sum |a_i b_i|.
 ORDER_RTOL = 1e-6
 # On a GPU the tensor core sums a chunk with less than f32 precision (why the recipe promotes).
@@ -78,15 +89,6 @@ def _sizes(rng: np.random.Generator, groups: int, total: int) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
-def _assert_bitwise_equal(out, ref, seed):
-    out, ref = np.asarray(out), np.asarray(ref)
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, seed)
-    bits = {2: np.uint16, 4: np.uint32}[out.dtype.itemsize]
-    diff = out.view(bits) != ref.view(bits)
-    assert not diff.any(), (
-        f"seed={seed}: {diff.sum()} of {diff.size} outputs differ "
-        f"({np.isnan(out).sum()} NaN), first at {np.argwhere(diff)[0]}"
-    )
 
 
 def _assert_within(out, ref, abs_product, rtol, seed):
@@ -132,34 +134,37 @@ def _matmul_abs_product(lhs: Fp8Tensor, rhs: Fp8Tensor, sizes) -> np.ndarray:
     return out
 
 
-# (T, K, N, group sizes or G for random sizes, rows past the groups, out_dtype, tile_m):
+# (T, K, N, group sizes or G for random sizes, rows past the groups, out_dtype, config):
 # odd T (padded rows), three chunks, an N tail over two N tiles, random groups straddling row
-# tiles, an empty group, rows past the groups; a group holding every row next to empty ones,
-# one chunk; T = 1 with K = 1 (one zero-padded chunk).
+# tiles, an empty group, rows past the groups (the pseudo-group's zero stores); a group holding
+# every row next to empty ones, one chunk; T = 1 with K = 1 (one zero-padded chunk); 64-column
+# tiles (the warp-specialized form takes any tile_n: its weight scales come per column).
 EXACT_MATMUL_CASES = [
-    (203, 384, 200, 3, 9, jnp.float32, 128),
-    (130, 128, 128, [0, 130, 0], 0, jnp.bfloat16, 64),
-    (1, 1, 24, [0, 1], 0, jnp.bfloat16, 64),
+    (203, 384, 200, 3, 9, jnp.float32, FAST),
+    (203, 384, 200, 3, 9, jnp.bfloat16, dataclasses.replace(SIMPLE, tile_m=128)),
+    (130, 128, 128, [0, 130, 0], 0, jnp.bfloat16, SIMPLE),
+    (1, 1, 24, [0, 1], 0, jnp.bfloat16, FAST),
+    (260, 256, 200, 4, 0, jnp.bfloat16, dataclasses.replace(FAST, tile_n=64, max_concurrent_steps=2)),
 ]
 
 
-@pytest.mark.parametrize("t,k,n,groups,past,out_dtype,tile_m", EXACT_MATMUL_CASES)
-def test_matmul_bit_identical_to_reference(t, k, n, groups, past, out_dtype, tile_m):
+@pytest.mark.parametrize("t,k,n,groups,past,out_dtype,config", EXACT_MATMUL_CASES)
+def test_matmul_bit_identical_to_reference(t, k, n, groups, past, out_dtype, config):
     seed = _seed()
     rng = np.random.default_rng(seed)
     sizes = _sizes(rng, groups, t - past) if isinstance(groups, int) else groups
     lhs, rhs, sizes = _row_operands(seed, t, k, n, sizes, exact=True)
-    config = GroupedGemmConfig(tile_m=tile_m)
     out = _interpret(_matmul, lhs, rhs, sizes, out_dtype, config)
     ref = _matmul_reference(lhs, rhs, sizes, out_dtype)
     _assert_bitwise_equal(out, ref, f"{seed} sizes={sizes}")
 
 
-def test_matmul_gaussian_within_summation_order():
+@pytest.mark.parametrize("config", [FAST, SIMPLE], ids=["fast", "simple"])
+def test_matmul_gaussian_within_summation_order(config):
     seed = _seed()
     sizes = _sizes(np.random.default_rng(seed), 3, 120)
     lhs, rhs, sizes = _row_operands(seed, 128, 256, 72, sizes, exact=False)
-    out = _interpret(_matmul, lhs, rhs, sizes, jnp.float32)
+    out = _interpret(_matmul, lhs, rhs, sizes, jnp.float32, config)
     ref = _matmul_reference(lhs, rhs, sizes, jnp.float32)
     _assert_within(out, ref, _matmul_abs_product(lhs, rhs, sizes), ORDER_RTOL, seed)
 
@@ -212,50 +217,77 @@ def _wgrad_abs_product(lhs_t: Fp8Tensor, rhs_t: Fp8Tensor, sizes) -> np.ndarray:
     return np.stack([a[:, ids == g] @ b[:, ids == g].T for g in range(len(sizes))])
 
 
-# (T, K, N, group sizes or G for random sizes, tokens past the groups, out_dtype, tiles):
-# groups straddling 128-token chunks, empty groups, tokens past the groups, a T tail, tile_n 64;
-# one group holding every token over two chunks; T = 1 with N = 8 in a 32-column tile.
+# (T, K, N, group sizes or G for random sizes, tokens past the groups, out_dtype, config):
+# groups straddling 128-token chunks, empty groups (zero stores), tokens past the groups, a T
+# tail, tile_n 64 (both forms); one group holding every token over two chunks; T = 1 with N = 8
+# in a 32-column tile; K = 200 over two 128-row tiles, the second partial.
 EXACT_WGRAD_CASES = [
-    (300, 128, 64, 3, 20, jnp.float32, (64, 64)),
-    (256, 64, 128, [0, 256, 0], 0, jnp.bfloat16, (64, 128)),
-    (1, 64, 8, [1], 0, jnp.float32, (64, 32)),
+    (300, 128, 64, 3, 20, jnp.float32, dataclasses.replace(SIMPLE, tile_n=64)),
+    (300, 128, 64, 3, 20, jnp.float32, dataclasses.replace(FAST, tile_n=64)),
+    (256, 64, 128, [0, 256, 0], 0, jnp.bfloat16, SIMPLE),
+    (1, 64, 8, [1], 0, jnp.float32, dataclasses.replace(FAST, tile_n=32)),
+    (400, 200, 128, 4, 0, jnp.bfloat16, FAST),
 ]
 
 
-@pytest.mark.parametrize("t,k,n,groups,past,out_dtype,tiles", EXACT_WGRAD_CASES)
-def test_wgrad_bit_identical_to_reference(t, k, n, groups, past, out_dtype, tiles):
+@pytest.mark.parametrize("t,k,n,groups,past,out_dtype,config", EXACT_WGRAD_CASES)
+def test_wgrad_bit_identical_to_reference(t, k, n, groups, past, out_dtype, config):
     seed = _seed()
     rng = np.random.default_rng(seed)
     sizes = _sizes(rng, groups, t - past) if isinstance(groups, int) else groups
     lhs_t, rhs_t, sizes = _token_operands(seed, t, k, n, sizes, exact=True)
-    config = GroupedGemmConfig(tile_m=tiles[0], tile_n=tiles[1])
     out = _interpret(_wgrad, lhs_t, rhs_t, sizes, out_dtype, config)
     ref = _wgrad_reference(lhs_t, rhs_t, sizes, out_dtype)
     _assert_bitwise_equal(out, ref, f"{seed} sizes={sizes}")
 
 
-def test_wgrad_gaussian_with_k_and_n_tails():
-    """K = 100 (rows padded to 104 for TMA; two 64-row tiles, the second partial), N = 72."""
+@pytest.mark.parametrize("config", [FAST, SIMPLE], ids=["fast", "simple"])
+def test_wgrad_gaussian_with_k_and_n_tails(config):
+    """K = 100 (rows padded to 104 for TMA; with 64-row tiles two, the second partial), N = 72."""
     seed = _seed()
     sizes = _sizes(np.random.default_rng(seed), 3, 190)
     lhs_t, rhs_t, sizes = _token_operands(seed, 200, 100, 72, sizes, exact=False)
-    config = GroupedGemmConfig(tile_m=64, tile_n=128)
     out = _interpret(_wgrad, lhs_t, rhs_t, sizes, jnp.float32, config)
     ref = _wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32)
     _assert_within(out, ref, _wgrad_abs_product(lhs_t, rhs_t, sizes), ORDER_RTOL, seed)
 
 
-def test_wgrad_masks_other_groups_tokens():
-    """A NaN in group 0's data, in the chunk group 1 shares, stays out of group 1's gradient."""
+@pytest.mark.parametrize("config", [FAST, SIMPLE], ids=["fast", "simple"])
+def test_wgrad_masks_other_groups_tokens(config):
+    """A NaN in group 0's data, in the chunk group 1 shares, stays out of group 1's gradient; in
+    the fast form the NaN sits in the second consumer warpgroup's rows (row 70 of a 128-row tile)."""
     seed = _seed()
-    lhs_t, rhs_t, sizes = _token_operands(seed, 200, 64, 64, [100, 100], exact=True)
+    lhs_t, rhs_t, sizes = _token_operands(seed, 200, 128, 64, [100, 100], exact=True)
     data = np.asarray(lhs_t.data).copy()
-    data[5, 99] = np.nan  # token 99 (group 0) of chunk 0, which also holds tokens 100..127
+    data[70, 99] = np.nan  # token 99 (group 0) of chunk 0, which also holds tokens 100..127
     lhs_t = dataclasses.replace(lhs_t, data=jnp.asarray(data))
-    out = np.asarray(_interpret(_wgrad, lhs_t, rhs_t, sizes, jnp.float32))
+    out = np.asarray(_interpret(_wgrad, lhs_t, rhs_t, sizes, jnp.float32, config))
     ref = np.asarray(_wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32))
-    assert np.isnan(out[0, 5]).all() and np.isfinite(out[1]).all(), f"seed={seed}"
+    assert np.isnan(out[0, 70]).all() and np.isfinite(out[1]).all(), f"seed={seed}"
     _assert_bitwise_equal(out, ref, seed)
+
+
+def test_persistent_ctas_walk_every_tile_without_races():
+    """The fast forms on 2 CTAs, each walking several tiles through the same SMEM stages and
+    output tile: every output element written (the outputs start as NaN), bit-identical to the
+    references, and the race detector finds no unordered access between the TMA warpgroup, the
+    two consumers, TMA and the reused SMEM. Forward: 3 chunks over 2 stages, a row tile
+    straddling two groups, an empty group, the pseudo-group's zero rows, an N tail. Wgrad: dynamic
+    K loops of 2 and 1 chunks sharing a chunk, an empty group's zero tiles, a K tail."""
+    seed = _seed()
+    config = dataclasses.replace(FAST, max_concurrent_steps=2, grid_tile_group=2)
+    lhs, rhs, sizes = _row_operands(seed, 200, 384, 200, [100, 0, 90], exact=True)
+    call = functools.partial(_grouped_matmul_call, n=200, out_dtype=jnp.float32, config=config, num_sms=2)
+    out, races = _interpret_detecting_races(call, lhs.data, lhs.scale, rhs.data, rhs.scale, sizes)
+    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
+    _assert_bitwise_equal(out, _matmul_reference(lhs, rhs, sizes, jnp.float32), seed)
+
+    lhs_t, rhs_t, sizes = _token_operands(seed, 300, 200, 64, [150, 0, 130], exact=True)
+    call = functools.partial(_grouped_wgrad_call, out_dtype=jnp.float32,
+                             config=dataclasses.replace(config, tile_n=32), num_sms=2)
+    out, races = _interpret_detecting_races(call, lhs_t.data, lhs_t.scale, rhs_t.data, rhs_t.scale, sizes)
+    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
+    _assert_bitwise_equal(out, _wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32), seed)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,7 +346,7 @@ def _matmul_args(**change):
         (dict(group_sizes=jnp.array([5, 4], jnp.int32)), ValueError, "sum to 9"),
         (dict(group_sizes=jnp.array([-1, 4], jnp.int32)), ValueError, ">= 0"),
         (dict(out_dtype=jnp.float16), ValueError, "out_dtype"),
-        (dict(config=GroupedGemmConfig(tile_n=64)), NotImplementedError, "tile_n=128"),
+        (dict(config=dataclasses.replace(SIMPLE, tile_n=64)), NotImplementedError, "tile_n=128"),
     ],
 )
 def test_matmul_invalid_inputs_raise(change, error, match):
@@ -347,11 +379,21 @@ def test_wgrad_invalid_inputs_raise(change, error, match):
 
 
 @pytest.mark.parametrize(
-    "fields", [dict(tile_m=96), dict(tile_m=320), dict(tile_n=8), dict(tile_n=48),
-               dict(tile_n=288), dict(max_concurrent_steps=0)]
+    "fields,match",
+    [
+        # the fast form: two 64-row consumer warpgroups, the dense kernel's limits
+        (dict(tile_m=64), "multiple of 128"), (dict(tile_m=384), "at most 256"),
+        (dict(tile_n=8), "tile_n=8"), (dict(tile_n=48 + 1), "tile_n=49"),
+        (dict(max_concurrent_steps=0), "max_concurrent_steps"), (dict(grid_tile_group=0), "grid_tile_group"),
+        # the simple form
+        (dict(SIMPLE_FIELDS, tile_m=96), "multiple of 64"), (dict(SIMPLE_FIELDS, tile_m=320), "up to 256"),
+        (dict(SIMPLE_FIELDS, tile_n=48), "multiple of 32"), (dict(SIMPLE_FIELDS, tile_n=288), "up to 256"),
+        (dict(SIMPLE_FIELDS, max_concurrent_steps=0), "max_concurrent_steps"),
+        (dict(SIMPLE_FIELDS, persistent=True), "needs warp_specialized"),
+    ],
 )
-def test_invalid_config_raises(fields):
-    with pytest.raises(ValueError):
+def test_invalid_config_raises(fields, match):
+    with pytest.raises(ValueError, match=match):
         GroupedGemmConfig(**fields)
 
 
@@ -411,30 +453,37 @@ def test_wgrad_lowers_for_hopper(groups, t, n, k, out_dtype):
 
 
 def test_lowers_with_other_tilings():
-    deep = GroupedGemmConfig(tile_m=128, max_concurrent_steps=4)
-    assert "mosaic_gpu" in _lower_matmul(8, 4096, 4096, 7168, jnp.bfloat16, deep)
-    narrow = GroupedGemmConfig(tile_m=128, tile_n=32, max_concurrent_steps=3)
-    assert "mosaic_gpu" in _lower_wgrad(8, 4096, 4096, 7168, jnp.float32, narrow)
+    """The simple forms, and fast forms with other tiles, at the first benchmark shape."""
+    s = GROUPED_SHAPES[0]
+    shape = (s.groups, s.groups * s.rows_per_group, s.n, s.k)
+    simple_deep = dataclasses.replace(SIMPLE, tile_m=128, max_concurrent_steps=4)
+    for config in (SIMPLE, simple_deep, dataclasses.replace(FAST, tile_n=256, max_concurrent_steps=3)):
+        assert "mosaic_gpu" in _lower_matmul(*shape, jnp.bfloat16, config)
+    for config in (SIMPLE, dataclasses.replace(SIMPLE, tile_m=128, tile_n=32, max_concurrent_steps=3),
+                   dataclasses.replace(FAST, tile_m=256, tile_n=64, max_concurrent_steps=3, persistent=False)):
+        assert "mosaic_gpu" in _lower_wgrad(*shape, jnp.float32, config)
 
 
-def test_lowering_rejects_a_config_over_the_smem_budget():
+@pytest.mark.parametrize("config", [FAST, SIMPLE], ids=["fast", "simple"])
+def test_lowering_rejects_a_config_over_the_smem_budget(config):
     """4 stages of (256 + 256) x 128 FP8 bytes plus a 256 x 256 f32 output tile: over 227 KiB."""
-    config = GroupedGemmConfig(tile_m=256, tile_n=256, max_concurrent_steps=4)
+    config = dataclasses.replace(config, tile_m=256, tile_n=256, max_concurrent_steps=4)
     with pytest.raises(ValueError, match="shared memory"):
         _lower_wgrad(8, 4096, 4096, 7168, jnp.float32, config)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
-def test_on_gpu_matches_reference():
+@pytest.mark.parametrize("config", [FAST, SIMPLE], ids=["fast", "simple"])
+def test_on_gpu_matches_reference(config):
     seed = _seed()
     sizes = _sizes(np.random.default_rng(seed), 6, 3900)
     lhs, rhs, sizes_j = _row_operands(seed, 4000, 1024, 700, sizes, exact=False)
-    out = _matmul(lhs, rhs, sizes_j, jnp.float32)
+    out = _matmul(lhs, rhs, sizes_j, jnp.float32, config)
     ref = _matmul_reference(lhs, rhs, sizes_j, jnp.float32)
     _assert_within(out, ref, _matmul_abs_product(lhs, rhs, sizes_j), GPU_RTOL, seed)
 
     lhs_t, rhs_t, sizes_j = _token_operands(seed, 4000, 512, 700, sizes, exact=False)
-    out = _wgrad(lhs_t, rhs_t, sizes_j, jnp.float32)
+    out = _wgrad(lhs_t, rhs_t, sizes_j, jnp.float32, config)
     ref = _wgrad_reference(lhs_t, rhs_t, sizes_j, jnp.float32)
     _assert_within(out, ref, _wgrad_abs_product(lhs_t, rhs_t, sizes_j), GPU_RTOL, seed)
