@@ -44,6 +44,7 @@ from jfp8.benchmarking import (
     Skip,
     add_common_args,
     add_ratios,
+    check_configs,
     config_label,
     device_rel_error,
     gemm_row,
@@ -265,11 +266,7 @@ def main(argv=None) -> int:
     if args.config:
         from pallas_kernels import gemm
 
-        for text in args.config:  # every config is valid before anything runs
-            try:
-                parse_config(text, gemm.GemmConfig)
-            except (ValueError, TypeError) as e:
-                p.error(f"--config {text!r}: {e}")
+        check_configs(p, args.config, gemm.GemmConfig)
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"

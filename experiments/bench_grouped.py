@@ -41,6 +41,7 @@ from jfp8.benchmarking import (
     Skip,
     add_common_args,
     add_ratios,
+    check_configs,
     config_label,
     device_rel_error,
     gemm_row,
@@ -196,11 +197,7 @@ def main(argv=None) -> int:
     if args.config:
         from pallas_kernels import grouped_gemm
 
-        for text in args.config:  # every config is valid before anything runs
-            try:
-                parse_config(text, grouped_gemm.GroupedGemmConfig)
-            except (ValueError, TypeError) as e:
-                p.error(f"--config {text!r}: {e}")
+        check_configs(p, args.config, grouped_gemm.GroupedGemmConfig)
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"

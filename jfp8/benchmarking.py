@@ -227,6 +227,16 @@ def parse_config(text: str, cls: type) -> Any:
     return cls(**kwargs)
 
 
+def check_configs(parser, texts: list[str], cls: type) -> None:
+    """Every `--config` text parses into `cls` before anything runs, or `parser.error` says which
+    does not and why (an unknown field, a value the config rejects)."""
+    for text in texts:
+        try:
+            parse_config(text, cls)
+        except (ValueError, TypeError) as e:
+            parser.error(f"--config {text!r}: {e}")
+
+
 def config_label(text: str) -> str:
     """A config string normalised for an implementation name: 'tile_m=128,tile_n=256'."""
     return ",".join(p.strip().replace(" ", "") for p in text.split(",") if p.strip())
