@@ -305,7 +305,7 @@ def _ws_matmul_kernel(
     sa_gmem,  # [C, Tpad] f32: lhs scales, chunk-major
     b_gmem,  # [G, Np, Kp] e4m3
     sb_gmem,  # [G, C, Np] f32: each weight block's scale repeated over its 128 columns
-    o_gmem,  # [T, n padded to 16 bytes]
+    o_gmem,  # [T, n padded to the output tile's swizzle width (`gemm._out_shape`)]
     *,
     config: GroupedGemmConfig,
     groups: int,
@@ -603,11 +603,10 @@ def _grouped_matmul_call(
     # Chunk-major lhs scales, padded to whole row tiles: each K step TMA-loads one contiguous
     # (tile_m,) vector, with a row stride that meets TMA's 16-byte rule.
     sa_t = jnp.pad(lhs_scale.T, ((0, 0), (0, _round_up(rows, tm) - rows)))  # [C, Tpad]
-    width = _store_width(n, out_dtype)
-    if config.warp_specialized:  # the row stores tile the columns by the SMEM tile's swizzle
-        width = gemm._out_shape(rows, n, out_dtype, config)[1]
-    out_type = jax.ShapeDtypeStruct((rows, width), out_dtype)
     if config.warp_specialized:
+        # The row stores tile the output's columns like the SMEM tile (Mosaic's layout for it).
+        width = gemm._out_shape(rows, n, out_dtype, config)[1]
+        out_type = jax.ShapeDtypeStruct((rows, width), out_dtype)
         # Each weight block's scale repeated over its 128 columns, chunk-major: [G, C, Np]. One
         # vector per K step and column tile, as the dense kernel loads (1/32 of the fp8 bytes).
         sb_cols = jnp.repeat(rhs_scale, TILE, axis=1).transpose(0, 2, 1)
@@ -618,11 +617,12 @@ def _grouped_matmul_call(
         )
         out = kernel(*work, _pad_rows(lhs_data), sa_t, rhs_data, sb_cols)
     else:
+        width = _store_width(n, out_dtype)
         kernel = plgpu.kernel(
             functools.partial(
                 _grouped_matmul_kernel, config=config, groups=groups, chunks=kp // TILE
             ),
-            out_type=out_type,
+            out_type=jax.ShapeDtypeStruct((rows, width), out_dtype),
             grid=(work[0].shape[0], np_ // TILE),
             grid_names=("item", "n"),
             compiler_params=_COMPILER_PARAMS,
