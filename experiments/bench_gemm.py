@@ -51,6 +51,7 @@ from jfp8.benchmarking import (
     parse_config,
     parse_shape,
     random_normal,
+    report_end,
     run_cases,
     timing_from_args,
     to_torch,
@@ -309,12 +310,7 @@ def main(argv=None) -> int:
         save()
     path = save()
     print_rows(rows)
-    for s in skipped:
-        print(f"skipped: {s}")
-    for f in failed:
-        print(f"FAILED: {f}")
-    print(f"wrote {path}")
-    return 1 if failed else 0
+    return report_end(path, skipped, failed)
 
 
 if __name__ == "__main__":

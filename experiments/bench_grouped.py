@@ -47,6 +47,7 @@ from jfp8.benchmarking import (
     gemm_row,
     parse_config,
     random_normal,
+    report_end,
     run_cases,
     timing_from_args,
     write_record,
@@ -240,12 +241,7 @@ def main(argv=None) -> int:
         save()
     path = save()
     print_rows(rows)
-    for s in skipped:
-        print(f"skipped: {s}")
-    for f in failed:
-        print(f"FAILED: {f}")
-    print(f"wrote {path}")
-    return 1 if failed else 0
+    return report_end(path, skipped, failed)
 
 
 if __name__ == "__main__":

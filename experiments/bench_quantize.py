@@ -44,6 +44,7 @@ from jfp8.benchmarking import (
     Skip,
     add_common_args,
     random_normal,
+    report_end,
     run_cases,
     timing_from_args,
     torch_cuda,
@@ -249,12 +250,7 @@ def main(argv=None) -> int:
     for r in rows:
         frac = "" if r["frac_of_copy"] is None else f"{r['frac_of_copy']:8.1%}"
         print(f"{r['impl']:26s} {'%dx%d:%s' % (r['m'], r['k'], r['dtype']):>20s} {r['gbps']:9.4g} {frac:>8}")
-    for s in skipped:
-        print(f"skipped: {s}")
-    for f in failed:
-        print(f"FAILED: {f}")
-    print(f"wrote {path}")
-    return 1 if failed else 0
+    return report_end(path, skipped, failed)
 
 
 if __name__ == "__main__":

@@ -227,6 +227,17 @@ def parse_config(text: str, cls: type) -> Any:
     return cls(**kwargs)
 
 
+def report_end(path, skipped: list[dict], failed: list[dict]) -> int:
+    """Prints what was skipped, what failed and where the record went; the script's exit code
+    (1 when any row failed its check or its run)."""
+    for s in skipped:
+        print(f"skipped: {s}")
+    for f in failed:
+        print(f"FAILED: {f}")
+    print(f"wrote {path}")
+    return 1 if failed else 0
+
+
 def check_configs(parser, texts: list[str], cls: type) -> None:
     """Every `--config` text parses into `cls` before anything runs, or `parser.error` says which
     does not and why (an unknown field, a value the config rejects)."""
