@@ -72,7 +72,7 @@ def test_loss_scale_round_trip_is_exact_without_fp8():
     def loss(w, x):
         return jnp.mean(jnp.tanh(x @ w) ** 2), {"n": x.shape[0]}
 
-    (l1, aux1), g1 = jax.value_and_grad(loss, has_aux=True)(w, x)
+    (l1, aux1), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True))(w, x)  # both jitted: same fusions
     (l2, aux2), g2 = jax.jit(scaled_value_and_grad(loss, 2.0**14))(w, x)
     assert float(l1) == float(l2) and aux1 == aux2
     np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))
