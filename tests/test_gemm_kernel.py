@@ -35,7 +35,7 @@ import pytest
 
 from jfp8.fp8 import Fp8Tensor, quantize
 from jfp8.reference import scaled_matmul_reference
-from pallas_kernels import _mgpu, gemm
+from pallas_kernels import gemm
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE
 from pallas_kernels.shapes import DENSE_SHAPES
 from helpers import assert_bitwise_equal as _assert_bitwise_equal

@@ -11,12 +11,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-
-import jfp8
 import numpy as np
 import pytest
 from flax import nnx
 
+import jfp8
 from jfp8.nn import ModelConfig, Transformer
 from jfp8.nn.capture import capture_linear_operands, linear_layers
 from jfp8.recipe import Fp8Recipe
