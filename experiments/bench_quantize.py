@@ -3,6 +3,7 @@ bandwidth, one run, one device.
 
     python experiments/bench_quantize.py                      # GPU: large inputs; CPU: tiny, XLA only
     python experiments/bench_quantize.py --shapes 8192x8192:bfloat16 7168x2048:float32
+    python experiments/bench_quantize.py --config swizzle=false     # + the unswizzled kernels
 
 Rows:
   copy-xla-add-one    jit(x + 1) on a large bf16 array: reads and writes every byte once (XLA
@@ -14,6 +15,8 @@ Rows:
     column-t  jfp8.quantize_wgrad_operand(x)             x^T scaled per 128 tokens (Wgrad)
     retile    jfp8.retile_wgrad_operand(tile-quantized x) dequantize, transpose, requantize (§3.5.2)
   (impl "mosaic", the fused kernels, on Hopper; the XLA reference path elsewhere)
+  jfp8-mosaic-<kernel>[<config>]  the same kernel from pallas_kernels.quantize with
+                      QuantizeConfig(<config>), one row per --config (Hopper only)
 
 Bytes are the fewest a kernel must move: its input read once plus its outputs (E4M3 data and
 FP32 scales) written once, counted from the actual arrays. GB/s = bytes / median time; the
@@ -43,6 +46,9 @@ from jfp8.benchmarking import (
     Measurement,
     Skip,
     add_common_args,
+    check_configs,
+    config_label,
+    parse_config,
     random_normal,
     report_end,
     run_cases,
@@ -83,8 +89,8 @@ def parse_qshape(s: str) -> QShape:
 
 
 def _fp8_outputs(out) -> list[jax.Array]:
-    """The arrays a quantizer writes (data and scales), from an Fp8Tensor."""
-    return [out.data, out.scale]
+    """The arrays a quantizer writes (data and scales), from an Fp8Tensor or a kernel's pair."""
+    return [out.data, out.scale] if isinstance(out, jfp8.Fp8Tensor) else list(out)
 
 
 # Each kernel: (measured implementation, reference), both x -> Fp8Tensor. The measured side takes
@@ -106,6 +112,21 @@ REFERENCE: dict[str, Callable] = {
     "column-t": jax.jit(lambda x: jfp8.quantize_wgrad_operand(x, impl="xla")),
     "retile": jax.jit(lambda t: jfp8.retile_wgrad_operand(t, impl="xla")),
 }
+
+
+def _configured(kernel: str, config):
+    """`kernel` straight from `pallas_kernels.quantize` with `config`: x (or, for retile, the
+    (1, 128)-quantized x) -> (data, scale), the arrays of MEASURED[kernel]'s Fp8Tensor."""
+    from pallas_kernels import quantize as qk
+
+    return {
+        "tile": lambda x: qk.quantize_tile(x, config=config),
+        "block": lambda x: qk.quantize_block(x, config=config),
+        "column-t": lambda x: qk.quantize_column(x, transpose=True, config=config),
+        "retile": lambda t: qk.retile_tile_to_column_t(
+            t.data, t.scale, m=t.logical[0], k=t.logical[1], config=config
+        ),
+    }[kernel]
 
 
 def _mismatches(out, ref) -> float:
@@ -167,27 +188,44 @@ def _input(shape: QShape, seed: int) -> jax.Array:
     return _scaled_rows(random_normal(seed, (shape.m, shape.k)), shape.dtype)
 
 
-def _quantize_cases(shape: QShape, impl: str, seed: int) -> list[QCase]:
+def _quantize_cases(shape: QShape, impl: str, seed: int, configs: list[str] = ()
+                    ) -> tuple[list[QCase], list[Skip]]:
     m, k, dtype = shape
     x = _input(shape, seed)
-    cases = []
+    cases, skips = [], []
     for kernel in MEASURED:
         arg = _retile_input(x) if kernel == "retile" else x
-        fn = jax.jit(functools.partial(MEASURED[kernel], impl=impl))
         ref = functools.cache(lambda kernel=kernel, arg=arg: REFERENCE[kernel](arg))
         in_bytes = _nbytes(_fp8_outputs(arg)) if kernel == "retile" else _nbytes([arg])
-        out_bytes = _nbytes(_fp8_outputs(jax.eval_shape(fn, arg)))
-        case = Case(f"jfp8-{impl}-{kernel}", lambda fn=fn, arg=arg: fn(arg),
-                    lambda out, ref=ref: _mismatches(out, ref()), 0, "")
-        cases.append(QCase(case, in_bytes + out_bytes, m, k, dtype, kernel))
-    return cases
+        fns = [(f"jfp8-{impl}-{kernel}", jax.jit(functools.partial(MEASURED[kernel], impl=impl)))]
+        for text in configs:
+            name = f"jfp8-mosaic-{kernel}[{config_label(text)}]"
+            if impl != "mosaic":
+                skips.append(Skip(name, "needs a Hopper GPU"))
+                continue
+            from pallas_kernels.quantize import QuantizeConfig
+
+            fns.append((name, jax.jit(_configured(kernel, parse_config(text, QuantizeConfig)))))
+        for name, fn in fns:
+            out_bytes = _nbytes(_fp8_outputs(jax.eval_shape(fn, arg)))
+            case = Case(name, lambda fn=fn, arg=arg: fn(arg),
+                        lambda out, ref=ref: _mismatches(out, ref()), 0, "")
+            cases.append(QCase(case, in_bytes + out_bytes, m, k, dtype, kernel))
+    return cases, skips
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=parse_qshape, nargs="+", default=None, metavar="MxK[:dtype]")
+    p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE,...",
+                   help="a QuantizeConfig for the kernels, benched as its own rows (repeatable), "
+                        "e.g. swizzle=false for the unswizzled form")
     add_common_args(p)
     args = p.parse_args(argv)
+    if args.config:
+        from pallas_kernels.quantize import QuantizeConfig
+
+        check_configs(p, args.config, QuantizeConfig)
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
@@ -217,7 +255,7 @@ def main(argv=None) -> int:
             "bench_quantize", rows, args.out, timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
             copy_gbps=max(copy_gbps) if copy_gbps else None, target_frac_of_copy=TARGET_FRAC_OF_COPY,
             bytes_counted="input read once + E4M3 data and FP32 scales written once",
-            failed=failed, skipped=skipped,
+            configs=args.config, failed=failed, skipped=skipped,
         )
 
     try:
@@ -238,18 +276,19 @@ def main(argv=None) -> int:
                         for s in shapes[i:]]
             break
         try:
-            qcases = _quantize_cases(shape, impl, args.seed)
+            qcases, skips = _quantize_cases(shape, impl, args.seed, args.config)
         except Exception as e:  # noqa: BLE001
             failed.append(dict(impl="(operands)", problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
             continue
+        skipped += [dict(impl=s.impl, problem=label, reason=s.reason) for s in skips]
         run(qcases, label)
         save()
     path = save()
 
-    print(f"\n{'impl':26s} {'MxK:dtype':>20s} {'GB/s':>9} {'of copy':>8}")
+    print(f"\n{'impl':36s} {'MxK:dtype':>20s} {'GB/s':>9} {'of copy':>8}")
     for r in rows:
         frac = "" if r["frac_of_copy"] is None else f"{r['frac_of_copy']:8.1%}"
-        print(f"{r['impl']:26s} {'%dx%d:%s' % (r['m'], r['k'], r['dtype']):>20s} {r['gbps']:9.4g} {frac:>8}")
+        print(f"{r['impl']:36s} {'%dx%d:%s' % (r['m'], r['k'], r['dtype']):>20s} {r['gbps']:9.4g} {frac:>8}")
     return report_end(path, skipped, failed)
 
 

@@ -14,7 +14,8 @@ skipped with that reason):
                  DeepSeek-V3 M=4096 with K >= 7168), plus any --gemm-config rows
   bench_grouped  experiments/bench_grouped.py at the MoE shapes (8 experts x 4096 rows first),
                  plus any --grouped-config rows
-  bench_quantize experiments/bench_quantize.py against the measured copy bandwidth
+  bench_quantize experiments/bench_quantize.py against the measured copy bandwidth, plus any
+                 --quantize-config rows (e.g. swizzle=false, the unswizzled kernels)
   sass           each jfp8 kernel run once with MOSAIC_GPU_DUMP_TO set (jaxlib/mosaic/gpu/dump.cc:
                  PTX, ptxas log and nvdisasm SASS per Mosaic module); QGMMA / HGMMA / HMMA counted
                  per module; PTX is assembled with ptxas + cuobjdump when no SASS was written
@@ -181,7 +182,8 @@ def plan(args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
     stages.append(bench("bench_gemm", "bench_gemm.py", args.gemm_shapes, gemm_extra))
     grouped_extra = [a for c in args.grouped_config for a in ("--config", c)]
     stages.append(bench("bench_grouped", "bench_grouped.py", args.grouped_shapes, grouped_extra))
-    stages.append(bench("bench_quantize", "bench_quantize.py", args.quantize_shapes))
+    quantize_extra = [a for c in args.quantize_config for a in ("--config", c)]
+    stages.append(bench("bench_quantize", "bench_quantize.py", args.quantize_shapes, quantize_extra))
     stages.append(Stage("sass", [py, me, "--worker", "kernels"], TIMEOUTS["sass"], skip=no_gpu,
                         env={"MOSAIC_GPU_DUMP_TO": str(work / "sass"),
                              "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
@@ -394,7 +396,8 @@ def quantize_table(record: dict) -> list[str]:
         if r["kernel"] == "copy":
             continue
         frac = r.get("frac_of_copy")
-        lines.append(f"{r['kernel']:9s} {'%dx%d:%s' % (r['m'], r['k'], r['dtype']):25s} {_fmt(r['gbps'], '.4g'):>7} "
+        config = r["impl"][r["impl"].index("["):] if "[" in r["impl"] else ""
+        lines.append(f"{r['kernel'] + config:24s} {'%dx%d:%s' % (r['m'], r['k'], r['dtype']):25s} {_fmt(r['gbps'], '.4g'):>7} "
                      f"{_fmt(frac and 100 * frac, '.1f'):>6}%")
     return lines
 
@@ -541,6 +544,8 @@ def main(argv=None) -> int:
                    help="a GemmConfig benched as its own row (repeatable; passed to bench_gemm --config)")
     p.add_argument("--grouped-config", action="append", default=[], metavar="FIELD=VALUE,...",
                    help="a GroupedGemmConfig benched as its own row (repeatable; bench_grouped --config)")
+    p.add_argument("--quantize-config", action="append", default=[], metavar="FIELD=VALUE,...",
+                   help="a QuantizeConfig benched as its own rows (repeatable; bench_quantize --config)")
     p.add_argument("--gemm-shapes", nargs="+", default=list(GEMM_SHAPES))
     p.add_argument("--grouped-shapes", nargs="+", default=list(GROUPED_SHAPES))
     p.add_argument("--quantize-shapes", nargs="+", default=list(QUANTIZE_SHAPES))

@@ -23,7 +23,13 @@ Structure: grids of one-warpgroup CTAs (one CTA per tile of the output, no persi
   chunk over its rows (across the four warps).
 A CTA issues all its TMA loads at once (one barrier per chunk, so later chunks stream in while
 earlier ones are computed), quantizes each chunk in registers (WGMMA layout), stages the E4M3 chunk
-in SMEM and TMA-stores it. TMA also does the tails: loads past the end of the input are
+in SMEM and TMA-stores it. Memory speed needs the SMEM <-> register transfers free of bank
+conflicts: by default (`QuantizeConfig.swizzle`) every staged tile is kept in 8-row tiles with the
+widest swizzle, as the GEMMs keep theirs, where TMA can tile the arrays (rows a multiple of 8,
+widths a multiple of the swizzle span: every DeepSeek-V3 shape); elsewhere the kernels stage
+unswizzled boxes, with 8-way conflicts (`QuantizeConfig.simple()` always does). Which of the two
+is faster on an H100, and by how much, is not measured yet (`bench_quantize.py --config
+swizzle=false` puts them side by side). TMA also does the tails: loads past the end of the input are
 zero-filled, exactly `jfp8.quantize`'s zero padding, and stores past the end of an output are
 dropped. The wrappers pad or slice only where TMA's 16-byte stride rule forces it (see
 `_tma_aligned` and the scale slices).
@@ -47,6 +53,7 @@ from pallas_kernels.fp8_math import (
     reciprocal,
     scale_from_amax,
 )
+from pallas_kernels.gemm import SWIZZLE_ROWS, _swizzle_elems, _swizzled
 
 # TMA: every GMEM stride but the innermost, and the innermost extent of a copy, must be a multiple
 # of 16 bytes.
@@ -81,11 +88,19 @@ class QuantizeConfig:
         span whole 16-byte TMA units.
       column_chunks: [128, 128] chunks per CTA in `quantize_block` / `quantize_column`; all are in
         SMEM at once (80 KiB each for f32 input).
+      swizzle: stage tiles in SMEM in 8-row tiles with the widest swizzle (128 bytes for 16- and
+        32-bit input) and move them between SMEM and registers bank-conflict free. Unswizzled,
+        the WGMMA-layout transfers hit one bank group with all 8 rows a warp touches (rows of
+        128 elements are 256 or 512 bytes apart): 8-way conflicts, which by arithmetic cap
+        `quantize_tile` near HBM speed on an H100 (not measured). Applies where TMA can tile the
+        arrays (`_swizzle_fits`: row counts a multiple of 8, row widths a multiple of the
+        swizzle span); other shapes run unswizzled. The numerics are the same either way.
     """
 
     rows: int = 64
     chunks: int = 4
     column_chunks: int = 2
+    swizzle: bool = True
 
     def __post_init__(self):
         if self.rows not in (_WG_ROWS, TILE):
@@ -97,27 +112,50 @@ class QuantizeConfig:
         if self.column_chunks < 1:
             raise ValueError(f"column_chunks must be positive, got {self.column_chunks}")
 
+    @classmethod
+    def simple(cls) -> QuantizeConfig:
+        """The correct-first form: unswizzled SMEM tiles (8-way bank conflicts; see `swizzle`)."""
+        return cls(swizzle=False)
 
-def _load_f32(ref) -> jax.Array:
-    # optimized=False: the SMEM tiles are unswizzled (TMA boxes of any width), which the optimized
-    # (bank-conflict-free) transfer planner rejects.
-    return plgpu.load(ref, layout=_WGMMA, optimized=False).astype(jnp.float32)
+
+def _smem(shape: tuple[int, ...], dtype, swizzled: bool):
+    """An SMEM scratch buffer; with `swizzled`, in 8-row tiles with the widest swizzle that
+    divides its rows (`gemm._swizzled`: 128 bytes for a row of 128 bf16, 64 bytes for 64 fp8)."""
+    transforms = _swizzled(dtype, shape[-1]) if swizzled else ()
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _swizzle_span(dtype, box_cols: int) -> int:
+    """Columns per swizzled SMEM tile of a box with `box_cols` columns (`gemm._swizzled`)."""
+    return _swizzle_elems(dtype, box_cols)
+
+
+def _swizzle_fits(x: jax.Array, box_cols: int) -> bool:
+    """Whether TMA can copy `box_cols`-wide boxes of 2-D `x` into swizzled tiles: Mosaic views the
+    GMEM array in whole tiles, so its rows must be a multiple of 8 and its columns of the span."""
+    return x.shape[0] % SWIZZLE_ROWS == 0 and x.shape[1] % _swizzle_span(x.dtype, box_cols) == 0
+
+
+def _load_f32(ref, swizzled: bool) -> jax.Array:
+    # A swizzled SMEM tile has a bank-conflict-free transfer plan, which `optimized=True` demands
+    # (lowering fails without one); an unswizzled one (TMA boxes of any width) has none.
+    return plgpu.load(ref, layout=_WGMMA, optimized=swizzled).astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
 # Kernels with one scale per output row and 128-wide chunk: tile, transposed column, retile.
 
 
-def _rows_chunk(x_ref, *, pow2_scale: bool):
+def _rows_chunk(x_ref, *, pow2_scale: bool, swizzled: bool):
     """x_ref [rows, 128] → E4M3 [rows, 128] and scales [rows] (amax along the row)."""
     rows = x_ref.shape[0]
-    x = _load_f32(x_ref)
+    x = _load_f32(x_ref, swizzled)
     scale = scale_from_amax(jnp.max(abs_for_amax(x), axis=1), pow2_scale)
     q = encode_scaled(x, jax.lax.broadcast_in_dim(reciprocal(scale), (rows, TILE), (0,)))
     return q, scale
 
 
-def _transposed_chunk(x_ref, xs_ref, bounce_refs, *, pow2_scale: bool):
+def _transposed_chunk(x_ref, xs_ref, bounce_refs, *, pow2_scale: bool, swizzled: bool):
     """x_ref [128, rows] → E4M3 of its transpose [rows, 128], scales [rows] (amax down columns).
 
     Quantizes in the stored orientation (reduction over rows, across warps), then transposes the
@@ -128,7 +166,7 @@ def _transposed_chunk(x_ref, xs_ref, bounce_refs, *, pow2_scale: bool):
     as `Fp8Tensor.dequantize`: data.astype(f32) * scale.
     """
     rows = x_ref.shape[1]
-    x = _load_f32(x_ref)  # [128, rows]
+    x = _load_f32(x_ref, swizzled)  # [128, rows]
     if xs_ref is not None:
         s_in = plgpu.load(xs_ref, layout=_WGMMA_ROW, optimized=False)
         x = x * jax.lax.broadcast_in_dim(s_in, (TILE, rows), (0,))
@@ -136,7 +174,7 @@ def _transposed_chunk(x_ref, xs_ref, bounce_refs, *, pow2_scale: bool):
     q = encode_scaled(x, jax.lax.broadcast_in_dim(reciprocal(scale), (TILE, rows), (1,)))
     q_ref, scale_ref = bounce_refs
     q_ref[...] = q.astype(jnp.float16)
-    q_t = plgpu.load(q_ref.T, layout=_WGMMA, optimized=False).astype(FP8_DTYPE)
+    q_t = plgpu.load(q_ref.T, layout=_WGMMA, optimized=swizzled).astype(FP8_DTYPE)
     # The scales come out of the reduction in the column layout (pairs of values per thread),
     # which cannot be stored into a strided SMEM column; a contiguous round trip turns them into
     # the row layout of `_rows_chunk`.
@@ -144,7 +182,8 @@ def _transposed_chunk(x_ref, xs_ref, bounce_refs, *, pow2_scale: bool):
     return q_t, plgpu.load(scale_ref, layout=_WGMMA_ROW, optimized=False)
 
 
-def _row_scale_body(*refs, cfg: QuantizeConfig, transposed: bool, dequant: bool, pow2_scale: bool):
+def _row_scale_body(*refs, cfg: QuantizeConfig, transposed: bool, dequant: bool, pow2_scale: bool,
+                    swizzled: bool):
     """One CTA: output rows [rows i, rows (i + 1)) x `chunks` 128-wide output chunks.
 
     Output element (r, c) is input element (r, c), or (c, r) when `transposed`. Outputs: data
@@ -182,9 +221,11 @@ def _row_scale_body(*refs, cfg: QuantizeConfig, transposed: bool, dequant: bool,
         plgpu.barrier_wait(bars.at[c])
         if transposed:
             xs = xs_smem.at[c, :, in_chunk % _SCALE_GROUP] if dequant else None
-            q, scale = _transposed_chunk(x_smem.at[c], xs, bounce, pow2_scale=pow2_scale)
+            q, scale = _transposed_chunk(
+                x_smem.at[c], xs, bounce, pow2_scale=pow2_scale, swizzled=swizzled
+            )
         else:
-            q, scale = _rows_chunk(x_smem.at[c], pow2_scale=pow2_scale)
+            q, scale = _rows_chunk(x_smem.at[c], pow2_scale=pow2_scale, swizzled=swizzled)
         d_smem[c] = q
         s_smem[:, c] = scale
         plgpu.commit_smem()
@@ -202,18 +243,22 @@ def _row_scale_call(inputs, *, out_rows: int, out_chunks: int, transposed: bool,
     rows, chunks = cfg.rows, cfg.chunks
     dequant = len(inputs) == 2
     x = inputs[0]
-    bounce = [plgpu.SMEM((TILE, rows), jnp.float16), plgpu.SMEM((rows,), jnp.float32)]
+    # The input's SMEM box is [rows, 128], or [128, rows] when transposed.
+    box = (TILE, rows) if transposed else (rows, TILE)
+    swizzled = cfg.swizzle and _swizzle_fits(x, box[1]) and out_rows % SWIZZLE_ROWS == 0
+    bounce = [_smem((TILE, rows), jnp.float16, swizzled), plgpu.SMEM((rows,), jnp.float32)]
     scratch = [
-        plgpu.SMEM((chunks, TILE, rows) if transposed else (chunks, rows, TILE), x.dtype),
+        _smem((chunks, *box), x.dtype, swizzled),
         *([plgpu.SMEM((chunks, TILE, _SCALE_GROUP), jnp.float32)] if dequant else []),
         *(bounce if transposed else []),
-        plgpu.SMEM((chunks, rows, TILE), FP8_DTYPE),
+        _smem((chunks, rows, TILE), FP8_DTYPE, swizzled),
         plgpu.SMEM((rows, chunks), jnp.float32),
         plgpu.Barrier(num_arrivals=len(inputs), num_barriers=chunks),
     ]
     kernel = plgpu.kernel(
         functools.partial(
-            _row_scale_body, cfg=cfg, transposed=transposed, dequant=dequant, pow2_scale=pow2_scale
+            _row_scale_body, cfg=cfg, transposed=transposed, dequant=dequant,
+            pow2_scale=pow2_scale, swizzled=swizzled,
         ),
         out_type=(
             jax.ShapeDtypeStruct((out_rows, out_chunks * TILE), FP8_DTYPE),
@@ -233,13 +278,15 @@ def _row_scale_call(inputs, *, out_rows: int, out_chunks: int, transposed: bool,
 # Kernels whose CTA owns 128 rows and reduces down columns: block and (non-transposed) column.
 
 
-def _column_chunk(x_ref, d_ref, *, per_column: bool, pow2_scale: bool):
+def _column_chunk(x_ref, d_ref, *, per_column: bool, pow2_scale: bool, swizzled: bool):
     """Quantizes one SMEM chunk [128, 128] into `d_ref`, in two [128, 64] halves.
 
     Returns the two halves' [64] column scales when `per_column`, else the chunk's one scale.
     """
     halves = [pl.ds(h * _HALF, _HALF) for h in range(TILE // _HALF)]
-    col_amax = [jnp.max(abs_for_amax(_load_f32(x_ref.at[:, h])), axis=0) for h in halves]
+    col_amax = [
+        jnp.max(abs_for_amax(_load_f32(x_ref.at[:, h], swizzled)), axis=0) for h in halves
+    ]
     if per_column:
         scale = [scale_from_amax(a, pow2_scale) for a in col_amax]
         inv = [jax.lax.broadcast_in_dim(reciprocal(s), (TILE, _HALF), (1,)) for s in scale]
@@ -247,12 +294,12 @@ def _column_chunk(x_ref, d_ref, *, per_column: bool, pow2_scale: bool):
         scale = scale_from_amax(jnp.maximum(*[jnp.max(a, axis=0) for a in col_amax]), pow2_scale)
         inv = [jnp.broadcast_to(reciprocal(scale), (TILE, _HALF))] * len(halves)
     for h, inv_h in zip(halves, inv):
-        d_ref[:, h] = encode_scaled(_load_f32(x_ref.at[:, h]), inv_h)
+        d_ref[:, h] = encode_scaled(_load_f32(x_ref.at[:, h], swizzled), inv_h)
     return scale
 
 
 def _column_body(x_gmem, d_gmem, s_gmem, x_smem, d_smem, s_smem, bars, *, chunks: int,
-                 per_column: bool, pow2_scale: bool):
+                 per_column: bool, pow2_scale: bool, swizzled: bool):
     """One CTA: rows [128 i, 128 i + 128) x `chunks` chunks of 128 columns.
 
     `per_column`: (128, 1) tiles, one scale per column; else one scale per (128, 128) block,
@@ -273,7 +320,8 @@ def _column_body(x_gmem, d_gmem, s_gmem, x_smem, d_smem, s_smem, bars, *, chunks
     def _(c):
         plgpu.barrier_wait(bars.at[c])
         scale = _column_chunk(
-            x_smem.at[c], d_smem.at[c], per_column=per_column, pow2_scale=pow2_scale
+            x_smem.at[c], d_smem.at[c], per_column=per_column, pow2_scale=pow2_scale,
+            swizzled=swizzled,
         )
         if per_column:
             for h, s in enumerate(scale):
@@ -295,9 +343,15 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
     # Block scales are stored one by one for every chunk of the grid, the last CTA's spare chunks
     # included; the caller slices them off.
     scale_cols = out_cols if per_column else grid[1] * chunks
+    # The E4M3 output is staged in [128, 64] halves (`_column_chunk`): 64-byte swizzled tiles.
+    swizzled = (
+        cfg.swizzle and _swizzle_fits(x, TILE) and out_cols % _swizzle_span(FP8_DTYPE, _HALF) == 0
+        and x.shape[0] % SWIZZLE_ROWS == 0
+    )
     kernel = plgpu.kernel(
         functools.partial(
-            _column_body, chunks=chunks, per_column=per_column, pow2_scale=pow2_scale
+            _column_body, chunks=chunks, per_column=per_column, pow2_scale=pow2_scale,
+            swizzled=swizzled,
         ),
         out_type=(
             jax.ShapeDtypeStruct((row_blocks * TILE, out_cols), FP8_DTYPE),
@@ -306,8 +360,11 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
         grid=grid,
         grid_names=("rows", "chunks"),
         scratch_types=[
-            plgpu.SMEM((chunks, TILE, TILE), x.dtype),
-            plgpu.SMEM((chunks, TILE, TILE), FP8_DTYPE),
+            _smem((chunks, TILE, TILE), x.dtype, swizzled),
+            plgpu.SMEM(
+                (chunks, TILE, TILE), FP8_DTYPE,
+                transforms=_swizzled(FP8_DTYPE, _HALF) if swizzled else (),
+            ),
             plgpu.SMEM((chunks, 1, TILE), jnp.float32),
             plgpu.Barrier(num_barriers=chunks),
         ],

@@ -53,7 +53,9 @@ def records(tmp_path_factory, benches):
     assert rc == 0
     rc = benches["bench_grouped"].main(["--shapes", "2x128x128x256", "--config", GROUPED_SIMPLE, "--out", str(out), *FAST])
     assert rc == 0
-    rc = benches["bench_quantize"].main(["--shapes", "128x256:bfloat16", "--out", str(out), *FAST])
+    rc = benches["bench_quantize"].main(
+        ["--shapes", "128x256:bfloat16", "--config", "swizzle=false", "--out", str(out), *FAST]
+    )
     assert rc == 0
     return out
 
@@ -87,6 +89,24 @@ def test_quantize_record(records):
     assert record["copy_gbps"] > 0
     for r in kernels.values():
         assert r["gbps"] > 0 and r["mismatches"] == 0 and r["frac_of_copy"] > 0
+    skipped = {s["impl"]: s["reason"] for s in record["skipped"]}
+    assert "jfp8-mosaic-retile[swizzle=false]" in skipped and record["configs"] == ["swizzle=false"]
+
+
+@pytest.mark.parametrize("kernel", ["tile", "block", "column-t", "retile"])
+def test_quantize_config_rows_match_the_reference(benches, kernel):
+    """What a --config row runs on a GPU (the kernel called with a QuantizeConfig), here in the
+    interpreter: the same arrays, bit for bit, as the reference it is checked against there."""
+    from pallas_kernels import _mgpu
+    from pallas_kernels.quantize import QuantizeConfig
+
+    bench = benches["bench_quantize"]
+    x = bench._input(bench.QShape(136, 320, "bfloat16"), seed=3)
+    arg = bench._retile_input(x) if kernel == "retile" else x
+    for config in (QuantizeConfig(), QuantizeConfig.simple()):
+        with _mgpu.interpret_mode(True):
+            out = bench._configured(kernel, config)(arg)
+        assert bench._mismatches(out, bench.REFERENCE[kernel](arg)) == 0, config
 
 
 def test_wrong_gemm_fails_its_check(tmp_path, monkeypatch, benches, records):
@@ -145,13 +165,15 @@ def test_gpu_session_runs_on_cpu(tmp_path, records):
         assert stages[name]["status"] == "skipped" and stages[name]["skip"]
     # Planned as on an H100: the issue's shapes, 8192^3 first, and the kernel configs as rows.
     argv = ["--dry-run", "--assume-hopper", "--gemm-config", "tile_m=128", "--grouped-config", GROUPED_SIMPLE,
-            "--out", str(tmp_path / "plan")]
+            "--quantize-config", "swizzle=false", "--out", str(tmp_path / "plan")]
     assert session.main(argv) == 0
     stages = json.loads(next((tmp_path / "plan").glob("gpu_session-*.json")).read_text())["stages"]
     gemm = next(s for s in stages if s["name"] == "bench_gemm")["argv"]
     assert gemm[gemm.index("--shapes") + 1] == "8192x8192x8192" and "tile_m=128" in gemm
     grouped = next(s for s in stages if s["name"] == "bench_grouped")["argv"]
     assert grouped[grouped.index("--config") + 1] == GROUPED_SIMPLE
+    quantize = next(s for s in stages if s["name"] == "bench_quantize")["argv"]
+    assert quantize[quantize.index("--config") + 1] == "swizzle=false"
     # A real run of the env stage, the GPU stages skipped, and the table over the benchmark records.
     out = tmp_path / "run"
     out.mkdir()

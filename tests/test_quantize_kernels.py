@@ -123,6 +123,17 @@ HARD_CASES = [
     ("column", (257, 130), jnp.float32, False, _DEFAULT),
     ("column_t", (257, 130), jnp.float32, True, _DEFAULT),
     ("column_t", (300, 200), jnp.bfloat16, False, _DEFAULT),
+    # Shapes TMA can tile in swizzled SMEM (rows a multiple of 8, widths of the 128-byte swizzle
+    # span: 64 bf16, 32 f32; 64 for the column kernels' E4M3 output), which take the swizzled
+    # kernels, still with tails: 264 = 2 x 128 + 8 rows, K = 320 = 2.5 chunks, 448 = 3.5 chunks.
+    ("tile", (264, 320), jnp.bfloat16, True, _DEFAULT),
+    ("tile", (136, 448), jnp.float32, False, _DEFAULT),
+    ("block", (264, 320), jnp.bfloat16, False, qk.QuantizeConfig(column_chunks=3)),
+    ("column", (136, 448), jnp.float32, True, _DEFAULT),
+    ("column_t", (264, 320), jnp.bfloat16, True, qk.QuantizeConfig(rows=128)),
+    ("column_t", (136, 448), jnp.float32, False, _DEFAULT),
+    # The unswizzled form on a shape the swizzled one would take.
+    ("tile", (264, 320), jnp.bfloat16, False, qk.QuantizeConfig.simple()),
 ]
 
 
@@ -131,11 +142,12 @@ def test_bit_identical_to_quantize(kind, shape, dtype, pow2_scale, config):
     _check(kind, _seed(), shape, dtype, pow2_scale, config=config)
 
 
-def test_retile_bit_identical_without_smem_races():
+@pytest.mark.parametrize("shape", [(300, 200), (264, 320)])  # unswizzled, swizzled
+def test_retile_bit_identical_without_smem_races(shape):
     """Retile (its input is always E4M3 + f32 scales), 128 rows per CTA, race detector on: the
     transposing kernels reuse their SMEM bounce buffers for every chunk of a CTA."""
     config = qk.QuantizeConfig(rows=128)
-    _check("retile", _seed(), (300, 200), jnp.bfloat16, False, detect_races=True, config=config)
+    _check("retile", _seed(), shape, jnp.bfloat16, False, detect_races=True, config=config)
     assert not gpu_callbacks.get_races().races_found
 
 
@@ -292,6 +304,39 @@ def test_lowers_a_single_element(kind):
 )
 def test_lowers_with_other_tiling(kind, config, dtype):
     assert "mosaic_gpu" in _lower(kind, 4096, 7168, dtype, config)
+
+
+@pytest.mark.parametrize(
+    "kind,m,k,dtype,swizzled",
+    [
+        ("tile", 4096, 7168, jnp.bfloat16, True),
+        ("tile", 4100, 7168, jnp.bfloat16, False),  # rows not a multiple of 8
+        ("tile", 4096, 7200, jnp.float32, True),  # 7200 = 225 x 32
+        ("tile", 4096, 7172, jnp.float32, False),  # not a multiple of the 32-float span
+        ("block", 4096, 7168, jnp.float32, True),
+        ("column", 4096, 7200, jnp.float32, False),  # f32 input fits; its E4M3 output rows don't
+        ("column_t", 4096, 2112, jnp.bfloat16, True),
+        ("column_t", 4092, 2112, jnp.bfloat16, False),
+        ("retile", 4096, 2112, None, True),
+        ("retile", 4100, 2112, None, False),
+    ],
+)
+def test_swizzles_exactly_where_tma_can_tile(kind, m, k, dtype, swizzled, monkeypatch):
+    """The default config stages the tiles in swizzled SMEM exactly on the shapes whose arrays TMA
+    can copy into swizzled tiles (and those kernels lower); `simple()` never does."""
+    asked = []
+
+    def spy(shape, dtype, swizzled):
+        asked.append(swizzled)
+        return smem(shape, dtype, swizzled)
+
+    smem = qk._smem
+    monkeypatch.setattr(qk, "_smem", spy)
+    assert "mosaic_gpu" in _lower(kind, m, k, dtype, _DEFAULT)
+    assert asked and set(asked) == {swizzled}
+    asked.clear()
+    _lower(kind, m, k, dtype, qk.QuantizeConfig.simple())
+    assert asked and set(asked) == {False}
 
 
 def test_lowering_rejects_a_config_over_the_smem_budget():
