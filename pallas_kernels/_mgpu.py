@@ -50,6 +50,15 @@ def num_sms() -> int:
     return H100_NUM_SMS
 
 
+def device_kind() -> str:
+    """The GPU model the kernels are built for, the same way as `num_sms`."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:
+        return abstract.device_kind
+    device = jax.devices()[0]
+    return device.device_kind if device.platform == "gpu" else H100_DEVICE_KIND
+
+
 def lower_for_cuda(fn, *args, **kwargs) -> str:
     """StableHLO text of `jax.jit(fn)(*args, **kwargs)` lowered for CUDA, on any machine.
 

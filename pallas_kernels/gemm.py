@@ -559,7 +559,8 @@ def scaled_matmul(
       b_block_rows: 128 for 128x128-block-scaled b (Fprop, Dgrad), 1 for 1x128-tile-scaled b
         (Wgrad: the b scale varies per output column).
       out_dtype: bfloat16 or float32.
-      config: tiling; `GemmConfig()` when None.
+      config: tiling; when None, `tuning.dense_config` picks one for this problem and GPU (a
+        measured table where one covers it, else a rule).
 
     Returns:
       (M, n) array in `out_dtype`: `jfp8.reference.scaled_matmul_reference`, operation for
@@ -567,11 +568,14 @@ def scaled_matmul(
       (the tensor core's, or the interpreter's matmul).
     """
     _check_inputs(a_data, a_scale, b_data, b_scale, n, b_block_rows, out_dtype)
-    config = GemmConfig() if config is None else config
     out_dtype = jnp.dtype(out_dtype)
     m, kp = a_data.shape
     if m == 0 or n == 0 or kp == 0:
         return jnp.zeros((m, n), out_dtype)  # nothing to launch; K = 0 sums to zero
+    if config is None:
+        from pallas_kernels import tuning  # imports this module
+
+        config = tuning.dense_config(m, n, kp, out_dtype)
     _check_smem(config, out_dtype, kp // TILE_K)
     operands = _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows)
     m_out, n_out = _out_shape(m, n, out_dtype, config)

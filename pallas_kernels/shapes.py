@@ -30,6 +30,15 @@ DENSE_SHAPES: tuple[GemmShape, ...] = (
     GemmShape(8192, 8192, 8192),
 )
 
+# Small M (few tokens: small batches, decoding, a thin expert): memory-bound, every byte of b is
+# used for at most M rows; DeepSeek-V3's N x K at M = 64 and 128, as DeepGEMM benchmarks them.
+SMALL_M_SHAPES: tuple[GemmShape, ...] = (
+    GemmShape(64, 2112, 7168),
+    GemmShape(64, 7168, 16384),
+    GemmShape(128, 4096, 7168),
+    GemmShape(128, 7168, 2048),
+)
+
 GROUPED_SHAPES: tuple[GroupedShape, ...] = (
     GroupedShape(8, 4096, 4096, 7168),
     GroupedShape(4, 8192, 4096, 7168),

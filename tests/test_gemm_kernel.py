@@ -369,12 +369,13 @@ def test_a_config_over_the_smem_budget_is_rejected(config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", [*CONFIGS, "chosen"])  # chosen: `tuning.dense_config`
 @pytest.mark.parametrize("b_block_rows", [TILE, 1])
-def test_on_gpu_matches_reference(b_block_rows, config):
+@pytest.mark.parametrize("m,n,k", [(1000, 1500, 2000), (48, 2112, 7168)])
+def test_on_gpu_matches_reference(m, n, k, b_block_rows, config):
     seed = _seed()
-    a, b = _operands(seed, 1000, 1500, 2000, b_block_rows, exact=False)
-    out = np.asarray(_kernel(a, b, b_block_rows, jnp.float32, CONFIGS[config]))
+    a, b = _operands(seed, m, n, k, b_block_rows, exact=False)
+    out = np.asarray(_kernel(a, b, b_block_rows, jnp.float32, CONFIGS.get(config)))
     ref = np.asarray(_reference(a, b, jnp.float32))
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err <= 1e-5, f"seed={seed}: relative Frobenius error {err}"

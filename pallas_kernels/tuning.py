@@ -1,0 +1,125 @@
+"""Which `GemmConfig` the dense GEMM runs for a problem when the caller gives none.
+
+Two sources, in order:
+1. A table measured on this GPU model by `experiments/tune_gemm.py` (`tuned/gemm-<device>.json`
+   next to this file, or the file named by `$JFP8_GEMM_TABLE`): for the problem's (N, Kp, output
+   dtype), the fastest config found at the measured M nearest to this one (in log2 M). Layers
+   have fixed N and K and vary M (tokens), so that is the axis to interpolate along.
+2. Else `rule_config`, a rule predicted from the kernel's structure (not measured; see there).
+
+Every config computes the same bits (the promotion order does not depend on the tiling), so the
+choice only moves speed; tests lower every config the rule picks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import pathlib
+
+import jax.numpy as jnp
+
+from pallas_kernels import _mgpu
+from pallas_kernels.gemm import (
+    SMEM_BYTES,
+    TILE_K,
+    WGMMA_M,
+    GemmConfig,
+    smem_bytes,
+)
+
+TABLE_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
+TABLE_ENV = "JFP8_GEMM_TABLE"
+# Deepest pipeline the rule asks for; small tiles leave SMEM for more.
+MAX_STAGES = 8
+# Narrowest tiles the rule uses: the warp-specialized form (two 64-row consumers) and the
+# one-warpgroup form for M <= 64.
+MIN_TILE_N_WS = 64
+MIN_TILE_N_SMALL_M = 32
+
+
+def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int) -> GemmConfig:
+    """The config predicted to be fastest for `a [m, kp] @ b [n, kp].T` (not measured).
+
+    - Compute-bound problems (enough 128 x 128 tiles to fill the SMs): `GemmConfig()`, the
+      warp-specialized, persistent 128 x 128 form.
+    - M <= 64, memory-bound (every byte of b is used for at most 64 rows): one warpgroup on 64-row
+      tiles (two consumers would multiply 64 rows of zero padding), one CTA per tile so that
+      several CTAs share an SM and keep more loads in flight.
+    - Too few tiles to give every SM some of b to stream: narrower tiles (halving tile_n, to 64
+      warp-specialized or 32 at M <= 64) until the grid covers the SMs.
+    - Smaller tiles get deeper pipelines (more stages, up to `MAX_STAGES`, as SMEM allows): at
+      short per-chunk compute, latency is hidden only by more copies in flight.
+    """
+    chunks = max(kp // TILE_K, 1)
+    small_m = m <= WGMMA_M
+    if small_m:
+        base = dataclasses.replace(
+            GemmConfig.simple(), tile_m=WGMMA_M, max_concurrent_steps=MAX_STAGES
+        )
+        min_tile_n = MIN_TILE_N_SMALL_M
+    else:
+        base = GemmConfig()
+        min_tile_n = MIN_TILE_N_WS
+    tile_n = base.tile_n
+    while tile_n > min_tile_n and -(-m // base.tile_m) * -(-n // tile_n) < num_sms:
+        tile_n //= 2
+    stages = base.max_concurrent_steps if tile_n == base.tile_n and not small_m else MAX_STAGES
+    config = dataclasses.replace(base, tile_n=tile_n, max_concurrent_steps=stages)
+    while config.max_concurrent_steps > 2 and smem_bytes(config, out_dtype, chunks) > SMEM_BYTES:
+        config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
+    return config
+
+
+def table_path(device_kind: str) -> pathlib.Path:
+    """Where the measured table for `device_kind` lives (`$JFP8_GEMM_TABLE` overrides)."""
+    if os.environ.get(TABLE_ENV):
+        return pathlib.Path(os.environ[TABLE_ENV])
+    return TABLE_DIR / f"gemm-{device_kind.lower().replace(' ', '-')}.json"
+
+
+@functools.cache
+def _load_table(path: pathlib.Path, mtime_ns: int) -> tuple[tuple[tuple, GemmConfig], ...]:
+    """((m, n, kp, out_dtype), config) per entry of a `tune_gemm.py` table; cached per version."""
+    del mtime_ns  # part of the cache key only: a rewritten table is read again
+    try:
+        entries = json.loads(path.read_text())["entries"]
+        return tuple(
+            (
+                (int(e["m"]), int(e["n"]), int(e["kp"]), jnp.dtype(e["out_dtype"]).name),
+                GemmConfig(**e["config"]),
+            )
+            for e in entries
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"GEMM tuning table {path} is unreadable ({type(e).__name__}: {e}); regenerate it "
+            f"with experiments/tune_gemm.py, delete it, or point ${TABLE_ENV} elsewhere"
+        ) from e
+
+
+def table_config(m: int, n: int, kp: int, out_dtype, device_kind: str) -> GemmConfig | None:
+    """The measured config for (n, kp, out_dtype) at the M nearest to `m`, or None."""
+    path = table_path(device_kind)
+    if not path.is_file():
+        return None
+    dtype = jnp.dtype(out_dtype).name
+    same = [
+        (abs(math.log2(em) - math.log2(max(m, 1))), em, config)
+        for (em, en, ekp, edt), config in _load_table(path, path.stat().st_mtime_ns)
+        if (en, ekp, edt) == (n, kp, dtype) and em > 0
+    ]
+    return min(same, key=lambda t: t[:2])[2] if same else None
+
+
+def dense_config(m: int, n: int, kp: int, out_dtype, *, device_kind: str | None = None,
+                 num_sms: int | None = None) -> GemmConfig:
+    """The config `gemm.scaled_matmul` runs when given none: measured table, else the rule."""
+    device_kind = _mgpu.device_kind() if device_kind is None else device_kind
+    num_sms = _mgpu.num_sms() if num_sms is None else num_sms
+    tuned = table_config(m, n, kp, out_dtype, device_kind)
+    return tuned if tuned is not None else rule_config(m, n, kp, out_dtype, num_sms)
+

@@ -1,0 +1,131 @@
+"""`pallas_kernels.tuning`: the config the dense GEMM runs when the caller gives none.
+
+The choice may only move speed: every config it can return must be valid, fit the SMEM budget,
+lower for Hopper, and compute the reference's bits (the interpreter runs the small-M forms).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import gemm, tuning
+from pallas_kernels._mgpu import H100_DEVICE_KIND, H100_NUM_SMS
+from pallas_kernels.fp8_math import TILE
+from pallas_kernels.shapes import DENSE_SHAPES, SMALL_M_SHAPES
+from test_gemm_kernel import _kernel, _operands, _reference, _seed
+from helpers import assert_bitwise_equal, interpret
+
+FAST = gemm.GemmConfig()
+
+
+@pytest.fixture(autouse=True)
+def _no_table(monkeypatch, tmp_path):
+    """Tests see no measured table unless they write one (a committed table must not change
+    what the rule tests check)."""
+    monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "no-table.json"))
+
+
+@pytest.mark.parametrize("shape", DENSE_SHAPES, ids=str)
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_rule_keeps_the_fast_form_where_tiles_fill_the_gpu(shape, out_dtype):
+    assert tuning.rule_config(shape.m, shape.n, shape.k, out_dtype, H100_NUM_SMS) == FAST
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    m=st.integers(1, 20000),
+    n=st.integers(1, 30000),
+    chunks=st.integers(1, 160),
+    out_dtype=st.sampled_from([jnp.bfloat16, jnp.float32]),
+    num_sms=st.sampled_from([1, 8, 114, 132]),
+)
+def test_rule_is_valid_fits_smem_and_fills_the_sms(m, n, chunks, out_dtype, num_sms):
+    config = tuning.rule_config(m, n, chunks * TILE, out_dtype, num_sms)  # validated on creation
+    assert gemm.smem_bytes(config, out_dtype, chunks) <= gemm.SMEM_BYTES
+    assert config.warp_specialized == (m > gemm.WGMMA_M)
+    tiles = -(-m // config.tile_m) * -(-n // config.tile_n)
+    narrowest = tuning.MIN_TILE_N_WS if config.warp_specialized else tuning.MIN_TILE_N_SMALL_M
+    # Tiles narrowed until the grid covers the SMs, and never further than needed.
+    assert tiles >= num_sms or config.tile_n == narrowest
+    wider = -(-m // config.tile_m) * -(-n // (2 * config.tile_n))
+    assert config.tile_n == gemm.GemmConfig().tile_n or wider < num_sms
+
+
+@pytest.mark.parametrize("shape", SMALL_M_SHAPES, ids=str)
+def test_small_m_choices_lower_for_hopper(shape):
+    """The rule's picks at the memory-bound shapes (`gemm.lower_scaled_matmul` with config=None,
+    on an abstract H100)."""
+    config = tuning.dense_config(shape.m, shape.n, shape.k, jnp.bfloat16)
+    assert config != FAST
+    assert "mosaic_gpu" in gemm.lower_scaled_matmul(
+        shape.m, shape.n, shape.k, b_block_rows=TILE, out_dtype=jnp.bfloat16, config=None
+    )
+
+
+@pytest.mark.parametrize(
+    "m,n,k,b_block_rows,out_dtype",
+    [
+        (40, 300, 384, TILE, jnp.bfloat16),  # M <= 64: one warpgroup, 64 x 32 tiles, 3 stages
+        (136, 200, 640, 1, jnp.float32),  # warp-specialized, 64-wide tiles, 5 chunks
+    ],
+)
+def test_chosen_config_is_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype):
+    seed = _seed()
+    a, b = _operands(seed, m, n, k, b_block_rows, exact=True)
+    chosen = tuning.dense_config(m, n, a.data.shape[1], out_dtype)
+    assert chosen.tile_n < FAST.tile_n  # the narrowed forms, not the default
+    out = interpret(_kernel, a, b, b_block_rows, out_dtype, None)
+    assert_bitwise_equal(out, _reference(a, b, out_dtype), seed)
+
+
+def _write_table(path, entries):
+    path.write_text(json.dumps({"device": H100_DEVICE_KIND, "entries": entries}))
+
+
+def test_a_measured_table_wins_at_the_nearest_m(monkeypatch, tmp_path):
+    path = tmp_path / "table.json"
+    monkeypatch.setenv(tuning.TABLE_ENV, str(path))
+    small = dict(tile_m=64, tile_n=64, max_concurrent_steps=6, warp_specialized=False,
+                 persistent=False, grid_tile_group=1)
+    large = dict(tile_m=128, tile_n=128, max_concurrent_steps=3)
+    _write_table(path, [
+        dict(m=64, n=7168, kp=2048, out_dtype="bfloat16", config=small),
+        dict(m=4096, n=7168, kp=2048, out_dtype="bfloat16", config=large),
+    ])
+    choose = lambda m, n=7168, kp=2048, dt=jnp.bfloat16: tuning.dense_config(  # noqa: E731
+        m, n, kp, dt, device_kind=H100_DEVICE_KIND, num_sms=H100_NUM_SMS)
+    assert choose(48) == choose(300) == gemm.GemmConfig(**small)  # log2: 300 is nearer 64
+    assert choose(700) == choose(100000) == gemm.GemmConfig(**large)
+    # Another N, K or output dtype: the rule.
+    assert choose(4096, n=4096) == choose(4096, dt=jnp.float32) == FAST
+    # A rewritten table is read again.
+    _write_table(path, [dict(m=64, n=7168, kp=2048, out_dtype="bfloat16", config=large)])
+    assert choose(48) == gemm.GemmConfig(**large)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["not json", json.dumps({"entries": [{"m": 64}]}),
+     json.dumps({"entries": [dict(m=64, n=1, kp=128, out_dtype="bfloat16",
+                                  config=dict(tile_m=48))]})],
+    ids=["not-json", "missing-fields", "invalid-config"],
+)
+def test_a_broken_table_is_a_clear_error(monkeypatch, tmp_path, text):
+    path = tmp_path / "table.json"
+    path.write_text(text)
+    monkeypatch.setenv(tuning.TABLE_ENV, str(path))
+    with pytest.raises(ValueError, match="tune_gemm.py"):
+        tuning.dense_config(64, 1, 128, jnp.bfloat16, device_kind="x", num_sms=132)
+
+
+def test_the_table_is_per_device_model(monkeypatch):
+    monkeypatch.delenv(tuning.TABLE_ENV)
+    path = tuning.table_path("NVIDIA H100 80GB HBM3")
+    assert path.parent == tuning.TABLE_DIR and path.name == "gemm-nvidia-h100-80gb-hbm3.json"
+    assert np.all([tuning.table_path(k) != path for k in ("NVIDIA H200", "NVIDIA H100 PCIe")])
