@@ -61,7 +61,7 @@ from jfp8.benchmarking import (
     write_record,
 )
 from jfp8.reference import chunk_operand
-from pallas_kernels.shapes import CPU_DENSE_SHAPES, DENSE_SHAPES, GemmShape
+from pallas_kernels.shapes import CPU_DENSE_SHAPES, DENSE_SHAPES, SMALL_M_SHAPES, GemmShape
 
 BASELINE = "xla-bf16"
 BASELINES = ("xla-bf16", "xla-fp8-per-tensor", "torch-bf16", "torch-fp8-blockwise")
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     use_kernels = is_hopper(device)
-    shapes = args.shapes or (DENSE_SHAPES if on_gpu else CPU_DENSE_SHAPES)
+    shapes = args.shapes or ((*DENSE_SHAPES, *SMALL_M_SHAPES) if on_gpu else CPU_DENSE_SHAPES)
     timing = timing_from_args(args, on_gpu)
     print(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}")
     if not use_kernels:

@@ -21,6 +21,9 @@ skipped with that reason):
                  per module; PTX is assembled with ptxas + cuobjdump when no SASS was written
   memcheck       compute-sanitizer --tool memcheck on the same run-each-kernel-once script
   racecheck      compute-sanitizer --tool racecheck, likewise
+  tune_gemm      (only with --stages tune_gemm, a device call of its own) experiments/tune_gemm.py:
+                 candidate GemmConfigs per shape (small M first), the winners written to the
+                 table gemm-<device>.json under --out, to commit as pallas_kernels/tuned/
 GPU-only stages are skipped, with the reason, where there is no Hopper GPU or no tool.
 
 Results go to `--out` (default $OUT when set, else benchmarks/results), at most 6 files, as
@@ -50,10 +53,12 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 STAGES = ("env", "pytest_gpu", "bench_gemm", "bench_grouped", "bench_quantize", "sass", "memcheck",
-          "racecheck")
+          "racecheck", "tune_gemm")
+# tune_gemm takes a whole device call of its own (~14 configs per shape): only when asked for.
+DEFAULT_STAGES = STAGES[:-1]
 # The issue's shapes, most important first (a budget cut drops the tail).
 GEMM_SHAPES = ("8192x8192x8192", "4096x4096x7168", "4096x7168x16384", "4096x2112x7168",
-               "4096x24576x1536", "4096x7168x2048")
+               "4096x24576x1536", "4096x7168x2048", "64x7168x16384", "128x7168x2048")
 GROUPED_SHAPES = ("8x4096x4096x7168", "4x8192x4096x7168", "8x4096x7168x2048")
 QUANTIZE_SHAPES = ("8192x8192:bfloat16", "4096x7168:bfloat16", "7168x2048:float32")
 # CPU (--quick): tiny problems, XLA paths only.
@@ -63,7 +68,7 @@ QUICK_ARGS = {
     "bench_quantize": ["--shapes", "256x256:bfloat16", "--warmup", "1", "--repeats", "2"],
 }
 TIMEOUTS = dict(env=45, pytest_gpu=120, bench_gemm=170, bench_grouped=110, bench_quantize=70,
-                sass=60, memcheck=75, racecheck=75)
+                sass=60, memcheck=75, racecheck=75, tune_gemm=520)
 MIN_STAGE_SECONDS = 15
 SASS_OPS = ("QGMMA", "HGMMA", "HMMA", "IMMA")
 # Where CUDA tools may live besides PATH: the toolkit, and the copies Triton ships.
@@ -192,6 +197,9 @@ def plan(args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
         stages.append(Stage(tool, [sanitizer or "compute-sanitizer", "--tool", tool, "--print-limit", "100",
                                    py, me, "--worker", "kernels"], TIMEOUTS[tool], skip=skip,
                             env=_sanitizer_env()))
+    stages.append(Stage("tune_gemm", [py, str(REPO / "experiments" / "tune_gemm.py"), "--out", out,
+                                      "--max-seconds", "2", "--repeats", "7"],
+                        TIMEOUTS["tune_gemm"], skip=no_gpu))
     chosen = set(args.stages)
     for s in stages:
         if s.name not in chosen:
@@ -240,6 +248,11 @@ def summarize_pytest(work: pathlib.Path, output: str) -> dict:
             return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     tail = output.strip().splitlines()[-1:] or [""]
     return {"last_line": tail[0]}
+
+
+def _timed_script(stage: str) -> bool:
+    """The stages that run a benchmark-style script (shapes, --budget-s, one JSON record)."""
+    return stage.startswith("bench_") or stage == "tune_gemm"
 
 
 def summarize_bench(out: pathlib.Path, name: str, since: float) -> dict:
@@ -339,7 +352,7 @@ def stage_line(s: Stage) -> str:
         note = f"{sm.get('device')} | jax {sm.get('jax')} | torch {sm.get('torch')}"
     elif s.name == "pytest_gpu" and "tests" in sm:
         note = f"{sm['tests']} tests, {sm['failures']} failures, {sm['errors']} errors, {sm['skipped']} skipped"
-    elif s.name.startswith("bench_") and sm.get("record"):
+    elif _timed_script(s.name) and sm.get("record"):
         note = f"{sm['rows']} rows, {sm['failed']} failed, {sm['skipped']} skipped"
     elif s.name == "sass" and "totals" in sm:
         note = " ".join(f"{k} {v}" for k, v in sm["totals"].items()) + f" in {len(sm['modules'])} modules"
@@ -402,11 +415,28 @@ def quantize_table(record: dict) -> list[str]:
     return lines
 
 
+def tune_table(record: dict) -> list[str]:
+    """Per problem: the fastest config tune_gemm measured, and its speed-up over the default
+    config and over the rule's pick."""
+    lines = [f"GEMM tuning ({record.get('out_dtype')} out)  {'best config':>40s} {'TFLOP/s':>7} "
+             f"{'x dflt':>6} {'x rule':>6}"]
+    problems: dict[tuple, list[dict]] = {}
+    for r in record.get("rows", []):
+        problems.setdefault((r["m"], r["n"], r["k"]), []).append(r)
+    for shape, rs in problems.items():
+        best = min(rs, key=lambda r: r["ms"])
+        role = {r.get("role"): r["ms"] for r in rs}
+        speedup = {k: role[k] / best["ms"] if k in role else None for k in ("default", "rule")}
+        lines.append(f"{'x'.join(map(str, shape)):24s} {best['impl']:>40s} {_fmt(best['tflops'], '.4g'):>7} "
+                     f"{_fmt(speedup['default'], '.2f'):>6} {_fmt(speedup['rule'], '.2f'):>6}")
+    return lines
+
+
 def final_table(stages: list[Stage], out: pathlib.Path, header: str) -> str:
     lines = [f"== gpu_session: {header} ==", f"{'stage':15s} {'status':8s} {'secs':>7}  summary"]
     lines += [stage_line(s) for s in stages]
     for name, table in (("bench_gemm", gemm_table), ("bench_grouped", grouped_table),
-                        ("bench_quantize", quantize_table)):
+                        ("bench_quantize", quantize_table), ("tune_gemm", tune_table)):
         stage = next(s for s in stages if s.name == name)
         record = stage.summary.get("record")
         if record:
@@ -538,8 +568,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=pathlib.Path, default=None, help="results dir ($OUT, else benchmarks/results)")
     p.add_argument("--budget-s", type=float, default=540, help="the whole session's wall-clock budget")
-    p.add_argument("--stages", type=lambda s: [x for x in s.split(",") if x], default=list(STAGES),
-                   help=f"comma-separated subset of {','.join(STAGES)}")
+    p.add_argument("--stages", type=lambda s: [x for x in s.split(",") if x], default=list(DEFAULT_STAGES),
+                   help=f"comma-separated subset of {','.join(STAGES)} (default: all but tune_gemm)")
     p.add_argument("--gemm-config", action="append", default=[], metavar="FIELD=VALUE,...",
                    help="a GemmConfig benched as its own row (repeatable; passed to bench_gemm --config)")
     p.add_argument("--grouped-config", action="append", default=[], metavar="FIELD=VALUE,...",
@@ -599,15 +629,16 @@ def main(argv=None) -> int:
                 s.status = "dry-run"
             else:
                 s.timeout = min(s.timeout, left)
-                if s.name.startswith("bench_"):  # the benchmark stops starting shapes in time
-                    s.argv += ["--budget-s", f"{max(s.timeout * 0.6, 5):.0f}"]
+                if _timed_script(s.name):  # it stops starting shapes in time
+                    share = 0.8 if s.name == "tune_gemm" else 0.6
+                    s.argv += ["--budget-s", f"{max(s.timeout * share, 5):.0f}"]
                 stage_start = time.time()
                 run_stage(s, env)
                 if s.name == "env":
                     s.summary = summarize_env(s.output)
                 elif s.name == "pytest_gpu":
                     s.summary = summarize_pytest(work, s.output)
-                elif s.name.startswith("bench_"):
+                elif _timed_script(s.name):
                     s.summary = summarize_bench(args.out, s.name, stage_start)
                 elif s.name == "sass":
                     s.summary = summarize_sass(work / "sass", tarball) | {"kernels": kernel_lines(s.output)}

@@ -172,6 +172,8 @@ def test_gpu_session_runs_on_cpu(tmp_path, records):
     assert gemm[gemm.index("--shapes") + 1] == "8192x8192x8192" and "tile_m=128" in gemm
     grouped = next(s for s in stages if s["name"] == "bench_grouped")["argv"]
     assert grouped[grouped.index("--config") + 1] == GROUPED_SIMPLE
+    tune = next(s for s in stages if s["name"] == "tune_gemm")
+    assert tune["skip"].startswith("not selected")  # a device call of its own, when asked for
     quantize = next(s for s in stages if s["name"] == "bench_quantize")["argv"]
     assert quantize[quantize.index("--config") + 1] == "swizzle=false"
     # A real run of the env stage, the GPU stages skipped, and the table over the benchmark records.
@@ -196,3 +198,12 @@ def test_sass_counting():
         /*0a80*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24, gsb0 ;
     """
     assert _load("gpu_session").count_sass(sass) == {"QGMMA": 2, "HGMMA": 1, "HMMA": 1, "IMMA": 0}
+
+
+def test_tune_table_reads_a_tune_record():
+    rows = [dict(m=64, n=7168, k=2048, impl=name, ms=ms, tflops=t, role=role)
+            for name, ms, t, role in [("wsp-128x128-s4-g8", 2.0, 1.0, "default"),
+                                      ("1wg-64x32-s8-g1", 1.0, 2.0, "rule"),
+                                      ("1wg-64x64-s6-g1", 0.5, 4.0, "")]]
+    (header, line) = _load("gpu_session").tune_table(dict(out_dtype="bfloat16", rows=rows))
+    assert "1wg-64x64-s6-g1" in line and line.split()[-2:] == ["4.00", "2.00"]

@@ -6,6 +6,7 @@ lower for Hopper, and compute the reference's bits (the interpreter runs the sma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -129,3 +130,56 @@ def test_the_table_is_per_device_model(monkeypatch):
     path = tuning.table_path("NVIDIA H100 80GB HBM3")
     assert path.parent == tuning.TABLE_DIR and path.name == "gemm-nvidia-h100-80gb-hbm3.json"
     assert np.all([tuning.table_path(k) != path for k in ("NVIDIA H200", "NVIDIA H100 PCIe")])
+
+
+# ---------------------------------------------------------------------------------------------
+# experiments/tune_gemm.py: what it would measure, and the table it writes.
+
+
+@pytest.fixture(scope="module")
+def tune():
+    from test_benchmarks import _load
+
+    return _load("tune_gemm")
+
+
+@pytest.mark.parametrize("m,n,k", [(64, 7168, 2048), (4096, 4096, 7168), (3, 100, 200)])
+def test_tuner_candidates_start_with_the_rule_and_fit(tune, m, n, k):
+    kp = -(-k // TILE) * TILE
+    found = tune.candidates(m, n, kp, jnp.dtype(jnp.float32), H100_NUM_SMS)
+    assert found[0] == tuning.rule_config(m, n, kp, jnp.float32, H100_NUM_SMS)
+    assert FAST in found and len(set(found)) == len(found) > 4
+    assert all(gemm.smem_bytes(c, jnp.float32, kp // TILE) <= gemm.SMEM_BYTES for c in found)
+
+
+def test_tuner_cli_without_a_gpu(tune, capsys):
+    assert tune.main(["--dry-run", "--shapes", "64x7168x2048"]) == 0
+    assert "64x7168x2048: " in capsys.readouterr().out
+    assert tune.main(["--shapes", "64x7168x2048"]) == 2
+    assert "needs a Hopper GPU" in capsys.readouterr().err
+
+
+def test_tuner_table_round_trip(tune, monkeypatch, tmp_path):
+    """Rows as `main` records them -> the fastest per problem -> merged into an existing table
+    (other problems kept, no temporary file left) -> what `dense_config` returns."""
+    def row(m, config, ms, role=""):
+        return dict(m=m, n=7168, k=2048, kp=2048, out_dtype="bfloat16", ms=ms, tflops=1.0,
+                    config=dataclasses.asdict(config), role=role)
+
+    narrow = gemm.GemmConfig(tile_n=64, max_concurrent_steps=6)
+    rows = [row(128, FAST, 2.0, "default"), row(128, narrow, 1.0),
+            row(128, tuning.rule_config(128, 7168, 2048, jnp.bfloat16, 132), 1.5, "rule")]
+    (entry,) = tune.best_entries(rows)
+    assert entry["config"] == dataclasses.asdict(narrow)
+    assert entry["speedup_vs_default"] == 2.0 and entry["speedup_vs_rule"] == 1.5
+
+    path = tmp_path / "gemm-test.json"
+    other = dict(m=64, n=1, kp=128, out_dtype="float32", config=dataclasses.asdict(FAST))
+    _write_table(path, [other, dict(entry, config=dataclasses.asdict(FAST))])
+    tune.merge_table(path, [entry], H100_DEVICE_KIND)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    table = json.loads(path.read_text())
+    assert table["device"] == H100_DEVICE_KIND and len(table["entries"]) == 2
+    monkeypatch.setenv(tuning.TABLE_ENV, str(path))
+    assert tuning.dense_config(100, 7168, 2048, jnp.bfloat16, device_kind="x", num_sms=132) == narrow
+    assert tuning.dense_config(64, 1, 128, jnp.float32, device_kind="x", num_sms=132) == FAST
