@@ -26,10 +26,11 @@ skipped with that reason):
                  table gemm-<device>.json under --out, to commit as pallas_kernels/tuned/
 GPU-only stages are skipped, with the reason, where there is no Hopper GPU or no tool.
 
-Results go to `--out` (default $OUT when set, else benchmarks/results), at most 6 files, as
+Results go to `--out` (default $OUT when set, else benchmarks/results), at most 8 files, as
 the device tool returns at most 8: the three benchmark records, gpu_session-<device>-<date>.json
 (stage statuses, reasons, SASS counts, sanitizer summaries, rewritten after every stage),
-gpu_session-<device>-<date>.log (every stage's output) and sass-<device>-<date>.tar.gz.
+gpu_session-<device>-<date>.log (every stage's output), sass-<device>-<date>.tar.gz, and with
+tune_gemm its record and table (run it as a call of its own: then 4 files).
 The short table at the end is the summary to read first.
 """
 
@@ -425,7 +426,7 @@ def tune_table(record: dict) -> list[str]:
         problems.setdefault((r["m"], r["n"], r["k"]), []).append(r)
     for shape, rs in problems.items():
         best = min(rs, key=lambda r: r["ms"])
-        role = {r.get("role"): r["ms"] for r in rs}
+        role = {name: r["ms"] for r in rs for name in r.get("roles", ())}
         speedup = {k: role[k] / best["ms"] if k in role else None for k in ("default", "rule")}
         lines.append(f"{'x'.join(map(str, shape)):24s} {best['impl']:>40s} {_fmt(best['tflops'], '.4g'):>7} "
                      f"{_fmt(speedup['default'], '.2f'):>6} {_fmt(speedup['rule'], '.2f'):>6}")

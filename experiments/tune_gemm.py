@@ -92,7 +92,7 @@ def best_entries(rows: list[dict]) -> list[dict]:
     entries = []
     for (m, n, kp, out_dtype), rs in by_problem.items():
         best = min(rs, key=lambda r: r["ms"])
-        ms = {r["role"]: r["ms"] for r in rs if r.get("role")}
+        ms = {role: r["ms"] for r in rs for role in r.get("roles", ())}
         entries.append(dict(
             m=m, n=n, kp=kp, out_dtype=out_dtype, config=best["config"], tflops=best["tflops"],
             ms=best["ms"], candidates=len(rs),
@@ -139,12 +139,13 @@ def _cases(shape: GemmShape, out_dtype: str, seed: int, num_sms: int):
     a, b, a_data, a_scale = _operands(x, w, kp)
     ref = functools.cache(lambda: _reference(a, b))
     configs = candidates(m, n, kp, jnp.dtype(out_dtype), num_sms)
-    roles = {configs[0]: "rule", GemmConfig(): "default"}
     cases = []
     for config in configs:
+        # The rule's pick comes first; it may be the default too.
+        roles = [role for role, c in (("rule", configs[0]), ("default", GemmConfig())) if c == config]
         kernel = jax.jit(lambda ad, sa, bd, sb, config=config: gemm.scaled_matmul(
             ad, sa, bd, sb, n=n, b_block_rows=jfp8.TILE, out_dtype=out_dtype, config=config))
-        cases.append((config, roles.get(config, ""), Case(
+        cases.append((config, roles, Case(
             config_name(config), lambda kernel=kernel: kernel(a_data, a_scale, b.data, b.scale),
             lambda out: device_rel_error(out, ref()), TOL[out_dtype], "fp8")))
     return kp, cases
@@ -199,10 +200,16 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
             failed.append(dict(impl="(operands)", problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
             continue
-        for config, role, case in cases:
+        for j, (config, roles, case) in enumerate(cases):
+            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                # Checked per candidate (each is a compile and a timing), so that a problem that
+                # starts late cannot run far past the budget; its rows so far still count.
+                skipped += [dict(impl=c.name, problem=label, reason=f"time budget {args.budget_s:.0f} s spent")
+                            for _, _, c in cases[j:]]
+                break
             row = functools.partial(gemm_row, device_kind=device.device_kind, flops=2.0 * m * n * k,
                                     m=m, n=n, k=k, kp=kp, out_dtype=args.out_dtype,
-                                    config=dataclasses.asdict(config), role=role)
+                                    config=dataclasses.asdict(config), roles=roles)
             run_cases([case], label, timing, row, rows, failed, args.only)
         save()
         if rows:  # after every problem, so that a run cut short keeps its winners

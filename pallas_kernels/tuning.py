@@ -3,12 +3,15 @@
 Two sources, in order:
 1. A table measured on this GPU model by `experiments/tune_gemm.py` (`tuned/gemm-<device>.json`
    next to this file, or the file named by `$JFP8_GEMM_TABLE`): for the problem's (N, Kp, output
-   dtype), the fastest config found at the measured M nearest to this one (in log2 M). Layers
-   have fixed N and K and vary M (tokens), so that is the axis to interpolate along.
+   dtype), the fastest config found at the measured M nearest to this one in log2 M, if that M
+   is within a factor `TABLE_M_REACH` of it. Layers have fixed N and K and vary M (tokens), so
+   that is the axis to interpolate along; further away the best form may differ (memory- vs
+   compute-bound), and the rule decides.
 2. Else `rule_config`, a rule predicted from the kernel's structure (not measured; see there).
 
 Every config computes the same bits (the promotion order does not depend on the tiling), so the
-choice only moves speed; tests lower every config the rule picks.
+choice only moves speed. Tests check the rule's invariants (valid, within SMEM, grid filled) on
+random problems, lower its picks at the small-M shapes and run them in the interpreter.
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ TABLE_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
 TABLE_ENV = "JFP8_GEMM_TABLE"
 # Deepest pipeline the rule asks for; small tiles leave SMEM for more.
 MAX_STAGES = 8
-# Narrowest tiles the rule uses: the warp-specialized form (two 64-row consumers) and the
-# one-warpgroup form for M <= 64.
+# Narrowest tiles the rule uses, in both forms. Narrower tiles fill more SMs but re-read a more
+# often: every column tile streams the whole [tile_m, K] panel of a from L2, so at 64 x 32 tiles
+# the L2 would deliver a twice for each byte of b it delivers from HBM.
 MIN_TILE_N_WS = 64
-MIN_TILE_N_SMALL_M = 32
+MIN_TILE_N_SMALL_M = 64
+# A measured table entry stands for Ms within this factor of its own.
+TABLE_M_REACH = 2.0
 
 
 def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int) -> GemmConfig:
@@ -49,8 +55,8 @@ def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int) -> GemmConfig:
     - M <= 64, memory-bound (every byte of b is used for at most 64 rows): one warpgroup on 64-row
       tiles (two consumers would multiply 64 rows of zero padding), one CTA per tile so that
       several CTAs share an SM and keep more loads in flight.
-    - Too few tiles to give every SM some of b to stream: narrower tiles (halving tile_n, to 64
-      warp-specialized or 32 at M <= 64) until the grid covers the SMs.
+    - Too few tiles to give every SM some of b to stream: narrower tiles (halving tile_n, not
+      below 64, see `MIN_TILE_N_SMALL_M`) while that adds tiles, until the grid covers the SMs.
     - Smaller tiles get deeper pipelines (more stages, up to `MAX_STAGES`, as SMEM allows): at
       short per-chunk compute, latency is hidden only by more copies in flight.
     """
@@ -65,7 +71,9 @@ def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int) -> GemmConfig:
         base = GemmConfig()
         min_tile_n = MIN_TILE_N_WS
     tile_n = base.tile_n
-    while tile_n > min_tile_n and -(-m // base.tile_m) * -(-n // tile_n) < num_sms:
+    row_tiles = -(-m // base.tile_m)
+    while (tile_n > min_tile_n and row_tiles * -(-n // tile_n) < num_sms
+           and -(-n // (tile_n // 2)) > -(-n // tile_n)):
         tile_n //= 2
     stages = base.max_concurrent_steps if tile_n == base.tile_n and not small_m else MAX_STAGES
     config = dataclasses.replace(base, tile_n=tile_n, max_concurrent_steps=stages)
@@ -82,9 +90,11 @@ def table_path(device_kind: str) -> pathlib.Path:
 
 
 @functools.cache
-def _load_table(path: pathlib.Path, mtime_ns: int) -> tuple[tuple[tuple, GemmConfig], ...]:
-    """((m, n, kp, out_dtype), config) per entry of a `tune_gemm.py` table; cached per version."""
-    del mtime_ns  # part of the cache key only: a rewritten table is read again
+def _load_table(path: pathlib.Path, version: tuple) -> tuple[tuple[tuple, GemmConfig], ...]:
+    """((m, n, kp, out_dtype), config) per entry of a `tune_gemm.py` table; cached per version
+    (the file's mtime, size and inode: a rewritten table is read again). A function already
+    traced under jit keeps the config it was traced with."""
+    del version  # part of the cache key only
     try:
         entries = json.loads(path.read_text())["entries"]
         return tuple(
@@ -102,17 +112,22 @@ def _load_table(path: pathlib.Path, mtime_ns: int) -> tuple[tuple[tuple, GemmCon
 
 
 def table_config(m: int, n: int, kp: int, out_dtype, device_kind: str) -> GemmConfig | None:
-    """The measured config for (n, kp, out_dtype) at the M nearest to `m`, or None."""
+    """The measured config for (n, kp, out_dtype) at the M nearest to `m` (log2), or None when
+    there is none within a factor `TABLE_M_REACH` of `m`."""
     path = table_path(device_kind)
     if not path.is_file():
         return None
+    stat = path.stat()
     dtype = jnp.dtype(out_dtype).name
     same = [
         (abs(math.log2(em) - math.log2(max(m, 1))), em, config)
-        for (em, en, ekp, edt), config in _load_table(path, path.stat().st_mtime_ns)
+        for (em, en, ekp, edt), config in _load_table(
+            path, (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        )
         if (en, ekp, edt) == (n, kp, dtype) and em > 0
     ]
-    return min(same, key=lambda t: t[:2])[2] if same else None
+    near = [t for t in same if t[0] <= math.log2(TABLE_M_REACH)]
+    return min(near, key=lambda t: t[:2])[2] if near else None
 
 
 def dense_config(m: int, n: int, kp: int, out_dtype, *, device_kind: str | None = None,

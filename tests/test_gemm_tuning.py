@@ -52,27 +52,32 @@ def test_rule_is_valid_fits_smem_and_fills_the_sms(m, n, chunks, out_dtype, num_
     assert config.warp_specialized == (m > gemm.WGMMA_M)
     tiles = -(-m // config.tile_m) * -(-n // config.tile_n)
     narrowest = tuning.MIN_TILE_N_WS if config.warp_specialized else tuning.MIN_TILE_N_SMALL_M
-    # Tiles narrowed until the grid covers the SMs, and never further than needed.
-    assert tiles >= num_sms or config.tile_n == narrowest
+    # Tiles narrowed until the grid covers the SMs (or narrower ones would add none), and never
+    # further than needed.
+    no_gain = -(-n // (config.tile_n // 2)) == -(-n // config.tile_n)
+    assert tiles >= num_sms or config.tile_n == narrowest or no_gain
     wider = -(-m // config.tile_m) * -(-n // (2 * config.tile_n))
     assert config.tile_n == gemm.GemmConfig().tile_n or wider < num_sms
 
 
 @pytest.mark.parametrize("shape", SMALL_M_SHAPES, ids=str)
-def test_small_m_choices_lower_for_hopper(shape):
+@pytest.mark.parametrize(
+    "b_block_rows,out_dtype", [(TILE, jnp.bfloat16), (1, jnp.float32)], ids=["fprop", "wgrad"]
+)
+def test_small_m_choices_lower_for_hopper(shape, b_block_rows, out_dtype):
     """The rule's picks at the memory-bound shapes (`gemm.lower_scaled_matmul` with config=None,
-    on an abstract H100)."""
-    config = tuning.dense_config(shape.m, shape.n, shape.k, jnp.bfloat16)
+    on an abstract H100), with either pairing and output dtype."""
+    config = tuning.dense_config(shape.m, shape.n, shape.k, out_dtype)
     assert config != FAST
     assert "mosaic_gpu" in gemm.lower_scaled_matmul(
-        shape.m, shape.n, shape.k, b_block_rows=TILE, out_dtype=jnp.bfloat16, config=None
+        shape.m, shape.n, shape.k, b_block_rows=b_block_rows, out_dtype=out_dtype, config=None
     )
 
 
 @pytest.mark.parametrize(
     "m,n,k,b_block_rows,out_dtype",
     [
-        (40, 300, 384, TILE, jnp.bfloat16),  # M <= 64: one warpgroup, 64 x 32 tiles, 3 stages
+        (40, 300, 384, TILE, jnp.bfloat16),  # M <= 64: one warpgroup, 64 x 64 tiles, 3 stages
         (136, 200, 640, 1, jnp.float32),  # warp-specialized, 64-wide tiles, 5 chunks
     ],
 )
@@ -94,15 +99,20 @@ def test_a_measured_table_wins_at_the_nearest_m(monkeypatch, tmp_path):
     monkeypatch.setenv(tuning.TABLE_ENV, str(path))
     small = dict(tile_m=64, tile_n=64, max_concurrent_steps=6, warp_specialized=False,
                  persistent=False, grid_tile_group=1)
+    mid = dict(tile_m=128, tile_n=64, max_concurrent_steps=5)
     large = dict(tile_m=128, tile_n=128, max_concurrent_steps=3)
     _write_table(path, [
-        dict(m=64, n=7168, kp=2048, out_dtype="bfloat16", config=small),
-        dict(m=4096, n=7168, kp=2048, out_dtype="bfloat16", config=large),
+        dict(m=m, n=7168, kp=2048, out_dtype="bfloat16", config=config)
+        for m, config in ((64, small), (128, mid), (4096, large))
     ])
     choose = lambda m, n=7168, kp=2048, dt=jnp.bfloat16: tuning.dense_config(  # noqa: E731
         m, n, kp, dt, device_kind=H100_DEVICE_KIND, num_sms=H100_NUM_SMS)
-    assert choose(48) == choose(300) == gemm.GemmConfig(**small)  # log2: 300 is nearer 64
-    assert choose(700) == choose(100000) == gemm.GemmConfig(**large)
+    rule = lambda m: tuning.rule_config(m, 7168, 2048, jnp.bfloat16, H100_NUM_SMS)  # noqa: E731
+    assert choose(32) == choose(48) == choose(90) == gemm.GemmConfig(**small)  # 90: nearer 64
+    assert choose(91) == choose(256) == gemm.GemmConfig(**mid)
+    assert choose(2048) == choose(8192) == gemm.GemmConfig(**large)
+    # No measured M within a factor 2: the rule.
+    assert choose(16) == rule(16) and choose(300) == rule(300) and choose(100000) == FAST
     # Another N, K or output dtype: the rule.
     assert choose(4096, n=4096) == choose(4096, dt=jnp.float32) == FAST
     # A rewritten table is read again.
@@ -162,24 +172,29 @@ def test_tuner_cli_without_a_gpu(tune, capsys):
 def test_tuner_table_round_trip(tune, monkeypatch, tmp_path):
     """Rows as `main` records them -> the fastest per problem -> merged into an existing table
     (other problems kept, no temporary file left) -> what `dense_config` returns."""
-    def row(m, config, ms, role=""):
+    def row(m, config, ms, *roles):
         return dict(m=m, n=7168, k=2048, kp=2048, out_dtype="bfloat16", ms=ms, tflops=1.0,
-                    config=dataclasses.asdict(config), role=role)
+                    config=dataclasses.asdict(config), roles=list(roles))
 
     narrow = gemm.GemmConfig(tile_n=64, max_concurrent_steps=6)
     rows = [row(128, FAST, 2.0, "default"), row(128, narrow, 1.0),
-            row(128, tuning.rule_config(128, 7168, 2048, jnp.bfloat16, 132), 1.5, "rule")]
-    (entry,) = tune.best_entries(rows)
+            row(128, tuning.rule_config(128, 7168, 2048, jnp.bfloat16, 132), 1.5, "rule"),
+            row(4096, FAST, 3.0, "rule", "default"), row(4096, narrow, 4.0)]
+    entry, big = tune.best_entries(rows)
     assert entry["config"] == dataclasses.asdict(narrow)
     assert entry["speedup_vs_default"] == 2.0 and entry["speedup_vs_rule"] == 1.5
+    # Where the rule's pick is the default, one row is both.
+    assert big["config"] == dataclasses.asdict(FAST)
+    assert big["speedup_vs_default"] == big["speedup_vs_rule"] == 1.0
 
     path = tmp_path / "gemm-test.json"
     other = dict(m=64, n=1, kp=128, out_dtype="float32", config=dataclasses.asdict(FAST))
     _write_table(path, [other, dict(entry, config=dataclasses.asdict(FAST))])
-    tune.merge_table(path, [entry], H100_DEVICE_KIND)
+    tune.merge_table(path, [entry, big], H100_DEVICE_KIND)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     table = json.loads(path.read_text())
-    assert table["device"] == H100_DEVICE_KIND and len(table["entries"]) == 2
+    assert table["device"] == H100_DEVICE_KIND and len(table["entries"]) == 3
     monkeypatch.setenv(tuning.TABLE_ENV, str(path))
     assert tuning.dense_config(100, 7168, 2048, jnp.bfloat16, device_kind="x", num_sms=132) == narrow
+    assert tuning.dense_config(5000, 7168, 2048, jnp.bfloat16, device_kind="x", num_sms=132) == FAST
     assert tuning.dense_config(64, 1, 128, jnp.float32, device_kind="x", num_sms=132) == FAST

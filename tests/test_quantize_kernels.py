@@ -130,7 +130,7 @@ HARD_CASES = [
     ("tile", (136, 448), jnp.float32, False, _DEFAULT),
     ("block", (264, 320), jnp.bfloat16, False, qk.QuantizeConfig(column_chunks=3)),
     ("column", (136, 448), jnp.float32, True, _DEFAULT),
-    ("column_t", (264, 320), jnp.bfloat16, True, qk.QuantizeConfig(rows=128)),
+    ("column_t", (264, 320), jnp.bfloat16, True, _DEFAULT),
     ("column_t", (136, 448), jnp.float32, False, _DEFAULT),
     # The unswizzled form on a shape the swizzled one would take.
     ("tile", (264, 320), jnp.bfloat16, False, qk.QuantizeConfig.simple()),
@@ -314,7 +314,7 @@ def test_lowers_with_other_tiling(kind, config, dtype):
         ("tile", 4096, 7200, jnp.float32, True),  # 7200 = 225 x 32
         ("tile", 4096, 7172, jnp.float32, False),  # not a multiple of the 32-float span
         ("block", 4096, 7168, jnp.float32, True),
-        ("column", 4096, 7200, jnp.float32, False),  # f32 input fits; its E4M3 output rows don't
+        ("column", 4096, 7200, jnp.float32, False),  # f32 input fits; its E4M3 columns don't
         ("column_t", 4096, 2112, jnp.bfloat16, True),
         ("column_t", 4092, 2112, jnp.bfloat16, False),
         ("retile", 4096, 2112, None, True),
@@ -322,8 +322,10 @@ def test_lowers_with_other_tiling(kind, config, dtype):
     ],
 )
 def test_swizzles_exactly_where_tma_can_tile(kind, m, k, dtype, swizzled, monkeypatch):
-    """The default config stages the tiles in swizzled SMEM exactly on the shapes whose arrays TMA
-    can copy into swizzled tiles (and those kernels lower); `simple()` never does."""
+    """The default config stages the tiles in swizzled SMEM on the shapes whose arrays are all whole
+    8-row, swizzle-span-wide tiles (`qk._swizzle_fits`; Mosaic would also take a dimension
+    smaller than one tile, which stays unswizzled), and those kernels lower; `simple()` never
+    does."""
     asked = []
 
     def spy(shape, dtype, swizzled):
@@ -350,13 +352,19 @@ def test_lowering_rejects_a_config_over_the_smem_budget():
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
 @pytest.mark.parametrize("kind", KERNELS)
 def test_on_gpu_matches_reference(kind):
+    """Swizzled (bf16 and f32: 128-byte tiles of 64 and of 32 elements) and unswizzled (a shape
+    TMA cannot tile; `simple()` on one it can), bit for bit."""
     seed = _seed()
-    for shape, dtype, pow2_scale in [((4096, 7168), jnp.bfloat16, False),
-                                     ((300, 130), jnp.float32, True)]:
+    for shape, dtype, pow2_scale, config in [
+        ((4096, 7168), jnp.bfloat16, False, _DEFAULT),
+        ((4096, 2112), jnp.float32, True, _DEFAULT),
+        ((300, 130), jnp.float32, True, _DEFAULT),
+        ((4096, 7168), jnp.bfloat16, False, qk.QuantizeConfig.simple()),
+    ]:
         x = _hard_input(seed, shape, dtype)
-        data, scale = jax.jit(_kernel, static_argnames=("kind", "pow2_scale"))(
-            x, kind=kind, pow2_scale=pow2_scale
+        data, scale = jax.jit(_kernel, static_argnames=("kind", "pow2_scale", "config"))(
+            x, kind=kind, pow2_scale=pow2_scale, config=config
         )
         want_data, want_scale = _reference(x, kind=kind, pow2_scale=pow2_scale)
-        _assert_bit_equal(data, want_data, f"{kind} {shape} data", seed)
-        _assert_bit_equal(scale, want_scale, f"{kind} {shape} scale", seed)
+        _assert_bit_equal(data, want_data, f"{kind} {shape} {config} data", seed)
+        _assert_bit_equal(scale, want_scale, f"{kind} {shape} {config} scale", seed)
