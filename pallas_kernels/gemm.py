@@ -31,10 +31,13 @@ In both, the fp8 tiles are in the 128-byte swizzle that wgmma needs, b is stored
 and handed to wgmma transposed (fp8 wgmma takes no other B layout), and each warpgroup casts its
 rows in registers and TMA-stores them through a swizzled SMEM tile, leaving the store in flight
 until that SMEM is needed again. The numerics do not depend on the config: every output element
-gets the same chunk products promoted in the same order.
+gets the same chunk products promoted in the same order. Called without a config,
+`scaled_matmul` runs the one `tuning.dense_config` picks for the problem: `GemmConfig()` wherever
+128 x 128 tiles fill the GPU (every DENSE_SHAPES entry), narrower or one-warpgroup forms for
+small M, or what `experiments/tune_gemm.py` measured best on this GPU model.
 
 Predicted effects, to be measured on a GPU (nothing here has been timed; `experiments/
-bench_gemm.py` times the default config; the fields can be flipped one at a time from
+bench_gemm.py` times the picked config, and `--config` rows flip the fields one at a time from
 `GemmConfig.simple()`):
 1. Deeper pipeline (`max_concurrent_steps` 2 -> 4). With 2 stages only the next chunk's copies
    are in flight while one is computed, so each step can wait a full TMA round trip from L2/HBM.
