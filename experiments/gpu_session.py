@@ -512,6 +512,19 @@ def worker_kernels() -> int:
     sizes = jnp.asarray([100, 0, 156], jnp.int32)
     wg = jnp.asarray(rng.standard_normal((3, n, k), np.float32) / np.sqrt(k))
     a = jfp8.quantize(x, (1, tile))
+    a_small = jfp8.quantize(x[:48], (1, tile))  # small M: the one-warpgroup form (tuning rule)
+    x_tails = x[:250, :500].astype(jnp.bfloat16)  # unswizzled quantizers, tails on both axes
+
+    def default_config_gemm():
+        """The 128 x 128 warp-specialized persistent form, which the rule does not pick at
+        this size."""
+        from jfp8.reference import chunk_operand
+        from pallas_kernels import gemm
+
+        b = jfp8.quantize(w, (tile, tile))
+        a_data, a_scale = chunk_operand(a, k)
+        return gemm.scaled_matmul(a_data, a_scale, b.data, b.scale, n=n, b_block_rows=tile,
+                                  out_dtype=jnp.float32, config=gemm.GemmConfig())
 
     def err(out, ref):
         out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
@@ -525,6 +538,11 @@ def worker_kernels() -> int:
         "gemm_tile_x_block": lambda: err(
             jfp8.scaled_matmul(a, jfp8.quantize(w, (tile, tile)), out_dtype=jnp.float32, impl="mosaic"),
             jfp8.scaled_matmul_reference(a, jfp8.quantize(w, (tile, tile)), jnp.float32)),
+        "gemm_default_config": lambda: err(
+            default_config_gemm(), jfp8.scaled_matmul_reference(a, jfp8.quantize(w, (tile, tile)), jnp.float32)),
+        "gemm_small_m": lambda: err(
+            jfp8.scaled_matmul(a_small, jfp8.quantize(w, (tile, tile)), out_dtype=jnp.float32, impl="mosaic"),
+            jfp8.scaled_matmul_reference(a_small, jfp8.quantize(w, (tile, tile)), jnp.float32)),
         "gemm_tile_x_tile": lambda: err(
             jfp8.scaled_matmul(a, jfp8.quantize(w, (1, tile)), out_dtype=jnp.float32, impl="mosaic"),
             jfp8.scaled_matmul_reference(a, jfp8.quantize(w, (1, tile)), jnp.float32)),
@@ -538,6 +556,8 @@ def worker_kernels() -> int:
             jfp8.grouped_wgrad_reference(jfp8.quantize(x, (tile, 1)).mT, jfp8.quantize(dy, (tile, 1)).mT,
                                          sizes, jnp.float32)),
         "quantize_tile": lambda: bits_differ(jfp8.quantize(x, (1, tile), impl="mosaic"), a),
+        "quantize_tile_unswizzled": lambda: bits_differ(jfp8.quantize(x_tails, (1, tile), impl="mosaic"),
+                                                        jfp8.quantize(x_tails, (1, tile))),
         "quantize_block": lambda: bits_differ(jfp8.quantize(w, (tile, tile), impl="mosaic"),
                                               jfp8.quantize(w, (tile, tile))),
         "quantize_column_t": lambda: bits_differ(jfp8.quantize_wgrad_operand(x, impl="mosaic"),

@@ -207,3 +207,17 @@ def test_tune_table_reads_a_tune_record():
                                        ("1wg-64x64-s6-g1", 0.5, 4.0, [])]]
     (header, line) = _load("gpu_session").tune_table(dict(out_dtype="bfloat16", rows=rows))
     assert "1wg-64x64-s6-g1" in line and line.split()[-2:] == ["4.00", "2.00"]
+
+
+def test_gpu_session_kernel_worker_in_the_interpreter(monkeypatch, capsys):
+    """The script the SASS dump and compute-sanitizer stages run, with every kernel in the Mosaic
+    GPU interpreter (as if on Hopper): each kernel is reached and matches its reference."""
+    import jfp8.backend
+    from pallas_kernels import _mgpu
+
+    monkeypatch.setattr(jfp8.backend, "is_hopper", lambda device=None: True)
+    with _mgpu.interpret_mode(True):
+        rc = _load("gpu_session").worker_kernels()
+    out = capsys.readouterr().out
+    assert rc == 0 and "KERNELS OK" in out, out
+    assert out.count(": ok (") == 11, out  # every kernel ran and matched
