@@ -21,9 +21,10 @@ Structure: grids of one-warpgroup CTAs (one CTA per tile of the output, no persi
 - Column kernels (`quantize_block`, `quantize_column`): grid (Mp / 128, cdiv(K, 128 *
   column_chunks)); a CTA owns 128 rows x `column_chunks` chunks of 128 columns and reduces each
   chunk over its rows (across the four warps).
-A CTA issues all its TMA loads at once (one barrier per chunk, so later chunks stream in while
-earlier ones are computed), quantizes each chunk in registers (WGMMA layout), stages the E4M3 chunk
-in SMEM and TMA-stores it. Memory speed needs the SMEM <-> register transfers free of bank
+By default a CTA issues all its TMA loads at once (one barrier per chunk, so later chunks stream
+in while earlier ones are computed); with `QuantizeConfig.stages` its chunks go through a ring of
+that many SMEM slots instead, each refilled as soon as its chunk is done (`_chunk_loop`). Each
+chunk is quantized in registers (WGMMA layout), staged as E4M3 in SMEM and TMA-stored. Memory speed needs the SMEM <-> register transfers free of bank
 conflicts: by default (`QuantizeConfig.swizzle`) every staged tile is kept in 8-row tiles with the
 widest swizzle, as the GEMMs keep theirs, where TMA can tile the arrays (rows a multiple of 8,
 widths a multiple of the swizzle span: every DeepSeek-V3 shape); elsewhere the kernels stage
@@ -86,8 +87,14 @@ class QuantizeConfig:
         (`quantize_tile`, transposed `quantize_column`, `retile_tile_to_column_t`); 64 or 128.
       chunks: 128-wide chunks per CTA in those kernels; a multiple of 4 so that a CTA's f32 scales
         span whole 16-byte TMA units.
-      column_chunks: [128, 128] chunks per CTA in `quantize_block` / `quantize_column`; all are in
-        SMEM at once (80 KiB each for f32 input).
+      column_chunks: [128, 128] chunks per CTA in `quantize_block` / `quantize_column` (80 KiB of
+        SMEM each for f32 input, unless `stages` bounds them).
+      stages: SMEM slots for a CTA's input chunks (and for its E4M3 output chunks). None: one
+        per chunk, every load issued at once. Fewer than the CTA's chunks: a ring, each slot
+        refilled by TMA as soon as its chunk is quantized and stored, so a CTA can own many
+        chunks (e.g. chunks=16, stages=4: a 64 x 2048 strip through 4 slots) and keep `stages`
+        loads in flight without the SMEM for all of them; fewer, longer-lived CTAs, each loading
+        while it computes. Which is faster is for a GPU to say (not measured).
       swizzle: stage tiles in SMEM in 8-row tiles with the widest swizzle (128 bytes for 16- and
         32-bit input) and move them between SMEM and registers bank-conflict free. Unswizzled,
         the WGMMA-layout transfers hit one bank group with all 8 rows a warp touches (rows of
@@ -101,6 +108,7 @@ class QuantizeConfig:
     chunks: int = 4
     column_chunks: int = 2
     swizzle: bool = True
+    stages: int | None = None
 
     def __post_init__(self):
         if self.rows not in (_WG_ROWS, TILE):
@@ -111,6 +119,12 @@ class QuantizeConfig:
             )
         if self.column_chunks < 1:
             raise ValueError(f"column_chunks must be positive, got {self.column_chunks}")
+        if self.stages is not None and self.stages < 1:
+            raise ValueError(f"stages must be None or positive, got {self.stages}")
+
+    def slots(self, chunks: int) -> int:
+        """SMEM slots for a CTA that owns `chunks` chunks."""
+        return chunks if self.stages is None else min(self.stages, chunks)
 
     @classmethod
     def simple(cls) -> QuantizeConfig:
@@ -140,6 +154,35 @@ def _load_f32(ref, swizzled: bool) -> jax.Array:
     # A swizzled SMEM tile has a bank-conflict-free transfer plan, which `optimized=True` demands
     # (lowering fails without one); an unswizzled one (TMA boxes of any width) has none.
     return plgpu.load(ref, layout=_WGMMA, optimized=swizzled).astype(jnp.float32)
+
+
+def _chunk_loop(chunks: int, slots: int, bars, fetch, quantize_chunk, *,
+                stores_per_chunk: int) -> None:
+    """A CTA's loop over its `chunks` chunks through `slots` SMEM slots (chunk c in slot c % slots).
+
+    `fetch(c, slot)` issues chunk c's TMA loads on barrier `bars.at[slot]`; `quantize_chunk(c, slot)`
+    quantizes the loaded chunk and issues its TMA stores (`stores_per_chunk` bulk groups, from
+    the output slot `slot`). With a slot per chunk every load is issued up front. With fewer, a
+    slot is refilled once its chunk is done: its input was read before the chunk's first SMEM
+    store (whose warpgroup barrier orders every thread's reads before it, and `commit_smem`'s
+    proxy fence orders them before the refill's TMA write), and before an output slot is
+    rewritten the TMA store issued from it `slots` chunks earlier must have read it.
+    """
+    @pl.loop(0, slots)
+    def _(c):
+        fetch(c, c)
+
+    @pl.loop(0, chunks)
+    def _(c):
+        slot = c % slots
+        plgpu.barrier_wait(bars.at[slot])
+        if slots < chunks:
+            plgpu.wait_smem_to_gmem(stores_per_chunk * (slots - 1), wait_read_only=True)
+        quantize_chunk(c, slot)
+        if slots < chunks:
+            @pl.when(c + slots < chunks)
+            def _():
+                fetch(c + slots, slot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,29 +250,28 @@ def _row_scale_body(*refs, cfg: QuantizeConfig, transposed: bool, dequant: bool,
     in_chunk = i * rows // TILE
     group = pl.ds(in_chunk // _SCALE_GROUP * _SCALE_GROUP, _SCALE_GROUP)
 
-    @pl.loop(0, chunks)  # every load in flight at once
-    def _(c):
+    def fetch(c, slot):
         src = x_gmem.at[chunk(c), out_rows] if transposed else x_gmem.at[out_rows, chunk(c)]
-        plgpu.copy_gmem_to_smem(src, x_smem.at[c], bars.at[c], oob_mode=_ZEROS)
+        plgpu.copy_gmem_to_smem(src, x_smem.at[slot], bars.at[slot], oob_mode=_ZEROS)
         if dequant:
             plgpu.copy_gmem_to_smem(
-                xs_gmem.at[chunk(c), group], xs_smem.at[c], bars.at[c], oob_mode=_ZEROS
+                xs_gmem.at[chunk(c), group], xs_smem.at[slot], bars.at[slot], oob_mode=_ZEROS
             )
 
-    @pl.loop(0, chunks)
-    def _(c):
-        plgpu.barrier_wait(bars.at[c])
+    def quantize_chunk(c, slot):
         if transposed:
-            xs = xs_smem.at[c, :, in_chunk % _SCALE_GROUP] if dequant else None
+            xs = xs_smem.at[slot, :, in_chunk % _SCALE_GROUP] if dequant else None
             q, scale = _transposed_chunk(
-                x_smem.at[c], xs, bounce, pow2_scale=pow2_scale, swizzled=swizzled
+                x_smem.at[slot], xs, bounce, pow2_scale=pow2_scale, swizzled=swizzled
             )
         else:
-            q, scale = _rows_chunk(x_smem.at[c], pow2_scale=pow2_scale, swizzled=swizzled)
-        d_smem[c] = q
+            q, scale = _rows_chunk(x_smem.at[slot], pow2_scale=pow2_scale, swizzled=swizzled)
+        d_smem[slot] = q
         s_smem[:, c] = scale
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(d_smem.at[c], d_gmem.at[out_rows, chunk(c)])
+        plgpu.copy_smem_to_gmem(d_smem.at[slot], d_gmem.at[out_rows, chunk(c)])
+
+    _chunk_loop(chunks, cfg.slots(chunks), bars, fetch, quantize_chunk, stores_per_chunk=1)
     plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[out_rows, pl.ds(j * chunks, chunks)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -241,6 +283,7 @@ def _row_scale_call(inputs, *, out_rows: int, out_chunks: int, transposed: bool,
     `inputs` is (x,) or, to dequantize first, (E4M3 data, its scales padded to 16-byte rows).
     """
     rows, chunks = cfg.rows, cfg.chunks
+    slots = cfg.slots(chunks)
     dequant = len(inputs) == 2
     x = inputs[0]
     # The input's SMEM box is [rows, 128], or [128, rows] when transposed.
@@ -248,12 +291,12 @@ def _row_scale_call(inputs, *, out_rows: int, out_chunks: int, transposed: bool,
     swizzled = cfg.swizzle and _swizzle_fits(x, box[1]) and out_rows % SWIZZLE_ROWS == 0
     bounce = [_smem((TILE, rows), jnp.float16, swizzled), plgpu.SMEM((rows,), jnp.float32)]
     scratch = [
-        _smem((chunks, *box), x.dtype, swizzled),
-        *([plgpu.SMEM((chunks, TILE, _SCALE_GROUP), jnp.float32)] if dequant else []),
+        _smem((slots, *box), x.dtype, swizzled),
+        *([plgpu.SMEM((slots, TILE, _SCALE_GROUP), jnp.float32)] if dequant else []),
         *(bounce if transposed else []),
-        _smem((chunks, rows, TILE), FP8_DTYPE, swizzled),
+        _smem((slots, rows, TILE), FP8_DTYPE, swizzled),
         plgpu.SMEM((rows, chunks), jnp.float32),
-        plgpu.Barrier(num_arrivals=len(inputs), num_barriers=chunks),
+        plgpu.Barrier(num_arrivals=len(inputs), num_barriers=slots),
     ]
     kernel = plgpu.kernel(
         functools.partial(
@@ -299,7 +342,7 @@ def _column_chunk(x_ref, d_ref, *, per_column: bool, pow2_scale: bool, swizzled:
 
 
 def _column_body(x_gmem, d_gmem, s_gmem, x_smem, d_smem, s_smem, bars, *, chunks: int,
-                 per_column: bool, pow2_scale: bool, swizzled: bool):
+                 slots: int, per_column: bool, pow2_scale: bool, swizzled: bool):
     """One CTA: rows [128 i, 128 i + 128) x `chunks` chunks of 128 columns.
 
     `per_column`: (128, 1) tiles, one scale per column; else one scale per (128, 128) block,
@@ -311,33 +354,36 @@ def _column_body(x_gmem, d_gmem, s_gmem, x_smem, d_smem, s_smem, bars, *, chunks
     def chunk(c):
         return pl.ds((j * chunks + c) * TILE, TILE)
 
-    @pl.loop(0, chunks)  # every load in flight at once
-    def _(c):
-        src = x_gmem.at[rows, chunk(c)]
-        plgpu.copy_gmem_to_smem(src, x_smem.at[c], bars.at[c], oob_mode=_ZEROS)
+    def fetch(c, slot):
+        plgpu.copy_gmem_to_smem(
+            x_gmem.at[rows, chunk(c)], x_smem.at[slot], bars.at[slot], oob_mode=_ZEROS
+        )
 
-    @pl.loop(0, chunks)
-    def _(c):
-        plgpu.barrier_wait(bars.at[c])
+    def quantize_chunk(c, slot):
         scale = _column_chunk(
-            x_smem.at[c], d_smem.at[c], per_column=per_column, pow2_scale=pow2_scale,
+            x_smem.at[slot], d_smem.at[slot], per_column=per_column, pow2_scale=pow2_scale,
             swizzled=swizzled,
         )
         if per_column:
             for h, s in enumerate(scale):
-                s_smem[c, 0, pl.ds(h * _HALF, _HALF)] = s
+                s_smem[slot, 0, pl.ds(h * _HALF, _HALF)] = s
         else:
             s_gmem[i, j * chunks + c] = scale
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(d_smem.at[c], d_gmem.at[rows, chunk(c)])
+        plgpu.copy_smem_to_gmem(d_smem.at[slot], d_gmem.at[rows, chunk(c)])
         if per_column:
-            plgpu.copy_smem_to_gmem(s_smem.at[c], s_gmem.at[pl.ds(i, 1), chunk(c)])
+            plgpu.copy_smem_to_gmem(s_smem.at[slot], s_gmem.at[pl.ds(i, 1), chunk(c)])
+
+    _chunk_loop(
+        chunks, slots, bars, fetch, quantize_chunk, stores_per_chunk=2 if per_column else 1
+    )
     plgpu.wait_smem_to_gmem(0)
 
 
 def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: QuantizeConfig):
     """Runs `_column_body` on x [M, K] → data [Mp, out_cols] and scale [Mp // 128, ...]."""
     chunks = cfg.column_chunks
+    slots = cfg.slots(chunks)
     row_blocks = pl.cdiv(x.shape[0], TILE)
     grid = (row_blocks, pl.cdiv(out_cols, chunks * TILE))
     # Block scales are stored one by one for every chunk of the grid, the last CTA's spare chunks
@@ -346,12 +392,11 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
     # The E4M3 output is staged in [128, 64] halves (`_column_chunk`): 64-byte swizzled tiles.
     swizzled = (
         cfg.swizzle and _swizzle_fits(x, TILE) and out_cols % _swizzle_span(FP8_DTYPE, _HALF) == 0
-        and x.shape[0] % SWIZZLE_ROWS == 0
     )
     kernel = plgpu.kernel(
         functools.partial(
-            _column_body, chunks=chunks, per_column=per_column, pow2_scale=pow2_scale,
-            swizzled=swizzled,
+            _column_body, chunks=chunks, slots=slots, per_column=per_column,
+            pow2_scale=pow2_scale, swizzled=swizzled,
         ),
         out_type=(
             jax.ShapeDtypeStruct((row_blocks * TILE, out_cols), FP8_DTYPE),
@@ -360,13 +405,13 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
         grid=grid,
         grid_names=("rows", "chunks"),
         scratch_types=[
-            _smem((chunks, TILE, TILE), x.dtype, swizzled),
+            _smem((slots, TILE, TILE), x.dtype, swizzled),
             plgpu.SMEM(
-                (chunks, TILE, TILE), FP8_DTYPE,
+                (slots, TILE, TILE), FP8_DTYPE,
                 transforms=_swizzled(FP8_DTYPE, _HALF) if swizzled else (),
             ),
-            plgpu.SMEM((chunks, 1, TILE), jnp.float32),
-            plgpu.Barrier(num_barriers=chunks),
+            plgpu.SMEM((slots, 1, TILE), jnp.float32),
+            plgpu.Barrier(num_barriers=slots),
         ],
         compiler_params=_COMPILER_PARAMS,
     )

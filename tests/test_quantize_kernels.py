@@ -109,6 +109,8 @@ def _check(kind: str, seed: int, shape, dtype, pow2_scale: bool, *, detect_races
 
 
 _DEFAULT = qk.QuantizeConfig()
+# The slot-ring form the GPU session benchmarks beside the default (fits f32 input in every kernel).
+RING = qk.QuantizeConfig(chunks=16, column_chunks=8, stages=2)
 # (kind, shape, dtype, pow2_scale, config), chosen so that each of the three kernel bodies (row
 # scales: tile; column reduction: block, column; transposed: column_t, retile) sees bf16 and f32
 # input, pow2 scales on and off, and a non-default tiling; one launch each (see the module doc).
@@ -134,6 +136,12 @@ HARD_CASES = [
     ("column_t", (136, 448), jnp.float32, False, _DEFAULT),
     # The unswizzled form on a shape the swizzled one would take.
     ("tile", (264, 320), jnp.bfloat16, False, qk.QuantizeConfig.simple()),
+    # Slot rings (`stages` < chunks per CTA): slots refilled and output slots reused, with tails
+    # (7.5 chunks through 3 slots; a last CTA with chunks past the end), swizzled or not.
+    ("tile", (264, 960), jnp.bfloat16, True, qk.QuantizeConfig(chunks=8, stages=3)),
+    ("block", (300, 1000), jnp.float32, False, qk.QuantizeConfig(column_chunks=5, stages=2)),
+    ("column", (136, 1088), jnp.float32, True, qk.QuantizeConfig(column_chunks=4, stages=2)),
+    ("column_t", (600, 320), jnp.bfloat16, False, qk.QuantizeConfig(chunks=4, stages=1)),
 ]
 
 
@@ -142,12 +150,20 @@ def test_bit_identical_to_quantize(kind, shape, dtype, pow2_scale, config):
     _check(kind, _seed(), shape, dtype, pow2_scale, config=config)
 
 
-@pytest.mark.parametrize("shape", [(300, 200), (264, 320)])  # unswizzled, swizzled
-def test_retile_bit_identical_without_smem_races(shape):
-    """Retile (its input is always E4M3 + f32 scales), 128 rows per CTA, race detector on: the
-    transposing kernels reuse their SMEM bounce buffers for every chunk of a CTA."""
-    config = qk.QuantizeConfig(rows=128)
-    _check("retile", _seed(), shape, jnp.bfloat16, False, detect_races=True, config=config)
+@pytest.mark.parametrize(
+    "kind,shape,config",
+    [
+        ("retile", (300, 200), qk.QuantizeConfig(rows=128)),  # unswizzled
+        ("retile", (264, 320), qk.QuantizeConfig(rows=128)),  # swizzled
+        ("retile", (600, 320), qk.QuantizeConfig(chunks=4, stages=2)),  # a slot ring
+        ("tile", (264, 960), qk.QuantizeConfig(chunks=8, stages=2)),
+    ],
+)
+def test_bit_identical_without_smem_races(kind, shape, config):
+    """Race detector on: the transposing kernels reuse their SMEM bounce buffers for every chunk
+    of a CTA (retile: its input is always E4M3 + f32 scales), and the slot rings refill input
+    slots by TMA and reuse output slots while TMA stores may still read them."""
+    _check(kind, _seed(), shape, jnp.bfloat16, False, detect_races=True, config=config)
     assert not gpu_callbacks.get_races().races_found
 
 
@@ -255,7 +271,7 @@ def test_retile_invalid_input_raises(data, scale, error, match):
 
 
 @pytest.mark.parametrize(
-    "fields", [dict(rows=96), dict(chunks=6), dict(chunks=0), dict(column_chunks=0)]
+    "fields", [dict(rows=96), dict(chunks=6), dict(chunks=0), dict(column_chunks=0), dict(stages=0)]
 )
 def test_invalid_config_raises(fields):
     with pytest.raises(ValueError):
@@ -300,6 +316,11 @@ def test_lowers_a_single_element(kind):
         ("tile", qk.QuantizeConfig(rows=128, chunks=4), jnp.float16),
         ("column", qk.QuantizeConfig(column_chunks=1), jnp.float32),
         ("retile", qk.QuantizeConfig(rows=128, chunks=4), None),
+        ("tile", qk.QuantizeConfig(chunks=16, stages=4), jnp.bfloat16),
+        *[(kind, RING, jnp.float32) for kind in ("tile", "block", "column", "column_t")],
+        ("block", qk.QuantizeConfig(column_chunks=8, stages=2), jnp.float32),
+        ("column_t", qk.QuantizeConfig(chunks=16, stages=3), jnp.bfloat16),
+        ("retile", qk.QuantizeConfig(chunks=16, stages=3), None),
     ],
 )
 def test_lowers_with_other_tiling(kind, config, dtype):
@@ -352,14 +373,15 @@ def test_lowering_rejects_a_config_over_the_smem_budget():
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
 @pytest.mark.parametrize("kind", KERNELS)
 def test_on_gpu_matches_reference(kind):
-    """Swizzled (bf16 and f32: 128-byte tiles of 64 and of 32 elements) and unswizzled (a shape
-    TMA cannot tile; `simple()` on one it can), bit for bit."""
+    """Swizzled (bf16 and f32: 128-byte tiles of 64 and of 32 elements), unswizzled (a shape
+    TMA cannot tile; `simple()` on one it can) and a slot ring, bit for bit."""
     seed = _seed()
     for shape, dtype, pow2_scale, config in [
         ((4096, 7168), jnp.bfloat16, False, _DEFAULT),
         ((4096, 2112), jnp.float32, True, _DEFAULT),
         ((300, 130), jnp.float32, True, _DEFAULT),
         ((4096, 7168), jnp.bfloat16, False, qk.QuantizeConfig.simple()),
+        ((4096, 7168), jnp.float32, False, RING),
     ]:
         x = _hard_input(seed, shape, dtype)
         data, scale = jax.jit(_kernel, static_argnames=("kind", "pow2_scale", "config"))(
