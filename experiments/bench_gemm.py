@@ -43,6 +43,7 @@ from jfp8.benchmarking import (
     Case,
     Skip,
     add_common_args,
+    budget_spent,
     add_ratios,
     check_configs,
     config_label,
@@ -293,9 +294,8 @@ def main(argv=None) -> int:
     for i, shape in enumerate(shapes):
         m, n, k = shape
         label = f"{m}x{n}x{k}"
-        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-            skipped += [dict(problem="x".join(map(str, s)), reason=f"time budget {args.budget_s:.0f} s spent")
-                        for s in shapes[i:]]
+        if why := budget_spent(args.budget_s, start):
+            skipped += [dict(problem="x".join(map(str, s)), reason=why) for s in shapes[i:]]
             break
         try:
             cases, skips, case_info = _cases(shape, use_kernels, args.seed, args.config, on_gpu)

@@ -40,6 +40,7 @@ from jfp8.benchmarking import (
     Case,
     Skip,
     add_common_args,
+    budget_spent,
     add_ratios,
     check_configs,
     config_label,
@@ -224,9 +225,8 @@ def main(argv=None) -> int:
 
     for i, shape in enumerate(shapes):
         label = _label(shape)
-        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-            skipped += [dict(problem=_label(s), reason=f"time budget {args.budget_s:.0f} s spent")
-                        for s in shapes[i:]]
+        if why := budget_spent(args.budget_s, start):
+            skipped += [dict(problem=_label(s), reason=why) for s in shapes[i:]]
             break
         try:
             cases, skips = _cases(shape, use_kernels, args.seed, args.mgpu_config, args.config)

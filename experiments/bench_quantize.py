@@ -46,6 +46,7 @@ from jfp8.benchmarking import (
     Measurement,
     Skip,
     add_common_args,
+    budget_spent,
     check_configs,
     config_label,
     parse_config,
@@ -271,9 +272,8 @@ def main(argv=None) -> int:
 
     for i, shape in enumerate(shapes):
         label = f"{shape.m}x{shape.k}:{shape.dtype}"
-        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-            skipped += [dict(problem=f"{s.m}x{s.k}:{s.dtype}", reason=f"time budget {args.budget_s:.0f} s spent")
-                        for s in shapes[i:]]
+        if why := budget_spent(args.budget_s, start):
+            skipped += [dict(problem=f"{s.m}x{s.k}:{s.dtype}", reason=why) for s in shapes[i:]]
             break
         try:
             qcases, skips = _quantize_cases(shape, impl, args.seed, args.config)

@@ -40,6 +40,7 @@ from jfp8.benchmarking import (
     TIMING_METHOD,
     Case,
     add_common_args,
+    budget_spent,
     device_rel_error,
     device_slug,
     gemm_row,
@@ -191,9 +192,8 @@ def main(argv=None) -> int:
     for i, shape in enumerate(shapes):
         m, n, k = shape
         label = f"{m}x{n}x{k}"
-        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-            skipped += [dict(problem="x".join(map(str, s)), reason=f"time budget {args.budget_s:.0f} s spent")
-                        for s in shapes[i:]]
+        if why := budget_spent(args.budget_s, start):
+            skipped += [dict(problem="x".join(map(str, s)), reason=why) for s in shapes[i:]]
             break
         try:
             kp, cases = _cases(shape, args.out_dtype, args.seed, num_sms)
@@ -201,11 +201,10 @@ def main(argv=None) -> int:
             failed.append(dict(impl="(operands)", problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
             continue
         for j, (config, roles, case) in enumerate(cases):
-            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            if why := budget_spent(args.budget_s, start):
                 # Checked per candidate (each is a compile and a timing), so that a problem that
                 # starts late cannot run far past the budget; its rows so far still count.
-                skipped += [dict(impl=c.name, problem=label, reason=f"time budget {args.budget_s:.0f} s spent")
-                            for _, _, c in cases[j:]]
+                skipped += [dict(impl=c.name, problem=label, reason=why) for _, _, c in cases[j:]]
                 break
             row = functools.partial(gemm_row, device_kind=device.device_kind, flops=2.0 * m * n * k,
                                     m=m, n=n, k=k, kp=kp, out_dtype=args.out_dtype,

@@ -227,6 +227,14 @@ def parse_config(text: str, cls: type) -> Any:
     return cls(**kwargs)
 
 
+def budget_spent(budget_s: float | None, start: float) -> str | None:
+    """Why a benchmark starts nothing more: `budget_s` seconds have passed since `start` (a
+    `time.perf_counter()` reading). None while time is left, or without a budget."""
+    if budget_s is not None and time.perf_counter() - start > budget_s:
+        return f"time budget {budget_s:.0f} s spent"
+    return None
+
+
 def report_end(path, skipped: list[dict], failed: list[dict]) -> int:
     """Prints what was skipped, what failed and where the record went; the script's exit code
     (1 when any row failed its check or its run)."""

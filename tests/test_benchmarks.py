@@ -221,3 +221,15 @@ def test_gpu_session_kernel_worker_in_the_interpreter(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "KERNELS OK" in out, out
     assert out.count(": ok (") == 11, out  # every kernel ran and matched
+
+
+def test_a_spent_budget_skips_the_remaining_shapes(tmp_path, benches):
+    """--budget-s 0: spent before the first shape; every shape is recorded as skipped, with the
+    reason, and nothing is timed."""
+    argv = ["--shapes", "128x128x256", "128x128x384", "--only", "xla-bf16", "--budget-s", "0",
+            "--out", str(tmp_path), *FAST]
+    assert benches["bench_gemm"].main(argv) == 0
+    record = _record(tmp_path, "bench_gemm")
+    assert record["rows"] == []
+    assert record["skipped"] == [dict(problem=p, reason="time budget 0 s spent")
+                                 for p in ("128x128x256", "128x128x384")]
