@@ -43,22 +43,24 @@ from jfp8.benchmarking import (
     Case,
     Skip,
     add_common_args,
-    budget_spent,
     add_ratios,
     check_configs,
     config_label,
     device_rel_error,
+    error_entry,
     gemm_row,
     parse_config,
     parse_shape,
     random_normal,
     report_end,
     run_cases,
+    shape_label,
     timing_from_args,
     to_torch,
     torch_cuda,
     torch_rel_error,
     torch_sync,
+    within_budget,
     write_record,
 )
 from jfp8.reference import chunk_operand
@@ -291,16 +293,12 @@ def main(argv=None) -> int:
             failed=failed, skipped=skipped, **info,
         )
 
-    for i, shape in enumerate(shapes):
+    for shape, label in within_budget(shapes, shape_label, args.budget_s, start, skipped):
         m, n, k = shape
-        label = f"{m}x{n}x{k}"
-        if why := budget_spent(args.budget_s, start):
-            skipped += [dict(problem="x".join(map(str, s)), reason=why) for s in shapes[i:]]
-            break
         try:
             cases, skips, case_info = _cases(shape, use_kernels, args.seed, args.config, on_gpu)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
-            failed.append(dict(impl="(operands)", problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
+            failed.append(error_entry("(operands)", label, e))
             continue
         info.update(case_info)
         skipped += [dict(impl=s.impl, problem=label, reason=s.reason) for s in skips]

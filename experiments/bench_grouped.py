@@ -40,17 +40,19 @@ from jfp8.benchmarking import (
     Case,
     Skip,
     add_common_args,
-    budget_spent,
     add_ratios,
     check_configs,
     config_label,
     device_rel_error,
+    error_entry,
     gemm_row,
     parse_config,
     random_normal,
     report_end,
     run_cases,
+    shape_label,
     timing_from_args,
+    within_budget,
     write_record,
 )
 from jfp8.reference import chunk_operand
@@ -174,10 +176,6 @@ def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict,
     return cases, skips
 
 
-def _label(shape) -> str:
-    return "x".join(map(str, shape))
-
-
 def print_rows(rows: list[dict]) -> None:
     print(f"\n{'impl':24s} {'GxRxNxK':>20s} {'TFLOP/s':>9} {'x bf16':>7} {'fp8 peak':>8}")
     for r in rows:
@@ -223,15 +221,11 @@ def main(argv=None) -> int:
             skipped=skipped,
         )
 
-    for i, shape in enumerate(shapes):
-        label = _label(shape)
-        if why := budget_spent(args.budget_s, start):
-            skipped += [dict(problem=_label(s), reason=why) for s in shapes[i:]]
-            break
+    for shape, label in within_budget(shapes, shape_label, args.budget_s, start, skipped):
         try:
             cases, skips = _cases(shape, use_kernels, args.seed, args.mgpu_config, args.config)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
-            failed.append(dict(impl="(operands)", problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
+            failed.append(error_entry("(operands)", label, e))
             continue
         skipped += [dict(impl=s.impl, problem=label, reason=s.reason) for s in skips]
         g, r, n, k = shape

@@ -46,9 +46,9 @@ from jfp8.benchmarking import (
     Measurement,
     Skip,
     add_common_args,
-    budget_spent,
     check_configs,
     config_label,
+    error_entry,
     parse_config,
     random_normal,
     report_end,
@@ -56,6 +56,7 @@ from jfp8.benchmarking import (
     timing_from_args,
     torch_cuda,
     torch_sync,
+    within_budget,
     write_record,
 )
 
@@ -270,15 +271,12 @@ def main(argv=None) -> int:
         r["frac_of_copy"] = r["gbps"] / max(copy_gbps) if copy_gbps else None
     save()
 
-    for i, shape in enumerate(shapes):
-        label = f"{shape.m}x{shape.k}:{shape.dtype}"
-        if why := budget_spent(args.budget_s, start):
-            skipped += [dict(problem=f"{s.m}x{s.k}:{s.dtype}", reason=why) for s in shapes[i:]]
-            break
+    label_of = lambda s: f"{s.m}x{s.k}:{s.dtype}"  # noqa: E731
+    for shape, label in within_budget(shapes, label_of, args.budget_s, start, skipped):
         try:
             qcases, skips = _quantize_cases(shape, impl, args.seed, args.config)
         except Exception as e:  # noqa: BLE001
-            failed.append(dict(impl="(operands)", problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
+            failed.append(error_entry("(operands)", label, e))
             continue
         skipped += [dict(impl=s.impl, problem=label, reason=s.reason) for s in skips]
         run(qcases, label)

@@ -43,12 +43,15 @@ from jfp8.benchmarking import (
     budget_spent,
     device_rel_error,
     device_slug,
+    error_entry,
     gemm_row,
     parse_shape,
     random_normal,
     report_end,
     run_cases,
+    shape_label,
     timing_from_args,
+    within_budget,
     write_record,
 )
 from jfp8.reference import chunk_operand
@@ -189,16 +192,12 @@ def main(argv=None) -> int:
                             timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
                             out_dtype=args.out_dtype, table=str(table), failed=failed, skipped=skipped)
 
-    for i, shape in enumerate(shapes):
+    for shape, label in within_budget(shapes, shape_label, args.budget_s, start, skipped):
         m, n, k = shape
-        label = f"{m}x{n}x{k}"
-        if why := budget_spent(args.budget_s, start):
-            skipped += [dict(problem="x".join(map(str, s)), reason=why) for s in shapes[i:]]
-            break
         try:
             kp, cases = _cases(shape, args.out_dtype, args.seed, num_sms)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
-            failed.append(dict(impl="(operands)", problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
+            failed.append(error_entry("(operands)", label, e))
             continue
         for j, (config, roles, case) in enumerate(cases):
             if why := budget_spent(args.budget_s, start):

@@ -235,6 +235,27 @@ def budget_spent(budget_s: float | None, start: float) -> str | None:
     return None
 
 
+def within_budget(problems, label: Callable[[Any], str], budget_s: float | None, start: float,
+                  skipped: list[dict]):
+    """Yields (problem, label(problem)) while the budget lasts; once it is spent, the problems
+    left go to `skipped` with the reason."""
+    for i, problem in enumerate(problems):
+        if why := budget_spent(budget_s, start):
+            skipped.extend(dict(problem=label(p), reason=why) for p in problems[i:])
+            return
+        yield problem, label(problem)
+
+
+def shape_label(shape) -> str:
+    """(4096, 7168, 2048) -> '4096x7168x2048', how records name a problem."""
+    return "x".join(map(str, shape))
+
+
+def error_entry(impl: str, problem: str, e: BaseException) -> dict:
+    """A `failed` entry for an exception (its message cut to 800 characters)."""
+    return dict(impl=impl, problem=problem, error=f"{type(e).__name__}: {str(e)[:800]}")
+
+
 def report_end(path, skipped: list[dict], failed: list[dict]) -> int:
     """Prints what was skipped, what failed and where the record went; the script's exit code
     (1 when any row failed its check or its run)."""
@@ -328,7 +349,7 @@ def run_cases(cases, label: str, timing: Timing, row_fn, rows: list, failed: lis
             print(f"  {case.name} at {label}: CHECK FAILED: {e}", flush=True)
             continue
         except Exception as e:  # noqa: BLE001 - one implementation's failure must not stop the run
-            failed.append(dict(impl=case.name, problem=label, error=f"{type(e).__name__}: {str(e)[:800]}"))
+            failed.append(error_entry(case.name, label, e))
             print(f"  {case.name} at {label}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         row = row_fn(case, meas)

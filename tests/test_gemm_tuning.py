@@ -198,3 +198,25 @@ def test_tuner_table_round_trip(tune, monkeypatch, tmp_path):
     assert tuning.dense_config(100, 7168, 2048, jnp.bfloat16, device_kind="x", num_sms=132) == narrow
     assert tuning.dense_config(5000, 7168, 2048, jnp.bfloat16, device_kind="x", num_sms=132) == FAST
     assert tuning.dense_config(64, 1, 128, jnp.float32, device_kind="x", num_sms=132) == FAST
+
+
+def test_tuner_end_to_end_in_the_interpreter(tune, monkeypatch, tmp_path):
+    """`main` as on a Hopper GPU, with the kernels in the Mosaic GPU interpreter at a tiny
+    problem (three candidates: the rule's pick, the default, one more): each is checked and
+    timed, and the fastest lands in the table, which `dense_config` then returns."""
+    from pallas_kernels import _mgpu
+
+    every = tune.candidates
+    monkeypatch.setattr(tune, "candidates", lambda *args: every(*args)[:3])
+    monkeypatch.setattr(tune, "is_hopper", lambda device=None: True)
+    argv = ["--shapes", "48x256x256", "--out", str(tmp_path), "--warmup", "0", "--repeats", "1",
+            "--inner", "1", "--max-seconds", "0.5"]
+    with _mgpu.interpret_mode(True):
+        assert tune.main(argv) == 0
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("tune_gemm-*.json")]
+    assert len(record["rows"]) == 3 and not record["failed"] and not record["skipped"]
+    assert {role for r in record["rows"] for role in r["roles"]} == {"rule", "default"}
+    best = min(record["rows"], key=lambda r: r["ms"])
+    monkeypatch.setenv(tuning.TABLE_ENV, record["table"])
+    chosen = tuning.dense_config(48, 256, 256, jnp.bfloat16, device_kind="any", num_sms=132)
+    assert chosen == gemm.GemmConfig(**best["config"])
