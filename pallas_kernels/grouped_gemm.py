@@ -551,13 +551,19 @@ def grouped_scaled_matmul(
       group_sizes: (G,) int32, any sizes (zeros included) summing to at most T.
       n: the logical output width.
       out_dtype: bfloat16 or float32.
-      config: tiling and form; `GroupedGemmConfig()` (warp-specialized, persistent) by default.
+      config: tiling and form; when None, `tuning.grouped_config` picks one for this problem:
+        `GroupedGemmConfig()` (warp-specialized, persistent) wherever its tiles fill the GPU.
 
     Returns:
       (T, n) in `out_dtype`, equal to `grouped_scaled_matmul_reference`; rows past
       `sum(group_sizes)` are zeros.
     """
-    config = config or GroupedGemmConfig()
+    if config is None:
+        from pallas_kernels import tuning  # imports this module
+
+        config = tuning.grouped_config(
+            lhs_data.shape[0], n, lhs_data.shape[1], jnp.dtype(out_dtype)
+        )
     if not config.warp_specialized and config.tile_n != TILE:
         raise NotImplementedError(
             f"the simple grouped_scaled_matmul needs tile_n={TILE} (one weight-block scale per "

@@ -60,26 +60,44 @@ def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int) -> GemmConfig:
     - Smaller tiles get deeper pipelines (more stages, up to `MAX_STAGES`, as SMEM allows): at
       short per-chunk compute, latency is hidden only by more copies in flight.
     """
-    chunks = max(kp // TILE_K, 1)
     small_m = m <= WGMMA_M
     if small_m:
         base = dataclasses.replace(
             GemmConfig.simple(), tile_m=WGMMA_M, max_concurrent_steps=MAX_STAGES
         )
-        min_tile_n = MIN_TILE_N_SMALL_M
     else:
         base = GemmConfig()
-        min_tile_n = MIN_TILE_N_WS
+    return _narrowed(base, -(-m // base.tile_m), n, kp, out_dtype, num_sms, deepen=small_m)
+
+
+def _narrowed(base, row_tiles: int, n: int, kp: int, out_dtype, num_sms: int, *, deepen: bool):
+    """`base` (a GemmConfig or GroupedGemmConfig) with tile_n halved, not below the form's
+    minimum, while `row_tiles` x column tiles leave SMs idle and halving adds tiles; deeper
+    pipelines (`MAX_STAGES`) for narrowed tiles or with `deepen`; then stages cut to fit SMEM."""
+    min_tile_n = MIN_TILE_N_WS if base.warp_specialized else MIN_TILE_N_SMALL_M
     tile_n = base.tile_n
-    row_tiles = -(-m // base.tile_m)
     while (tile_n > min_tile_n and row_tiles * -(-n // tile_n) < num_sms
            and -(-n // (tile_n // 2)) > -(-n // tile_n)):
         tile_n //= 2
-    stages = base.max_concurrent_steps if tile_n == base.tile_n and not small_m else MAX_STAGES
+    stages = MAX_STAGES if deepen or tile_n != base.tile_n else base.max_concurrent_steps
     config = dataclasses.replace(base, tile_n=tile_n, max_concurrent_steps=stages)
+    chunks = max(kp // TILE_K, 1)
     while config.max_concurrent_steps > 2 and smem_bytes(config, out_dtype, chunks) > SMEM_BYTES:
         config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
     return config
+
+
+def grouped_config(rows: int, n: int, kp: int, out_dtype, *, num_sms: int | None = None):
+    """The `GroupedGemmConfig` `grouped_gemm.grouped_scaled_matmul` runs when given none, for
+    `rows` token rows (all groups) against weights of `n` x `kp`: the dense rule's narrowing,
+    predicted, not measured, and not tabulated. Group boundaries only add row tiles, so
+    cdiv(rows, tile_m) is the fewest there can be: `GroupedGemmConfig()` wherever that many
+    fill the SMs (the MoE benchmark shapes), narrower column tiles below."""
+    from pallas_kernels.grouped_gemm import GroupedGemmConfig  # imports gemm, as this does
+
+    num_sms = _mgpu.num_sms() if num_sms is None else num_sms
+    base = GroupedGemmConfig()
+    return _narrowed(base, -(-rows // base.tile_m), n, kp, out_dtype, num_sms, deepen=False)
 
 
 def table_path(device_kind: str) -> pathlib.Path:

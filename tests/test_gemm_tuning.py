@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from pallas_kernels import gemm, tuning
 from pallas_kernels._mgpu import H100_DEVICE_KIND, H100_NUM_SMS
 from pallas_kernels.fp8_math import TILE
-from pallas_kernels.shapes import DENSE_SHAPES, SMALL_M_SHAPES
+from pallas_kernels.grouped_gemm import GroupedGemmConfig
+from pallas_kernels.shapes import DENSE_SHAPES, GROUPED_SHAPES, SMALL_M_SHAPES
 from test_gemm_kernel import _kernel, _operands, _reference, _seed
 from helpers import assert_bitwise_equal, interpret
 
@@ -220,3 +221,44 @@ def test_tuner_end_to_end_in_the_interpreter(tune, monkeypatch, tmp_path):
     monkeypatch.setenv(tuning.TABLE_ENV, record["table"])
     chosen = tuning.dense_config(48, 256, 256, jnp.bfloat16, device_kind="any", num_sms=132)
     assert chosen == gemm.GemmConfig(**best["config"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The grouped kernel's rule.
+
+
+@pytest.mark.parametrize("shape", GROUPED_SHAPES, ids=str)
+def test_grouped_rule_keeps_the_fast_form_at_the_moe_shapes(shape):
+    rows = shape.groups * shape.rows_per_group
+    config = tuning.grouped_config(rows, shape.n, shape.k, jnp.bfloat16, num_sms=H100_NUM_SMS)
+    assert config == GroupedGemmConfig()
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(1, 50000), n=st.integers(1, 20000), chunks=st.integers(1, 120),
+       out_dtype=st.sampled_from([jnp.bfloat16, jnp.float32]))
+def test_grouped_rule_is_valid_and_fits_smem(rows, n, chunks, out_dtype):
+    config = tuning.grouped_config(rows, n, chunks * TILE, out_dtype, num_sms=H100_NUM_SMS)
+    assert config.warp_specialized and config.tile_n in (64, 128)
+    assert gemm.smem_bytes(config, out_dtype, chunks) <= gemm.SMEM_BYTES
+
+
+def test_grouped_small_problem_choice_lowers_and_matches_the_reference():
+    """Few token rows: narrower column tiles (the rule), lowered at a DeepSeek-V3 width, and in
+    the interpreter equal to the grouped reference with empty and ragged groups."""
+    from test_grouped_kernel import _lower_matmul
+
+    assert tuning.grouped_config(256, 2048, 7168, jnp.bfloat16).tile_n == 64
+    assert "mosaic_gpu" in _lower_matmul(8, 256, 2048, 7168)
+
+    import jfp8
+
+    rng = np.random.default_rng(_seed())
+    x = jnp.asarray(rng.standard_normal((200, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 300, 256)) / 16, jnp.float32)
+    sizes = jnp.asarray([120, 0, 70], jnp.int32)
+    a, b = jfp8.quantize(x, (1, TILE)), jfp8.quantize(w, (TILE, TILE))
+    assert tuning.grouped_config(200, 300, 256, jnp.float32).tile_n == 64
+    got = jfp8.grouped_scaled_matmul(a, b, sizes, out_dtype=jnp.float32, interpret=True)
+    want = jfp8.grouped_scaled_matmul_reference(a, b, sizes, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

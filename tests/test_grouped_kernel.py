@@ -482,6 +482,12 @@ def test_on_gpu_matches_reference(config):
     out = _matmul(lhs, rhs, sizes_j, jnp.float32, config)
     ref = _matmul_reference(lhs, rhs, sizes_j, jnp.float32)
     _assert_within(out, ref, _matmul_abs_product(lhs, rhs, sizes_j), GPU_RTOL, seed)
+    # Few rows: the config `tuning.grouped_config` picks (64-wide tiles), with config=None.
+    small = _sizes(np.random.default_rng(seed + 1), 6, 250)
+    lhs, rhs, sizes_j = _row_operands(seed, 256, 1024, 700, small, exact=False)
+    out = _matmul(lhs, rhs, sizes_j, jnp.float32, None)
+    ref = _matmul_reference(lhs, rhs, sizes_j, jnp.float32)
+    _assert_within(out, ref, _matmul_abs_product(lhs, rhs, sizes_j), GPU_RTOL, seed)
 
     lhs_t, rhs_t, sizes_j = _token_operands(seed, 4000, 512, 700, sizes, exact=False)
     out = _wgrad(lhs_t, rhs_t, sizes_j, jnp.float32, config)
