@@ -24,10 +24,11 @@ Structure: grids of one-warpgroup CTAs (one CTA per tile of the output, no persi
 By default a CTA issues all its TMA loads at once (one barrier per chunk, so later chunks stream
 in while earlier ones are computed); with `QuantizeConfig.stages` its chunks go through a ring of
 that many SMEM slots instead, each refilled as soon as its chunk is done (`_chunk_loop`). Each
-chunk is quantized in registers (WGMMA layout), staged as E4M3 in SMEM and TMA-stored. Memory speed needs the SMEM <-> register transfers free of bank
-conflicts: by default (`QuantizeConfig.swizzle`) every staged tile is kept in 8-row tiles with the
-widest swizzle, as the GEMMs keep theirs, where TMA can tile the arrays (rows a multiple of 8,
-widths a multiple of the swizzle span: every DeepSeek-V3 shape); elsewhere the kernels stage
+chunk is quantized in registers (WGMMA layout), staged as E4M3 in SMEM and TMA-stored. Memory
+speed needs the SMEM <-> register transfers free of bank conflicts: by default
+(`QuantizeConfig.swizzle`) every staged tile is kept in 8-row tiles with the widest swizzle, as
+the GEMMs keep theirs, where TMA can tile the arrays (rows a multiple of 8, widths a multiple of
+the swizzle span: every DeepSeek-V3 shape); elsewhere the kernels stage
 unswizzled boxes, with 8-way conflicts (`QuantizeConfig.simple()` always does). Which of the two
 is faster on an H100, and by how much, is not measured yet (`bench_quantize.py --config
 swizzle=false` puts them side by side). TMA also does the tails: loads past the end of the input are
@@ -92,9 +93,10 @@ class QuantizeConfig:
       stages: SMEM slots for a CTA's input chunks (and for its E4M3 output chunks). None: one
         per chunk, every load issued at once. Fewer than the CTA's chunks: a ring, each slot
         refilled by TMA as soon as its chunk is quantized and stored, so a CTA can own many
-        chunks (e.g. chunks=16, stages=4: a 64 x 2048 strip through 4 slots) and keep `stages`
-        loads in flight without the SMEM for all of them; fewer, longer-lived CTAs, each loading
-        while it computes. Which is faster is for a GPU to say (not measured).
+        chunks (e.g. chunks=16, stages=4: a 64 x 2048 strip through 4 slots) without the SMEM
+        for all of them: fewer, longer-lived CTAs, with `stages - 1` loads in flight while one
+        chunk is computed (stages=1 alternates loading and computing). Which is faster is for a
+        GPU to say (not measured). f32 input fits at most 2 slots in the column kernels.
       swizzle: stage tiles in SMEM in 8-row tiles with the widest swizzle (128 bytes for 16- and
         32-bit input) and move them between SMEM and registers bank-conflict free. Unswizzled,
         the WGMMA-layout transfers hit one bank group with all 8 rows a warp touches (rows of
@@ -163,10 +165,10 @@ def _chunk_loop(chunks: int, slots: int, bars, fetch, quantize_chunk, *,
     `fetch(c, slot)` issues chunk c's TMA loads on barrier `bars.at[slot]`; `quantize_chunk(c, slot)`
     quantizes the loaded chunk and issues its TMA stores (`stores_per_chunk` bulk groups, from
     the output slot `slot`). With a slot per chunk every load is issued up front. With fewer, a
-    slot is refilled once its chunk is done: its input was read before the chunk's first SMEM
-    store (whose warpgroup barrier orders every thread's reads before it, and `commit_smem`'s
-    proxy fence orders them before the refill's TMA write), and before an output slot is
-    rewritten the TMA store issued from it `slots` chunks earlier must have read it.
+    slot is refilled once its chunk is done: every read of the input slot precedes the chunk's
+    `commit_smem` (a warpgroup barrier orders all threads' reads before it, its proxy fence
+    orders them before the refill's TMA write), and before an output slot is rewritten the TMA
+    stores issued from it `slots` chunks earlier must have read it.
     """
     @pl.loop(0, slots)
     def _(c):

@@ -219,8 +219,9 @@ def test_tuner_end_to_end_in_the_interpreter(tune, monkeypatch, tmp_path):
     assert {role for r in record["rows"] for role in r["roles"]} == {"rule", "default"}
     best = min(record["rows"], key=lambda r: r["ms"])
     monkeypatch.setenv(tuning.TABLE_ENV, record["table"])
+    tabled = tuning.table_config(48, 256, 256, jnp.bfloat16, "any")  # not the rule by chance
     chosen = tuning.dense_config(48, 256, 256, jnp.bfloat16, device_kind="any", num_sms=132)
-    assert chosen == gemm.GemmConfig(**best["config"])
+    assert tabled == chosen == gemm.GemmConfig(**best["config"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -137,7 +137,8 @@ HARD_CASES = [
     # The unswizzled form on a shape the swizzled one would take.
     ("tile", (264, 320), jnp.bfloat16, False, qk.QuantizeConfig.simple()),
     # Slot rings (`stages` < chunks per CTA): slots refilled and output slots reused, with tails
-    # (7.5 chunks through 3 slots; a last CTA with chunks past the end), swizzled or not.
+    # (7.5 chunks through 3 slots; in the others a last CTA with chunks past the end), swizzled
+    # or not.
     ("tile", (264, 960), jnp.bfloat16, True, qk.QuantizeConfig(chunks=8, stages=3)),
     ("block", (300, 1000), jnp.float32, False, qk.QuantizeConfig(column_chunks=5, stages=2)),
     ("column", (136, 1088), jnp.float32, True, qk.QuantizeConfig(column_chunks=4, stages=2)),
@@ -157,6 +158,9 @@ def test_bit_identical_to_quantize(kind, shape, dtype, pow2_scale, config):
         ("retile", (264, 320), qk.QuantizeConfig(rows=128)),  # swizzled
         ("retile", (600, 320), qk.QuantizeConfig(chunks=4, stages=2)),  # a slot ring
         ("tile", (264, 960), qk.QuantizeConfig(chunks=8, stages=2)),
+        # Two stores per chunk (data and per-column scales) through reused output slots.
+        ("column", (136, 1088), qk.QuantizeConfig(column_chunks=4, stages=2)),
+        ("block", (300, 1000), qk.QuantizeConfig(column_chunks=5, stages=2)),
     ],
 )
 def test_bit_identical_without_smem_races(kind, shape, config):
