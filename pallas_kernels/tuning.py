@@ -59,6 +59,11 @@ def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int) -> GemmConfig:
       below 64, see `MIN_TILE_N_SMALL_M`) while that adds tiles, until the grid covers the SMs.
     - Smaller tiles get deeper pipelines (more stages, up to `MAX_STAGES`, as SMEM allows): at
       short per-chunk compute, latency is hidden only by more copies in flight.
+
+    What no config here can do: fill the GPU when even 64-wide tiles are fewer than the SMs
+    (e.g. M = 64, N = 2112: 33 tiles). Splitting K across CTAs would, but it sums the promoted
+    chunks in another order than the reference (one running FP32 sum, chunk after chunk), so
+    the bits would change; jfp8 keeps them.
     """
     small_m = m <= WGMMA_M
     if small_m:
