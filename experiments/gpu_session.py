@@ -417,19 +417,14 @@ def quantize_table(record: dict) -> list[str]:
 
 
 def tune_table(record: dict) -> list[str]:
-    """Per problem: the fastest config tune_gemm measured, and its speed-up over the default
-    config and over the rule's pick."""
+    """Per problem: the fastest config tune_gemm measured (its record's `entries`), and its
+    speed-up over the default config and over the rule's pick."""
     lines = [f"GEMM tuning ({record.get('out_dtype')} out)  {'best config':>40s} {'TFLOP/s':>7} "
              f"{'x dflt':>6} {'x rule':>6}"]
-    problems: dict[tuple, list[dict]] = {}
-    for r in record.get("rows", []):
-        problems.setdefault((r["m"], r["n"], r["k"]), []).append(r)
-    for shape, rs in problems.items():
-        best = min(rs, key=lambda r: r["ms"])
-        role = {name: r["ms"] for r in rs for name in r.get("roles", ())}
-        speedup = {k: role[k] / best["ms"] if k in role else None for k in ("default", "rule")}
-        lines.append(f"{'x'.join(map(str, shape)):24s} {best['impl']:>40s} {_fmt(best['tflops'], '.4g'):>7} "
-                     f"{_fmt(speedup['default'], '.2f'):>6} {_fmt(speedup['rule'], '.2f'):>6}")
+    for e in record.get("entries", []):
+        problem = f"{e['m']}x{e['n']}x{e['kp']}"
+        lines.append(f"{problem:24s} {e['impl']:>40s} {_fmt(e['tflops'], '.4g'):>7} "
+                     f"{_fmt(e['speedup_vs_default'], '.2f'):>6} {_fmt(e['speedup_vs_rule'], '.2f'):>6}")
     return lines
 
 

@@ -42,7 +42,6 @@ from jfp8.benchmarking import (
     add_common_args,
     budget_spent,
     device_rel_error,
-    device_slug,
     error_entry,
     gemm_row,
     parse_shape,
@@ -98,8 +97,8 @@ def best_entries(rows: list[dict]) -> list[dict]:
         best = min(rs, key=lambda r: r["ms"])
         ms = {role: r["ms"] for r in rs for role in r.get("roles", ())}
         entries.append(dict(
-            m=m, n=n, kp=kp, out_dtype=out_dtype, config=best["config"], tflops=best["tflops"],
-            ms=best["ms"], candidates=len(rs),
+            m=m, n=n, kp=kp, out_dtype=out_dtype, config=best["config"], impl=best["impl"],
+            tflops=best["tflops"], ms=best["ms"], candidates=len(rs),
             speedup_vs_default=ms["default"] / best["ms"] if "default" in ms else None,
             speedup_vs_rule=ms["rule"] / best["ms"] if "rule" in ms else None,
         ))
@@ -183,14 +182,15 @@ def main(argv=None) -> int:
 
     timing = timing_from_args(args, True)
     print(f"device: {device.device_kind}; jax {jax.__version__}; {num_sms} SMs; out {args.out_dtype}")
-    table = args.table or args.out / f"gemm-{device_slug(device.device_kind)}.json"
+    table = args.table or args.out / tuning.table_name(device.device_kind)
     start = time.perf_counter()
     rows, failed, skipped = [], [], []
 
     def save():
         return write_record("tune_gemm", rows, args.out,
                             timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
-                            out_dtype=args.out_dtype, table=str(table), failed=failed, skipped=skipped)
+                            out_dtype=args.out_dtype, table=str(table), entries=best_entries(rows),
+                            failed=failed, skipped=skipped)
 
     for shape, label in within_budget(shapes, shape_label, args.budget_s, start, skipped):
         m, n, k = shape

@@ -558,20 +558,18 @@ def grouped_scaled_matmul(
       (T, n) in `out_dtype`, equal to `grouped_scaled_matmul_reference`; rows past
       `sum(group_sizes)` are zeros.
     """
+    _check_out_dtype(out_dtype)
+    _check_fp8(lhs_data, "lhs_data", 2)
+    _check_fp8(rhs_data, "rhs_data", 3)
     if config is None:
         from pallas_kernels import tuning  # imports this module
 
-        config = tuning.grouped_config(
-            lhs_data.shape[0], n, lhs_data.shape[1], jnp.dtype(out_dtype)
-        )
+        config = tuning.grouped_config(lhs_data.shape[0], n, lhs_data.shape[1], out_dtype)
     if not config.warp_specialized and config.tile_n != TILE:
         raise NotImplementedError(
             f"the simple grouped_scaled_matmul needs tile_n={TILE} (one weight-block scale per "
             f"output tile), got {config.tile_n}; the warp-specialized form takes any tile_n"
         )
-    _check_out_dtype(out_dtype)
-    _check_fp8(lhs_data, "lhs_data", 2)
-    _check_fp8(rhs_data, "rhs_data", 3)
     (rows, kp), (groups, np_, kp_rhs) = lhs_data.shape, rhs_data.shape
     if kp_rhs != kp:
         raise ValueError(

@@ -28,13 +28,13 @@ chunk is quantized in registers (WGMMA layout), staged as E4M3 in SMEM and TMA-s
 speed needs the SMEM <-> register transfers free of bank conflicts: by default
 (`QuantizeConfig.swizzle`) every staged tile is kept in 8-row tiles with the widest swizzle, as
 the GEMMs keep theirs, where TMA can tile the arrays (rows a multiple of 8, widths a multiple of
-the swizzle span: every DeepSeek-V3 shape); elsewhere the kernels stage
-unswizzled boxes, with 8-way conflicts (`QuantizeConfig.simple()` always does). Which of the two
-is faster on an H100, and by how much, is not measured yet (`bench_quantize.py --config
-swizzle=false` puts them side by side). TMA also does the tails: loads past the end of the input are
-zero-filled, exactly `jfp8.quantize`'s zero padding, and stores past the end of an output are
-dropped. The wrappers pad or slice only where TMA's 16-byte stride rule forces it (see
-`_tma_aligned` and the scale slices).
+the swizzle span: every DeepSeek-V3 shape); elsewhere the kernels stage unswizzled boxes, with
+8-way conflicts (`QuantizeConfig.simple()` always does). Which of the two is faster on an H100,
+and by how much, is not measured yet (`bench_quantize.py --config swizzle=false` puts them side
+by side). TMA also does the tails: loads past the end of the input are zero-filled, exactly
+`jfp8.quantize`'s zero padding, and stores past the end of an output are dropped. The wrappers
+pad or slice only where TMA's 16-byte stride rule forces it (see `_tma_aligned` and the scale
+slices).
 """
 
 from __future__ import annotations
@@ -141,15 +141,10 @@ def _smem(shape: tuple[int, ...], dtype, swizzled: bool):
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def _swizzle_span(dtype, box_cols: int) -> int:
-    """Columns per swizzled SMEM tile of a box with `box_cols` columns (`gemm._swizzled`)."""
-    return _swizzle_elems(dtype, box_cols)
-
-
 def _swizzle_fits(x: jax.Array, box_cols: int) -> bool:
     """Whether TMA can copy `box_cols`-wide boxes of 2-D `x` into swizzled tiles: Mosaic views the
     GMEM array in whole tiles, so its rows must be a multiple of 8 and its columns of the span."""
-    return x.shape[0] % SWIZZLE_ROWS == 0 and x.shape[1] % _swizzle_span(x.dtype, box_cols) == 0
+    return x.shape[0] % SWIZZLE_ROWS == 0 and x.shape[1] % _swizzle_elems(x.dtype, box_cols) == 0
 
 
 def _load_f32(ref, swizzled: bool) -> jax.Array:
@@ -393,7 +388,7 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
     scale_cols = out_cols if per_column else grid[1] * chunks
     # The E4M3 output is staged in [128, 64] halves (`_column_chunk`): 64-byte swizzled tiles.
     swizzled = (
-        cfg.swizzle and _swizzle_fits(x, TILE) and out_cols % _swizzle_span(FP8_DTYPE, _HALF) == 0
+        cfg.swizzle and _swizzle_fits(x, TILE) and out_cols % _swizzle_elems(FP8_DTYPE, _HALF) == 0
     )
     kernel = plgpu.kernel(
         functools.partial(

@@ -41,8 +41,7 @@ MAX_STAGES = 8
 # Narrowest tiles the rule uses, in both forms. Narrower tiles fill more SMs but re-read a more
 # often: every column tile streams the whole [tile_m, K] panel of a from L2, so at 64 x 32 tiles
 # the L2 would deliver a twice for each byte of b it delivers from HBM.
-MIN_TILE_N_WS = 64
-MIN_TILE_N_SMALL_M = 64
+MIN_TILE_N = 64
 # A measured table entry stands for Ms within this factor of its own.
 TABLE_M_REACH = 2.0
 
@@ -56,7 +55,7 @@ def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int) -> GemmConfig:
       tiles (two consumers would multiply 64 rows of zero padding), one CTA per tile so that
       several CTAs share an SM and keep more loads in flight.
     - Too few tiles to give every SM some of b to stream: narrower tiles (halving tile_n, not
-      below 64, see `MIN_TILE_N_SMALL_M`) while that adds tiles, until the grid covers the SMs.
+      below `MIN_TILE_N`) while that adds tiles, until the grid covers the SMs.
     - Smaller tiles get deeper pipelines (more stages, up to `MAX_STAGES`, as SMEM allows): at
       short per-chunk compute, latency is hidden only by more copies in flight.
 
@@ -66,22 +65,16 @@ def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int) -> GemmConfig:
     the bits would change; jfp8 keeps them.
     """
     small_m = m <= WGMMA_M
-    if small_m:
-        base = dataclasses.replace(
-            GemmConfig.simple(), tile_m=WGMMA_M, max_concurrent_steps=MAX_STAGES
-        )
-    else:
-        base = GemmConfig()
+    base = GemmConfig.simple() if small_m else GemmConfig()  # simple(): 64-row tiles, 1 CTA/tile
     return _narrowed(base, -(-m // base.tile_m), n, kp, out_dtype, num_sms, deepen=small_m)
 
 
 def _narrowed(base, row_tiles: int, n: int, kp: int, out_dtype, num_sms: int, *, deepen: bool):
-    """`base` (a GemmConfig or GroupedGemmConfig) with tile_n halved, not below the form's
-    minimum, while `row_tiles` x column tiles leave SMs idle and halving adds tiles; deeper
-    pipelines (`MAX_STAGES`) for narrowed tiles or with `deepen`; then stages cut to fit SMEM."""
-    min_tile_n = MIN_TILE_N_WS if base.warp_specialized else MIN_TILE_N_SMALL_M
+    """`base` (a GemmConfig or GroupedGemmConfig) with tile_n halved, not below `MIN_TILE_N`,
+    while `row_tiles` x column tiles leave SMs idle and halving adds tiles; deeper pipelines
+    (`MAX_STAGES`) for narrowed tiles or with `deepen`; then stages cut to fit SMEM."""
     tile_n = base.tile_n
-    while (tile_n > min_tile_n and row_tiles * -(-n // tile_n) < num_sms
+    while (tile_n > MIN_TILE_N and row_tiles * -(-n // tile_n) < num_sms
            and -(-n // (tile_n // 2)) > -(-n // tile_n)):
         tile_n //= 2
     stages = MAX_STAGES if deepen or tile_n != base.tile_n else base.max_concurrent_steps
@@ -105,11 +98,16 @@ def grouped_config(rows: int, n: int, kp: int, out_dtype, *, num_sms: int | None
     return _narrowed(base, -(-rows // base.tile_m), n, kp, out_dtype, num_sms, deepen=False)
 
 
+def table_name(device_kind: str) -> str:
+    """The table's file name for a GPU model, e.g. 'gemm-nvidia-h100-80gb-hbm3.json'."""
+    return f"gemm-{device_kind.lower().replace(' ', '-')}.json"
+
+
 def table_path(device_kind: str) -> pathlib.Path:
     """Where the measured table for `device_kind` lives (`$JFP8_GEMM_TABLE` overrides)."""
     if os.environ.get(TABLE_ENV):
         return pathlib.Path(os.environ[TABLE_ENV])
-    return TABLE_DIR / f"gemm-{device_kind.lower().replace(' ', '-')}.json"
+    return TABLE_DIR / table_name(device_kind)
 
 
 @functools.cache

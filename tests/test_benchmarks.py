@@ -201,11 +201,14 @@ def test_sass_counting():
 
 
 def test_tune_table_reads_a_tune_record():
-    rows = [dict(m=64, n=7168, k=2048, impl=name, ms=ms, tflops=t, roles=roles)
+    """The session's table prints the winners tune_gemm puts in its record (`best_entries`)."""
+    rows = [dict(m=64, n=7168, k=2048, kp=2048, out_dtype="bfloat16", impl=name, ms=ms, tflops=t,
+                 config={}, roles=roles)
             for name, ms, t, roles in [("wsp-128x128-s4-g8", 2.0, 1.0, ["default"]),
                                        ("1wg-64x64-s8-g1", 1.0, 2.0, ["rule"]),
                                        ("1wg-64x64-s6-g1", 0.5, 4.0, [])]]
-    (header, line) = _load("gpu_session").tune_table(dict(out_dtype="bfloat16", rows=rows))
+    record = dict(out_dtype="bfloat16", entries=_load("tune_gemm").best_entries(rows))
+    (header, line) = _load("gpu_session").tune_table(record)
     assert "1wg-64x64-s6-g1" in line and line.split()[-2:] == ["4.00", "2.00"]
 
 

@@ -52,11 +52,10 @@ def test_rule_is_valid_fits_smem_and_fills_the_sms(m, n, chunks, out_dtype, num_
     assert gemm.smem_bytes(config, out_dtype, chunks) <= gemm.SMEM_BYTES
     assert config.warp_specialized == (m > gemm.WGMMA_M)
     tiles = -(-m // config.tile_m) * -(-n // config.tile_n)
-    narrowest = tuning.MIN_TILE_N_WS if config.warp_specialized else tuning.MIN_TILE_N_SMALL_M
     # Tiles narrowed until the grid covers the SMs (or narrower ones would add none), and never
     # further than needed.
     no_gain = -(-n // (config.tile_n // 2)) == -(-n // config.tile_n)
-    assert tiles >= num_sms or config.tile_n == narrowest or no_gain
+    assert tiles >= num_sms or config.tile_n == tuning.MIN_TILE_N or no_gain
     wider = -(-m // config.tile_m) * -(-n // (2 * config.tile_n))
     assert config.tile_n == gemm.GemmConfig().tile_n or wider < num_sms
 
@@ -175,7 +174,8 @@ def test_tuner_table_round_trip(tune, monkeypatch, tmp_path):
     (other problems kept, no temporary file left) -> what `dense_config` returns."""
     def row(m, config, ms, *roles):
         return dict(m=m, n=7168, k=2048, kp=2048, out_dtype="bfloat16", ms=ms, tflops=1.0,
-                    config=dataclasses.asdict(config), roles=list(roles))
+                    impl=tune.config_name(config), config=dataclasses.asdict(config),
+                    roles=list(roles))
 
     narrow = gemm.GemmConfig(tile_n=64, max_concurrent_steps=6)
     rows = [row(128, FAST, 2.0, "default"), row(128, narrow, 1.0),
@@ -222,6 +222,7 @@ def test_tuner_end_to_end_in_the_interpreter(tune, monkeypatch, tmp_path):
     tabled = tuning.table_config(48, 256, 256, jnp.bfloat16, "any")  # not the rule by chance
     chosen = tuning.dense_config(48, 256, 256, jnp.bfloat16, device_kind="any", num_sms=132)
     assert tabled == chosen == gemm.GemmConfig(**best["config"])
+    assert [e["impl"] for e in record["entries"]] == [best["impl"]]
 
 
 # ---------------------------------------------------------------------------------------------
