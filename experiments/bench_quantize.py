@@ -12,6 +12,9 @@ Rows:
   jfp8-<impl>-<kernel> for kernel in
     tile      jfp8.quantize(x, (1, 128))                 activations (Fprop / Dgrad lhs)
     block     jfp8.quantize(x, (128, 128))               weights
+    block-t   jfp8.quantize_weight(x)                    weights in both orientations (Fprop and
+                                                         Dgrad), one fused pass on Hopper
+    block+mT  the same as quantize(x, (128, 128)) and .mT: the two-pass way block-t replaces
     column-t  jfp8.quantize_wgrad_operand(x)             x^T scaled per 128 tokens (Wgrad)
     retile    jfp8.retile_wgrad_operand(tile-quantized x) dequantize, transpose, requantize (§3.5.2)
   (impl "mosaic", the fused kernels, on Hopper; the XLA reference path elsewhere)
@@ -91,8 +94,13 @@ def parse_qshape(s: str) -> QShape:
 
 
 def _fp8_outputs(out) -> list[jax.Array]:
-    """The arrays a quantizer writes (data and scales), from an Fp8Tensor or a kernel's pair."""
-    return [out.data, out.scale] if isinstance(out, jfp8.Fp8Tensor) else list(out)
+    """The arrays a quantizer writes (data and scales), from Fp8Tensors or a kernel's arrays."""
+    return jax.tree.leaves(out)
+
+
+def _two_pass_weight(x, impl):
+    q = jfp8.quantize(x, (jfp8.TILE, jfp8.TILE), impl=impl)
+    return q, q.mT
 
 
 # Each kernel: (measured implementation, reference), both x -> Fp8Tensor. The measured side takes
@@ -105,12 +113,16 @@ def _retile_input(x):
 MEASURED: dict[str, Callable] = {
     "tile": lambda x, impl: jfp8.quantize(x, (1, jfp8.TILE), impl=impl),
     "block": lambda x, impl: jfp8.quantize(x, (jfp8.TILE, jfp8.TILE), impl=impl),
+    "block-t": lambda x, impl: jfp8.quantize_weight(x, impl=impl),
+    "block+mT": _two_pass_weight,
     "column-t": lambda x, impl: jfp8.quantize_wgrad_operand(x, impl=impl),
     "retile": lambda t, impl: jfp8.retile_wgrad_operand(t, impl=impl),
 }
 REFERENCE: dict[str, Callable] = {
     "tile": jax.jit(lambda x: jfp8.quantize(x, (1, jfp8.TILE), impl="xla")),
     "block": jax.jit(lambda x: jfp8.quantize(x, (jfp8.TILE, jfp8.TILE), impl="xla")),
+    "block-t": jax.jit(lambda x: _two_pass_weight(x, "xla")),
+    "block+mT": jax.jit(lambda x: _two_pass_weight(x, "xla")),
     "column-t": jax.jit(lambda x: jfp8.quantize_wgrad_operand(x, impl="xla")),
     "retile": jax.jit(lambda t: jfp8.retile_wgrad_operand(t, impl="xla")),
 }
@@ -118,12 +130,17 @@ REFERENCE: dict[str, Callable] = {
 
 def _configured(kernel: str, config):
     """`kernel` straight from `pallas_kernels.quantize` with `config`: x (or, for retile, the
-    (1, 128)-quantized x) -> (data, scale), the arrays of MEASURED[kernel]'s Fp8Tensor."""
+    (1, 128)-quantized x) -> the arrays of MEASURED[kernel]'s Fp8Tensors, in their order."""
     from pallas_kernels import quantize as qk
+
+    def with_transposes(data, scale, data_t=None):
+        return data, scale, data.T if data_t is None else data_t, scale.T
 
     return {
         "tile": lambda x: qk.quantize_tile(x, config=config),
         "block": lambda x: qk.quantize_block(x, config=config),
+        "block-t": lambda x: with_transposes(*qk.quantize_block_and_transpose(x, config=config)),
+        "block+mT": lambda x: with_transposes(*qk.quantize_block(x, config=config)),
         "column-t": lambda x: qk.quantize_column(x, transpose=True, config=config),
         "retile": lambda t: qk.retile_tile_to_column_t(
             t.data, t.scale, m=t.logical[0], k=t.logical[1], config=config
@@ -134,6 +151,8 @@ def _configured(kernel: str, config):
 def _mismatches(out, ref) -> float:
     """Elements of data and scales whose bits differ from the reference (so NaN == NaN)."""
     bad = 0
+    if len(_fp8_outputs(out)) != len(_fp8_outputs(ref)):
+        return float("inf")
     for got, want in zip(_fp8_outputs(out), _fp8_outputs(ref)):
         if got.shape != want.shape or got.dtype != want.dtype:
             return float("inf")

@@ -555,6 +555,9 @@ def worker_kernels() -> int:
                                                         jfp8.quantize(x_tails, (1, tile))),
         "quantize_block": lambda: bits_differ(jfp8.quantize(w, (tile, tile), impl="mosaic"),
                                               jfp8.quantize(w, (tile, tile))),
+        "quantize_weight_both": lambda: sum(
+            bits_differ(t, ref) for t, ref in zip(
+                jfp8.quantize_weight(wg, impl="mosaic"), jfp8.quantize_weight(wg))),
         "quantize_column_t": lambda: bits_differ(jfp8.quantize_wgrad_operand(x, impl="mosaic"),
                                                  jfp8.quantize_wgrad_operand(x)),
         "retile": lambda: bits_differ(jfp8.retile_wgrad_operand(a, impl="mosaic"), jfp8.retile_wgrad_operand(a)),

@@ -15,6 +15,7 @@ from jfp8.fp8 import (
     TILE,
     Fp8Tensor,
     quantize,
+    quantize_weight,
     quantize_wgrad_operand,
     retile_wgrad_operand,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "grouped_scaled_matmul_reference",
     "grouped_wgrad_reference",
     "quantize",
+    "quantize_weight",
     "quantize_wgrad_operand",
     "retile_wgrad_operand",
     "scaled_matmul_oracle",

@@ -223,6 +223,46 @@ def quantize(
     return Fp8Tensor(data, scale, block, (m, k))
 
 
+def quantize_weight(
+    w: jax.Array,
+    block: Block = (TILE, TILE),
+    *,
+    pow2_scale: bool = False,
+    impl: Impl = "xla",
+    interpret: bool = False,
+) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """`(q, q.mT)` for `q = quantize(w, block)`: a weight in both orientations.
+
+    Fprop contracts W [K, N] over K and Dgrad over N, and FP8 wgmma needs the contracted axis
+    contiguous, so a layer uses its quantized weight both as is and transposed. For (128, 128)
+    blocks on the kernels' path one fused pass reads W once and writes both E4M3 copies
+    (`pallas_kernels.quantize.quantize_block_and_transpose`); otherwise (the XLA path, other
+    blocks) this is `quantize` followed by `.mT`. Bit-identical either way.
+
+    Args:
+      w: `(..., K, N)`, as for `quantize`; stacked matrices (e.g. experts `(G, K, N)`) take the
+        fused kernel when K is a multiple of 128.
+      block, pow2_scale, impl, interpret: as for `quantize`.
+    """
+    w = jnp.asarray(w)
+    fused = (
+        block == (TILE, TILE)
+        and w.ndim in (2, 3)
+        and jnp.issubdtype(w.dtype, jnp.floating)
+        and _use_kernels(w, block, impl, interpret)
+    )
+    if not fused:
+        q = quantize(w, block, pow2_scale=pow2_scale, impl=impl, interpret=interpret)
+        return q, q.mT
+    from pallas_kernels import quantize as qk
+
+    with interpret_mode(interpret):
+        data, scale, data_t = qk.quantize_block_and_transpose(w, pow2_scale=pow2_scale)
+    m, k = w.shape[-2:]
+    q = Fp8Tensor(data, scale, block, (m, k))
+    return q, Fp8Tensor(data_t, jnp.swapaxes(scale, -1, -2), block, (k, m))
+
+
 def quantize_wgrad_operand(
     x: jax.Array, *, pow2_scale: bool = False, impl: Impl = "xla", interpret: bool = False
 ) -> Fp8Tensor:

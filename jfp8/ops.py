@@ -16,7 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jfp8.fp8 import Fp8Tensor, quantize, quantize_wgrad_operand, retile_wgrad_operand
+from jfp8.fp8 import (
+    Fp8Tensor,
+    quantize,
+    quantize_weight,
+    quantize_wgrad_operand,
+    retile_wgrad_operand,
+)
 from jfp8.matmul import grouped_scaled_matmul, grouped_wgrad_matmul, scaled_matmul
 from jfp8.recipe import Fp8Recipe
 from jfp8.reference import REF_TILE_M, check_group_sizes
@@ -53,6 +59,20 @@ def _q(x: jax.Array, block, recipe: Fp8Recipe) -> Fp8Tensor:
     return quantize(x, block, pow2_scale=recipe.pow2_scale, impl=recipe.impl, interpret=recipe.interpret)
 
 
+def _q_weight(w: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Tensor | None]:
+    """W [..., K, N] -> (its FP8 copy for Dgrad, its transpose for Fprop), each None when that
+    GEMM is not FP8. With both, one fused pass writes the two orientations (`quantize_weight`)."""
+    if not (recipe.fprop or recipe.dgrad):
+        return None, None
+    if recipe.fprop and recipe.dgrad:
+        return quantize_weight(
+            w, recipe.weight_block, pow2_scale=recipe.pow2_scale, impl=recipe.impl,
+            interpret=recipe.interpret,
+        )
+    qw = _q(w, recipe.weight_block, recipe)
+    return (None, qw.mT) if recipe.fprop else (qw, None)
+
+
 def _mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype, recipe: Fp8Recipe) -> jax.Array:
     return scaled_matmul(a, b, out_dtype=out_dtype, impl=recipe.impl, interpret=recipe.interpret)
 
@@ -86,8 +106,8 @@ def _linear(x: jax.Array, w: jax.Array, recipe: Fp8Recipe) -> jax.Array:
 def _linear_fwd(x, w, recipe: Fp8Recipe):
     """x [M, K], w [K, N] -> y [M, N]; residuals are FP8 where the backward GEMM is FP8."""
     qx = _q(x, recipe.activation_block, recipe) if (recipe.fprop or recipe.wgrad) else None
-    qw = _q(w, recipe.weight_block, recipe) if (recipe.fprop or recipe.dgrad) else None  # [K, N]
-    y = _mm(qx, qw.mT, x.dtype, recipe) if recipe.fprop else _plain_dot(x, w)
+    qw, qw_t = _q_weight(w, recipe)  # [K, N], [N, K]
+    y = _mm(qx, qw_t, x.dtype, recipe) if recipe.fprop else _plain_dot(x, w)
     return y, (qx if recipe.wgrad else x, qw if recipe.dgrad else w)
 
 
@@ -224,8 +244,8 @@ def _gmm(a, b, group_sizes, out_dtype, recipe):
 def _grouped_fwd(x, w, group_sizes, recipe: Fp8Recipe):
     """x [T, K] sorted by group, w [G, K, N] -> y [T, N]."""
     qx = _q(x, recipe.activation_block, recipe) if (recipe.fprop or recipe.wgrad) else None
-    qw = _q(w, recipe.weight_block, recipe) if (recipe.fprop or recipe.dgrad) else None
-    y = _gmm(qx, qw.mT, group_sizes, x.dtype, recipe) if recipe.fprop else _ragged(x, w, group_sizes)
+    qw, qw_t = _q_weight(w, recipe)  # [G, K, N], [G, N, K]
+    y = _gmm(qx, qw_t, group_sizes, x.dtype, recipe) if recipe.fprop else _ragged(x, w, group_sizes)
     return y, (qx if recipe.wgrad else x, qw if recipe.dgrad else w, group_sizes)
 
 

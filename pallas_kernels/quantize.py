@@ -7,6 +7,9 @@ elementwise rules of `fp8_math` (`abs_for_amax`, `scale_from_amax`, `reciprocal`
 
   quantize_tile            (1, 128) tiles along the last axis: activations.
   quantize_block           (128, 128) blocks: weights.
+  quantize_block_and_transpose
+                           the same, also writing the E4M3 blocks transposed (Fprop and Dgrad
+                           use a weight in both orientations), from one read of the input.
   quantize_column          (128, 1) tiles (128 rows per scale): the Wgrad operand, optionally
                            written transposed, the layout the Wgrad GEMM consumes.
   retile_tile_to_column_t  the backward-pass re-tiling (§3.5.2): dequantize a (1, 128)-tiled
@@ -318,10 +321,13 @@ def _row_scale_call(inputs, *, out_rows: int, out_chunks: int, transposed: bool,
 # Kernels whose CTA owns 128 rows and reduces down columns: block and (non-transposed) column.
 
 
-def _column_chunk(x_ref, d_ref, *, per_column: bool, pow2_scale: bool, swizzled: bool):
+def _column_chunk(x_ref, d_ref, bounce_ref=None, *, per_column: bool, pow2_scale: bool,
+                  swizzled: bool):
     """Quantizes one SMEM chunk [128, 128] into `d_ref`, in two [128, 64] halves.
 
-    Returns the two halves' [64] column scales when `per_column`, else the chunk's one scale.
+    With `bounce_ref` (f16 [128, 128]) the E4M3 values are also written there as f16 (exact), for
+    the caller to read back transposed. Returns the two halves' [64] column scales when
+    `per_column`, else the chunk's one scale.
     """
     halves = [pl.ds(h * _HALF, _HALF) for h in range(TILE // _HALF)]
     col_amax = [
@@ -334,17 +340,30 @@ def _column_chunk(x_ref, d_ref, *, per_column: bool, pow2_scale: bool, swizzled:
         scale = scale_from_amax(jnp.maximum(*[jnp.max(a, axis=0) for a in col_amax]), pow2_scale)
         inv = [jnp.broadcast_to(reciprocal(scale), (TILE, _HALF))] * len(halves)
     for h, inv_h in zip(halves, inv):
-        d_ref[:, h] = encode_scaled(_load_f32(x_ref.at[:, h], swizzled), inv_h)
+        q = encode_scaled(_load_f32(x_ref.at[:, h], swizzled), inv_h)
+        d_ref[:, h] = q
+        if bounce_ref is not None:
+            bounce_ref[:, h] = q.astype(jnp.float16)
     return scale
 
 
-def _column_body(x_gmem, d_gmem, s_gmem, x_smem, d_smem, s_smem, bars, *, chunks: int,
-                 slots: int, per_column: bool, pow2_scale: bool, swizzled: bool):
+def _column_body(x_gmem, d_gmem, s_gmem, *refs, chunks: int, slots: int, per_column: bool,
+                 item_blocks: int | None, pow2_scale: bool, swizzled: bool):
     """One CTA: rows [128 i, 128 i + 128) x `chunks` chunks of 128 columns.
 
     `per_column`: (128, 1) tiles, one scale per column; else one scale per (128, 128) block,
-    written straight to GMEM (a single f32 is below the 16-byte TMA minimum).
+    written straight to GMEM (a single f32 is below the 16-byte TMA minimum). With `item_blocks`
+    (block scaling only) the kernel also writes each block transposed into `dt_gmem` [items, Kp,
+    item_blocks * 128]: the input's rows are `items` stacked matrices of `item_blocks` row blocks
+    each, and each matrix is transposed on its own. The transpose goes through SMEM as f16, as in
+    `_transposed_chunk`.
     """
+    if item_blocks is not None:
+        dt_gmem, x_smem, d_smem, dt_smem, bounce, bars = refs
+    elif per_column:
+        x_smem, d_smem, s_smem, bars = refs
+    else:
+        x_smem, d_smem, bars = refs
     i, j = jax.lax.axis_index("rows"), jax.lax.axis_index("chunks")
     rows = pl.ds(i * TILE, TILE)
 
@@ -358,9 +377,11 @@ def _column_body(x_gmem, d_gmem, s_gmem, x_smem, d_smem, s_smem, bars, *, chunks
 
     def quantize_chunk(c, slot):
         scale = _column_chunk(
-            x_smem.at[slot], d_smem.at[slot], per_column=per_column, pow2_scale=pow2_scale,
-            swizzled=swizzled,
+            x_smem.at[slot], d_smem.at[slot], None if item_blocks is None else bounce,
+            per_column=per_column, pow2_scale=pow2_scale, swizzled=swizzled,
         )
+        if item_blocks is not None:
+            dt_smem[slot] = plgpu.load(bounce.T, layout=_WGMMA, optimized=swizzled).astype(FP8_DTYPE)
         if per_column:
             for h, s in enumerate(scale):
                 s_smem[slot, 0, pl.ds(h * _HALF, _HALF)] = s
@@ -370,15 +391,24 @@ def _column_body(x_gmem, d_gmem, s_gmem, x_smem, d_smem, s_smem, bars, *, chunks
         plgpu.copy_smem_to_gmem(d_smem.at[slot], d_gmem.at[rows, chunk(c)])
         if per_column:
             plgpu.copy_smem_to_gmem(s_smem.at[slot], s_gmem.at[pl.ds(i, 1), chunk(c)])
+        if item_blocks is not None:
+            item_rows = pl.ds(i % item_blocks * TILE, TILE)
+            plgpu.copy_smem_to_gmem(
+                dt_smem.at[slot], dt_gmem.at[i // item_blocks, chunk(c), item_rows]
+            )
 
-    _chunk_loop(
-        chunks, slots, bars, fetch, quantize_chunk, stores_per_chunk=2 if per_column else 1
-    )
+    stores = 1 + (per_column or item_blocks is not None)
+    _chunk_loop(chunks, slots, bars, fetch, quantize_chunk, stores_per_chunk=stores)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: QuantizeConfig):
-    """Runs `_column_body` on x [M, K] → data [Mp, out_cols] and scale [Mp // 128, ...]."""
+def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: QuantizeConfig,
+                 items: int | None = None):
+    """Runs `_column_body` on x [M, K] → data [Mp, out_cols] and scale [Mp // 128, ...].
+
+    With `items` (block scaling), also the transposed data [items, out_cols, Mp // items] of the
+    `items` stacked matrices (M a multiple of 128 * items when items > 1).
+    """
     chunks = cfg.column_chunks
     slots = cfg.slots(chunks)
     row_blocks = pl.cdiv(x.shape[0], TILE)
@@ -390,15 +420,28 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
     swizzled = (
         cfg.swizzle and _swizzle_fits(x, TILE) and out_cols % _swizzle_elems(FP8_DTYPE, _HALF) == 0
     )
+    out_type = [
+        jax.ShapeDtypeStruct((row_blocks * TILE, out_cols), FP8_DTYPE),
+        jax.ShapeDtypeStruct((row_blocks, scale_cols), jnp.float32),
+    ]
+    transposed = []
+    if items is not None:
+        out_type.append(
+            jax.ShapeDtypeStruct((items, out_cols, row_blocks // items * TILE), FP8_DTYPE)
+        )
+        # The transposed block [128, 128] E4M3 and its f16 bounce (`_column_chunk`), both
+        # stored whole: 128-byte swizzled tiles.
+        transposed = [
+            _smem((slots, TILE, TILE), FP8_DTYPE, swizzled),
+            _smem((TILE, TILE), jnp.float16, swizzled),
+        ]
     kernel = plgpu.kernel(
         functools.partial(
             _column_body, chunks=chunks, slots=slots, per_column=per_column,
-            pow2_scale=pow2_scale, swizzled=swizzled,
+            item_blocks=None if items is None else row_blocks // items, pow2_scale=pow2_scale,
+            swizzled=swizzled,
         ),
-        out_type=(
-            jax.ShapeDtypeStruct((row_blocks * TILE, out_cols), FP8_DTYPE),
-            jax.ShapeDtypeStruct((row_blocks, scale_cols), jnp.float32),
-        ),
+        out_type=tuple(out_type),
         grid=grid,
         grid_names=("rows", "chunks"),
         scratch_types=[
@@ -407,7 +450,9 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
                 (slots, TILE, TILE), FP8_DTYPE,
                 transforms=_swizzled(FP8_DTYPE, _HALF) if swizzled else (),
             ),
-            plgpu.SMEM((slots, 1, TILE), jnp.float32),
+            *transposed,
+            # Per-column scales are staged for a TMA store; a block's one scale is not.
+            *([plgpu.SMEM((slots, 1, TILE), jnp.float32)] if per_column else []),
             plgpu.Barrier(num_barriers=slots),
         ],
         compiler_params=_COMPILER_PARAMS,
@@ -490,6 +535,47 @@ def quantize_block(
         _tma_aligned(x), out_cols=kp, per_column=False, pow2_scale=pow2_scale, cfg=config
     )
     return data, scale[:, : kp // TILE]
+
+
+def quantize_block_and_transpose(
+    x: jax.Array, *, pow2_scale: bool = False, config: QuantizeConfig = QuantizeConfig()
+):
+    """`quantize_block` that also writes the E4M3 data transposed, in the same pass.
+
+    A weight W [K, N] is used as blocks of W in one GEMM and of Wᵀ in the other (Fprop needs the
+    contracted K contiguous, Dgrad N): this reads W once and writes both orientations, instead of
+    quantizing and then transposing the E4M3 copy in a second pass over it. A (128, 128) block's
+    scale is the same for both (the scale array is transposed, a tiny array, by the caller).
+
+    Args:
+      x: [M, K] or [G, M, K] (G stacked matrices, e.g. experts; then M must be a multiple of 128)
+        in bf16, f16 or f32.
+
+    Returns:
+      data [..., Mp, Kp] float8_e4m3fn and scale [..., Mp // 128, Kp // 128], as `quantize_block`,
+      and data_t [..., Kp, Mp]: data with its last two axes swapped.
+    """
+    if x.ndim not in (2, 3):
+        raise ValueError(f"x must be [M, K] or [G, M, K], got shape {x.shape}")
+    *batch, m, k = x.shape
+    if batch and m % TILE:
+        raise ValueError(
+            f"stacked matrices need rows (here {m}) that are a multiple of {TILE}, so that no block "
+            "spans two of them; quantize them one by one (e.g. with jax.vmap) instead"
+        )
+    items = batch[0] if batch else 1
+    x2 = x.reshape(items * m, k)
+    _check_input(x2)
+    mp, kp = _round_up(m, TILE), _round_up(k, TILE)
+    if m == 0 or k == 0 or items == 0:
+        data, scale = _empty((*batch, mp, kp), (*batch, mp // TILE, kp // TILE))
+        return data, scale, jnp.zeros((*batch, kp, mp), FP8_DTYPE)
+    data, scale, data_t = _column_call(
+        _tma_aligned(x2), out_cols=kp, per_column=False, pow2_scale=pow2_scale, cfg=config,
+        items=items,
+    )
+    scale = scale[:, : kp // TILE].reshape(*batch, mp // TILE, kp // TILE)
+    return data.reshape(*batch, mp, kp), scale, data_t.reshape(*batch, kp, mp)
 
 
 def quantize_column(x: jax.Array, *, pow2_scale: bool = False, transpose: bool = False,

@@ -106,6 +106,42 @@ def test_wgrad_operand_front_doors_are_bit_identical():
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize(
+    "shape,dtype", [((200, 136), jnp.float32), ((3, 256, 130), jnp.bfloat16)], ids=str
+)
+def test_quantize_weight_front_door_is_bit_identical(shape, dtype):
+    """Both orientations from the fused kernel equal `quantize` and its `.mT`, logical shapes and
+    blocks included (2-D, and stacked experts whose matrices are transposed one by one)."""
+    rng = np.random.default_rng()
+    w = jnp.asarray(rng.standard_normal(shape) * rng.uniform(1e-3, 1e3), dtype)
+    got = jax.jit(lambda v: jfp8.quantize_weight(v, impl="mosaic", interpret=True))(w)
+    want_q = jfp8.quantize(w, (128, 128))
+    for g, want in zip(got, (want_q, want_q.mT)):
+        assert (g.block, g.logical, g.shape) == (want.block, want.logical, want.shape)
+        for gb, wb in zip(_bits(g), _bits(want)):
+            np.testing.assert_array_equal(gb, wb)
+
+
+def test_fp8_linear_quantizes_its_weight_once_for_both_orientations(monkeypatch):
+    """On the kernels' path Fprop and Dgrad take their weights from one fused quantizer launch
+    (not a quantize plus an XLA transpose), for dense and expert weights; traced, not run."""
+    from pallas_kernels import quantize as qk
+
+    calls = []
+    fused = qk.quantize_block_and_transpose
+    monkeypatch.setattr(
+        qk, "quantize_block_and_transpose", lambda w, **kw: calls.append(w.shape) or fused(w, **kw)
+    )
+    monkeypatch.setattr(qk, "quantize_block", lambda *a, **kw: pytest.fail("two-pass weight"))
+    recipe = jfp8.Fp8Recipe(interpret=True)
+    x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 384), jnp.float32)
+    jax.eval_shape(jax.grad(lambda x, w: jfp8.fp8_linear(x, w, recipe).sum(), (0, 1)), x, w)
+    wg, sizes = jnp.ones((2, 256, 384), jnp.float32), jnp.array([100, 156], jnp.int32)
+    loss = lambda x, w: jfp8.grouped_fp8_linear(x, w, sizes, recipe).sum()  # noqa: E731
+    jax.eval_shape(jax.grad(loss, (0, 1)), x, wg)
+    assert calls == [(256, 384), (2, 256, 384)]
+
+
 def test_quantize_explicit_mosaic_on_unsupported_input_says_so():
     with pytest.raises(NotImplementedError, match="impl='xla'"):
         jfp8.quantize(jnp.ones((4, 64)), (4, 32), impl="mosaic", interpret=True)

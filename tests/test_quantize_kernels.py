@@ -31,17 +31,22 @@ from pallas_kernels import quantize as qk
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE, abs_for_amax, encode
 
 KERNELS = ("tile", "block", "column", "column_t", "retile")
+# "block_t": `quantize_block_and_transpose`, the block quantizer that also writes the transpose.
+ALL_KINDS = (*KERNELS, "block_t")
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "pow2_scale"))
 def _reference(x, *, kind: str, pow2_scale: bool):
-    """(data, scale) of `jfp8.quantize` for kernel `kind`, jitted as the jfp8 layer runs it (and
-    because eager dispatch compiles every small op per shape). Jitted and eager `quantize` gave
-    identical bits for all three granularities when this was written."""
+    """(data, scale) of `jfp8.quantize` for kernel `kind` (and, for block_t, the data
+    transposed), jitted as the jfp8 layer runs it (and because eager dispatch compiles every
+    small op per shape). Jitted and eager `quantize` gave identical bits for all three
+    granularities when this was written."""
     if kind == "retile":
         x = quantize(x, (1, TILE), pow2_scale=pow2_scale).dequantize(jnp.float32)
-    block = {"tile": (1, TILE), "block": (TILE, TILE)}.get(kind, (TILE, 1))
+    block = {"tile": (1, TILE), "block": (TILE, TILE), "block_t": (TILE, TILE)}.get(kind, (TILE, 1))
     t = quantize(x, block, pow2_scale=pow2_scale)
+    if kind == "block_t":
+        return t.data, t.scale, t.mT.data
     t = t.mT if kind in ("column_t", "retile") else t
     return t.data, t.scale
 
@@ -53,7 +58,9 @@ def _kernel(x, *, kind: str, pow2_scale: bool, config=qk.QuantizeConfig()):
         return qk.retile_tile_to_column_t(t.data, t.scale, m=x.shape[0], k=x.shape[1], **kw)
     if kind.startswith("column"):
         return qk.quantize_column(x, transpose=kind == "column_t", **kw)
-    return {"tile": qk.quantize_tile, "block": qk.quantize_block}[kind](x, **kw)
+    fn = {"tile": qk.quantize_tile, "block": qk.quantize_block,
+          "block_t": qk.quantize_block_and_transpose}[kind]
+    return fn(x, **kw)
 
 
 def _interpret(fn, *args, detect_races: bool = False, **kwargs):
@@ -98,14 +105,17 @@ def _assert_bit_equal(got, want, what: str, seed: int) -> None:
     )
 
 
+def _assert_outputs_equal(got, want, what: str, seed: int) -> None:
+    """Every output of a kernel (data, scale[, data transposed]) against the reference's."""
+    assert len(got) == len(want), (what, len(got), len(want))
+    for name, g, w in zip(("data", "scale", "transposed data"), got, want):
+        _assert_bit_equal(g, w, f"{what} {name}", seed)
+
+
 def _check(kind: str, seed: int, shape, dtype, pow2_scale: bool, *, detect_races=False, **kw):
     x = _hard_input(seed, shape, dtype)
-    data, scale = _interpret(
-        _kernel, x, kind=kind, pow2_scale=pow2_scale, detect_races=detect_races, **kw
-    )
-    want_data, want_scale = _reference(x, kind=kind, pow2_scale=pow2_scale)
-    _assert_bit_equal(data, want_data, f"{kind} data", seed)
-    _assert_bit_equal(scale, want_scale, f"{kind} scale", seed)
+    got = _interpret(_kernel, x, kind=kind, pow2_scale=pow2_scale, detect_races=detect_races, **kw)
+    _assert_outputs_equal(got, _reference(x, kind=kind, pow2_scale=pow2_scale), kind, seed)
 
 
 _DEFAULT = qk.QuantizeConfig()
@@ -143,6 +153,11 @@ HARD_CASES = [
     ("block", (300, 1000), jnp.float32, False, qk.QuantizeConfig(column_chunks=5, stages=2)),
     ("column", (136, 1088), jnp.float32, True, qk.QuantizeConfig(column_chunks=4, stages=2)),
     ("column_t", (600, 320), jnp.bfloat16, False, qk.QuantizeConfig(chunks=4, stages=1)),
+    # The block quantizer that also writes the transpose: unswizzled with tails on both axes and
+    # spare chunks past the end, swizzled (f32), and a slot ring.
+    ("block_t", (300, 200), jnp.bfloat16, True, qk.QuantizeConfig(column_chunks=3)),
+    ("block_t", (264, 320), jnp.float32, False, _DEFAULT),
+    ("block_t", (300, 1000), jnp.float32, False, qk.QuantizeConfig(column_chunks=5, stages=2)),
 ]
 
 
@@ -161,6 +176,9 @@ def test_bit_identical_to_quantize(kind, shape, dtype, pow2_scale, config):
         # Two stores per chunk (data and per-column scales) through reused output slots.
         ("column", (136, 1088), qk.QuantizeConfig(column_chunks=4, stages=2)),
         ("block", (300, 1000), qk.QuantizeConfig(column_chunks=5, stages=2)),
+        # Its f16 bounce reused by every chunk; two stores per chunk through a ring.
+        ("block_t", (264, 640), qk.QuantizeConfig(column_chunks=3)),
+        ("block_t", (300, 1000), qk.QuantizeConfig(column_chunks=5, stages=2)),
     ],
 )
 def test_bit_identical_without_smem_races(kind, shape, config):
@@ -171,10 +189,34 @@ def test_bit_identical_without_smem_races(kind, shape, config):
     assert not gpu_callbacks.get_races().races_found
 
 
-@pytest.mark.parametrize("kind", ["tile", "column", "retile"])  # one per kernel body
+@pytest.mark.parametrize("kind", ["tile", "column", "retile", "block_t"])  # one per kernel body
 def test_single_element(kind):
     """M = K = 1 (f16): one element, the rest padding (zero-filled loads, dropped stores)."""
     _check(kind, _seed(), (1, 1), jnp.float16, True)
+
+
+def _stacked_reference(w, pow2_scale):
+    t = jax.jit(functools.partial(quantize, block=(TILE, TILE), pow2_scale=pow2_scale))(w)
+    return t.data, t.scale, t.mT.data
+
+
+@pytest.mark.parametrize(
+    "shape,dtype,config",
+    [
+        ((3, 256, 200), jnp.bfloat16, _DEFAULT),  # K tail: unswizzled
+        ((2, 128, 320), jnp.float32, qk.QuantizeConfig(column_chunks=2, stages=1)),  # swizzled ring
+    ],
+)
+def test_stacked_matrices_are_transposed_one_by_one(shape, dtype, config):
+    """[G, M, K] (experts): each matrix's blocks and its own transpose [G, Kp, M], bit for bit;
+    each matrix has its own magnitudes, so a block that mixed two would change the scales."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape) * np.exp2(rng.integers(-8, 9, size=(shape[0], 1, 1)))
+    w = jnp.asarray(w, dtype)
+    pow2_scale = bool(rng.integers(2))
+    got = _interpret(qk.quantize_block_and_transpose, w, pow2_scale=pow2_scale, config=config)
+    _assert_outputs_equal(got, _stacked_reference(w, pow2_scale), f"stacked {shape}", seed)
 
 
 def test_interpreter_poisons_unwritten_output():
@@ -232,16 +274,36 @@ def test_encode_is_the_same_under_jit_and_eagerly():
 # Edge cases and errors (no launch).
 
 
-@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0, 0)])
 def test_empty_input_returns_empty_without_launch(kind, shape):
     """Outside the interpreter: a launch on this CPU would raise."""
     x = jnp.zeros(shape, jnp.bfloat16)
-    data, scale = _kernel(x, kind=kind, pow2_scale=False)
+    got = _kernel(x, kind=kind, pow2_scale=False)
     want = jax.eval_shape(functools.partial(_reference, kind=kind, pow2_scale=False), x)
-    want_data, want_scale = want
-    assert data.shape == want_data.shape and data.dtype == FP8_DTYPE
-    assert scale.shape == want_scale.shape and scale.dtype == jnp.float32
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+
+
+def test_empty_stack_returns_empty_without_launch():
+    w = jnp.zeros((0, 256, 384), jnp.float32)
+    got = qk.quantize_block_and_transpose(w)
+    assert [g.shape for g in got] == [(0, 256, 384), (0, 2, 3), (0, 384, 256)]
+
+
+@pytest.mark.parametrize(
+    "x,error,match",
+    [
+        (jnp.zeros((2, 200, 256), jnp.bfloat16), ValueError, "multiple of 128"),
+        (jnp.zeros((2, 2, 128, 128), jnp.bfloat16), ValueError, r"\[G, M, K\]"),
+        (jnp.zeros((8,), jnp.float32), ValueError, r"\[G, M, K\]"),
+        (jnp.zeros((2, 128, 8), jnp.int32), TypeError, "bf16, f16 or f32"),
+    ],
+)
+def test_block_t_invalid_input_raises(x, error, match):
+    with pytest.raises(error, match=match):
+        qk.quantize_block_and_transpose(x)
 
 
 @pytest.mark.parametrize("kind", ["tile", "block", "column", "column_t"])
@@ -303,9 +365,26 @@ _SHAPES = [(4096, 7168, jnp.bfloat16), (8192, 8192, jnp.float32), (4096, 2112, j
 LOWERING_CASES = [(kind, *_SHAPES[(i + j) % 4]) for i, kind in enumerate(KERNELS) for j in (0, 3)]
 
 
-@pytest.mark.parametrize("kind,m,k,dtype", LOWERING_CASES)
+@pytest.mark.parametrize(
+    "kind,m,k,dtype",
+    [
+        *LOWERING_CASES,
+        # Weights: f32 masters (the largest SMEM of all the defaults: 2 chunks of input, E4M3
+        # output, its transpose and the f16 bounce, 16 bytes under the limit once the block
+        # kernel stopped staging per-column scales it does not use), bf16, tails.
+        ("block_t", 7168, 2048, jnp.float32),
+        ("block_t", 2048, 7168, jnp.bfloat16),
+        ("block_t", 300, 130, jnp.float32),
+    ],
+)
 def test_lowers_for_hopper(kind, m, k, dtype):
     assert "mosaic_gpu" in _lower(kind, m, k, dtype)
+
+
+def test_stacked_block_t_lowers_for_hopper():
+    """The experts' weights of a DeepSeek-V3 MoE layer, [G, K, N] f32, in one launch."""
+    fn = qk.quantize_block_and_transpose
+    assert "mosaic_gpu" in _mgpu.lower_for_cuda(fn, jax.ShapeDtypeStruct((8, 7168, 2048), jnp.float32))
 
 
 @pytest.mark.parametrize("kind", ["tile", "column", "retile"])  # one per kernel body
@@ -344,6 +423,8 @@ def test_lowers_with_other_tiling(kind, config, dtype):
         ("column_t", 4092, 2112, jnp.bfloat16, False),
         ("retile", 4096, 2112, None, True),
         ("retile", 4100, 2112, None, False),
+        ("block_t", 7168, 2048, jnp.float32, True),
+        ("block_t", 7172, 2048, jnp.bfloat16, False),
     ],
 )
 def test_swizzles_exactly_where_tma_can_tile(kind, m, k, dtype, swizzled, monkeypatch):
@@ -375,7 +456,7 @@ def test_lowering_rejects_a_config_over_the_smem_budget():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
-@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_on_gpu_matches_reference(kind):
     """Swizzled (bf16 and f32: 128-byte tiles of 64 and of 32 elements), unswizzled (a shape
     TMA cannot tile; `simple()` on one it can) and a slot ring, bit for bit."""
@@ -388,9 +469,19 @@ def test_on_gpu_matches_reference(kind):
         ((4096, 7168), jnp.float32, False, RING),
     ]:
         x = _hard_input(seed, shape, dtype)
-        data, scale = jax.jit(_kernel, static_argnames=("kind", "pow2_scale", "config"))(
+        got = jax.jit(_kernel, static_argnames=("kind", "pow2_scale", "config"))(
             x, kind=kind, pow2_scale=pow2_scale, config=config
         )
-        want_data, want_scale = _reference(x, kind=kind, pow2_scale=pow2_scale)
-        _assert_bit_equal(data, want_data, f"{kind} {shape} {config} data", seed)
-        _assert_bit_equal(scale, want_scale, f"{kind} {shape} {config} scale", seed)
+        want = _reference(x, kind=kind, pow2_scale=pow2_scale)
+        _assert_outputs_equal(got, want, f"{kind} {shape} {config}", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
+def test_stacked_block_t_on_gpu_matches_reference():
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((8, 2048, 1024)) * np.exp2(rng.integers(-8, 9, size=(8, 1, 1)))
+    w = jnp.asarray(w, jnp.float32)
+    got = jax.jit(qk.quantize_block_and_transpose)(w)
+    _assert_outputs_equal(got, _stacked_reference(w, False), "stacked on GPU", seed)
