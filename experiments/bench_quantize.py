@@ -16,6 +16,9 @@ Rows:
                                                          Dgrad), one fused pass on Hopper
     block+mT  the same as quantize(x, (128, 128)) and .mT: the two-pass way block-t replaces
     column-t  jfp8.quantize_wgrad_operand(x)             x^T scaled per 128 tokens (Wgrad)
+    grad      jfp8.quantize_grad(x)                      a gradient's Dgrad and Wgrad forms, one
+                                                         fused pass on Hopper
+    grad-2    the same as quantize(x, (1, 128)) and quantize_wgrad_operand(x): two reads of x
     retile    jfp8.retile_wgrad_operand(tile-quantized x) dequantize, transpose, requantize (§3.5.2)
   (impl "mosaic", the fused kernels, on Hopper; the XLA reference path elsewhere)
   jfp8-mosaic-<kernel>[<config>]  the same kernel from pallas_kernels.quantize with
@@ -103,6 +106,10 @@ def _two_pass_weight(x, impl):
     return q, q.mT
 
 
+def _two_pass_grad(x, impl):
+    return jfp8.quantize(x, (1, jfp8.TILE), impl=impl), jfp8.quantize_wgrad_operand(x, impl=impl)
+
+
 # Each kernel: (measured implementation, reference), both x -> Fp8Tensor. The measured side takes
 # `impl`; the reference is always the XLA path. Module level so tests can substitute a wrong one.
 @jax.jit
@@ -116,6 +123,8 @@ MEASURED: dict[str, Callable] = {
     "block-t": lambda x, impl: jfp8.quantize_weight(x, impl=impl),
     "block+mT": _two_pass_weight,
     "column-t": lambda x, impl: jfp8.quantize_wgrad_operand(x, impl=impl),
+    "grad": lambda x, impl: jfp8.quantize_grad(x, impl=impl),
+    "grad-2": _two_pass_grad,
     "retile": lambda t, impl: jfp8.retile_wgrad_operand(t, impl=impl),
 }
 REFERENCE: dict[str, Callable] = {
@@ -124,6 +133,8 @@ REFERENCE: dict[str, Callable] = {
     "block-t": jax.jit(lambda x: _two_pass_weight(x, "xla")),
     "block+mT": jax.jit(lambda x: _two_pass_weight(x, "xla")),
     "column-t": jax.jit(lambda x: jfp8.quantize_wgrad_operand(x, impl="xla")),
+    "grad": jax.jit(lambda x: _two_pass_grad(x, "xla")),
+    "grad-2": jax.jit(lambda x: _two_pass_grad(x, "xla")),
     "retile": jax.jit(lambda t: jfp8.retile_wgrad_operand(t, impl="xla")),
 }
 
@@ -142,6 +153,12 @@ def _configured(kernel: str, config):
         "block-t": lambda x: with_transposes(*qk.quantize_block_and_transpose(x, config=config)),
         "block+mT": lambda x: with_transposes(*qk.quantize_block(x, config=config)),
         "column-t": lambda x: qk.quantize_column(x, transpose=True, config=config),
+        # Its own chunking: 4 chunks per CTA through 2 slots (`qk.BOTH_CONFIG`); the config's
+        # other fields (swizzle) apply.
+        "grad": lambda x: qk.quantize_tile_and_column_t(x, config=dataclasses.replace(
+            config, column_chunks=qk.BOTH_CONFIG.column_chunks, stages=qk.BOTH_CONFIG.stages)),
+        "grad-2": lambda x: (*qk.quantize_tile(x, config=config),
+                             *qk.quantize_column(x, transpose=True, config=config)),
         "retile": lambda t: qk.retile_tile_to_column_t(
             t.data, t.scale, m=t.logical[0], k=t.logical[1], config=config
         ),

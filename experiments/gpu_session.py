@@ -558,6 +558,9 @@ def worker_kernels() -> int:
         "quantize_weight_both": lambda: sum(
             bits_differ(t, ref) for t, ref in zip(
                 jfp8.quantize_weight(wg, impl="mosaic"), jfp8.quantize_weight(wg))),
+        "quantize_grad_both": lambda: sum(
+            bits_differ(t, ref) for t, ref in zip(
+                jfp8.quantize_grad(dy, impl="mosaic"), jfp8.quantize_grad(dy))),
         "quantize_column_t": lambda: bits_differ(jfp8.quantize_wgrad_operand(x, impl="mosaic"),
                                                  jfp8.quantize_wgrad_operand(x)),
         "retile": lambda: bits_differ(jfp8.retile_wgrad_operand(a, impl="mosaic"), jfp8.retile_wgrad_operand(a)),

@@ -281,6 +281,30 @@ def quantize_wgrad_operand(
     return quantize(x, (TILE, 1), pow2_scale=pow2_scale).mT
 
 
+def quantize_grad(
+    dy: jax.Array, *, pow2_scale: bool = False, impl: Impl = "xla", interpret: bool = False
+) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """dy (T, N) -> `(quantize(dy, (1, 128)), quantize_wgrad_operand(dy))`: its Dgrad operand in
+    1x128 tiles and its Wgrad operand (dyᵀ scaled per 128 tokens).
+
+    On the kernels' path one fused pass reads dy once and writes both
+    (`pallas_kernels.quantize.quantize_tile_and_column_t`); otherwise it is the two calls.
+    Bit-identical either way.
+    """
+    dy = jnp.asarray(dy)
+    if dy.ndim == 2 and jnp.issubdtype(dy.dtype, jnp.floating) and _use_kernels(
+        dy, (TILE, 1), impl, interpret
+    ):
+        from pallas_kernels import quantize as qk
+
+        t, n = dy.shape
+        with interpret_mode(interpret):
+            data, scale, data_t, scale_t = qk.quantize_tile_and_column_t(dy, pow2_scale=pow2_scale)
+        return Fp8Tensor(data, scale, (1, TILE), (t, n)), Fp8Tensor(data_t, scale_t, (1, TILE), (n, t))
+    kw = dict(pow2_scale=pow2_scale, impl=impl, interpret=interpret)
+    return quantize(dy, (1, TILE), **kw), quantize_wgrad_operand(dy, **kw)
+
+
 def retile_wgrad_operand(
     t: Fp8Tensor, *, pow2_scale: bool = False, impl: Impl = "xla", interpret: bool = False
 ) -> Fp8Tensor:

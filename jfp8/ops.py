@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8.fp8 import (
+    TILE,
     Fp8Tensor,
     quantize,
+    quantize_grad,
     quantize_weight,
     quantize_wgrad_operand,
     retile_wgrad_operand,
@@ -95,6 +97,21 @@ def _wgrad_dy(dy: jax.Array, recipe: Fp8Recipe) -> Fp8Tensor:
     )
 
 
+def _q_grad(dy: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Tensor | None]:
+    """dy -> (its Dgrad operand, its Wgrad operand dyᵀ), each None when that GEMM is not FP8.
+    With DeepSeek-V3's scaling for both, one fused pass reads dy once (`quantize_grad`)."""
+    if recipe.dgrad and recipe.wgrad and (recipe.grad_block, recipe.wgrad_block) == (
+        (1, TILE), (TILE, 1)
+    ):
+        return quantize_grad(
+            dy, pow2_scale=recipe.pow2_scale, impl=recipe.impl, interpret=recipe.interpret
+        )
+    return (
+        _q(dy, recipe.grad_block, recipe) if recipe.dgrad else None,
+        _wgrad_dy(dy, recipe) if recipe.wgrad else None,
+    )
+
+
 # ------------------------------------------------------------------------------ dense linear
 
 
@@ -114,12 +131,13 @@ def _linear_fwd(x, w, recipe: Fp8Recipe):
 def _linear_bwd(recipe: Fp8Recipe, residuals, dy):
     x_res, w_res = residuals
     x_dtype = dy.dtype  # y, hence dy, has x's dtype
+    q_dy, q_dy_t = _q_grad(dy, recipe)
     if recipe.dgrad:  # dx [M, K] = dy [M, N] · Wᵀ: b is W [K, N] itself (contracted on N)
-        dx = _mm(_q(dy, recipe.grad_block, recipe), w_res, x_dtype, recipe)
+        dx = _mm(q_dy, w_res, x_dtype, recipe)
     else:
         dx = _plain_dot(dy, w_res.T)
     if recipe.wgrad:  # dW [K, N] = xᵀ [K, M] · dy [M, N], both scaled per 128 tokens
-        dw = _mm(_wgrad_x(x_res, recipe), _wgrad_dy(dy, recipe), jnp.float32, recipe)
+        dw = _mm(_wgrad_x(x_res, recipe), q_dy_t, jnp.float32, recipe)
     else:
         dw = jnp.dot(x_res.T, dy, preferred_element_type=jnp.float32)
     return dx.astype(x_dtype), dw
@@ -252,13 +270,14 @@ def _grouped_fwd(x, w, group_sizes, recipe: Fp8Recipe):
 def _grouped_bwd(recipe: Fp8Recipe, residuals, dy):
     x_res, w_res, group_sizes = residuals
     x_dtype = dy.dtype
+    q_dy, q_dy_t = _q_grad(dy, recipe)
     if recipe.dgrad:  # dx [T, K] = dy [T, N] · W_gᵀ: b is W [G, K, N] (contracted on N)
-        dx = _gmm(_q(dy, recipe.grad_block, recipe), w_res, group_sizes, x_dtype, recipe)
+        dx = _gmm(q_dy, w_res, group_sizes, x_dtype, recipe)
     else:
         dx = _ragged(dy, jnp.swapaxes(w_res, 1, 2), group_sizes)
     if recipe.wgrad:  # dW_g [K, N] = x_gᵀ · dy_g, grouped along the token axis
         dw = grouped_wgrad_matmul(
-            _wgrad_x(x_res, recipe), _wgrad_dy(dy, recipe), group_sizes,
+            _wgrad_x(x_res, recipe), q_dy_t, group_sizes,
             out_dtype=jnp.float32, impl=recipe.impl, interpret=recipe.interpret,
         )
     else:  # ragged_dot is linear in w: its VJP at any point is the grouped xᵀ·dy

@@ -12,6 +12,9 @@ elementwise rules of `fp8_math` (`abs_for_amax`, `scale_from_amax`, `reciprocal`
                            use a weight in both orientations), from one read of the input.
   quantize_column          (128, 1) tiles (128 rows per scale): the Wgrad operand, optionally
                            written transposed, the layout the Wgrad GEMM consumes.
+  quantize_tile_and_column_t
+                           an output gradient's two forms, (1, 128) tiles (Dgrad) and
+                           transposed (128, 1) tiles (Wgrad), from one read of it.
   retile_tile_to_column_t  the backward-pass re-tiling (§3.5.2): dequantize a (1, 128)-tiled
                            tensor, transpose it and requantize it as (128, 1) tiles, in one pass.
 
@@ -23,7 +26,10 @@ Structure: grids of one-warpgroup CTAs (one CTA per tile of the output, no persi
   E4M3 result through SMEM.
 - Column kernels (`quantize_block`, `quantize_column`): grid (Mp / 128, cdiv(K, 128 *
   column_chunks)); a CTA owns 128 rows x `column_chunks` chunks of 128 columns and reduces each
-  chunk over its rows (across the four warps).
+  chunk over its rows (across the four warps). `quantize_block_and_transpose` also writes each
+  block transposed; `quantize_tile_and_column_t` reduces each chunk both along its rows and down
+  its columns and writes both quantizations, the column one transposed. Both transpose E4M3
+  through SMEM as f16, as the row-scale kernels do.
 By default a CTA issues all its TMA loads at once (one barrier per chunk, so later chunks stream
 in while earlier ones are computed); with `QuantizeConfig.stages` its chunks go through a ring of
 that many SMEM slots instead, each refilled as soon as its chunk is done (`_chunk_loop`). Each
@@ -91,8 +97,10 @@ class QuantizeConfig:
         (`quantize_tile`, transposed `quantize_column`, `retile_tile_to_column_t`); 64 or 128.
       chunks: 128-wide chunks per CTA in those kernels; a multiple of 4 so that a CTA's f32 scales
         span whole 16-byte TMA units.
-      column_chunks: [128, 128] chunks per CTA in `quantize_block` / `quantize_column` (80 KiB of
-        SMEM each for f32 input, unless `stages` bounds them).
+      column_chunks: [128, 128] chunks per CTA in the kernels whose CTA owns 128 rows
+        (`quantize_block`, `quantize_block_and_transpose`, `quantize_column`,
+        `quantize_tile_and_column_t`: 80 to 112 KiB of SMEM each for f32 input, unless `stages`
+        bounds them).
       stages: SMEM slots for a CTA's input chunks (and for its E4M3 output chunks). None: one
         per chunk, every load issued at once. Fewer than the CTA's chunks: a ring, each slot
         refilled by TMA as soon as its chunk is quantized and stored, so a CTA can own many
@@ -461,6 +469,114 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
 
 
 # ---------------------------------------------------------------------------------------------
+# Both quantizations of an output gradient in one pass: (1, 128) tiles and transposed (128, 1).
+
+
+def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, pow2_scale: bool, swizzled: bool):
+    """x_ref [128, 128] → its (1, 128)-tile E4M3 in `d_ref` [128, 128] and its (128, 1)-tile E4M3,
+    transposed, in `dt_ref` [128, 128], one [128, 64] half at a time (the transpose through
+    `bounce_ref`, f16 [128, 64], as in `_transposed_chunk`).
+
+    Returns the [128] row scales and the two halves' [64] column scales. A row's amax is the max
+    of its two halves' maxima: the same value as one reduction over the row (max is exact).
+    """
+    halves = [pl.ds(h * _HALF, _HALF) for h in range(TILE // _HALF)]
+    row_amax, col_scales = None, []
+    for h in halves:
+        a = abs_for_amax(_load_f32(x_ref.at[:, h], swizzled))
+        r = jnp.max(a, axis=1)
+        row_amax = r if row_amax is None else jnp.maximum(row_amax, r)
+        col_scales.append(scale_from_amax(jnp.max(a, axis=0), pow2_scale))
+    row_scale = scale_from_amax(row_amax, pow2_scale)
+    inv_row = jax.lax.broadcast_in_dim(reciprocal(row_scale), (TILE, _HALF), (0,))
+    for h, col_scale in zip(halves, col_scales):
+        x = _load_f32(x_ref.at[:, h], swizzled)
+        d_ref[:, h] = encode_scaled(x, inv_row)
+        inv_col = jax.lax.broadcast_in_dim(reciprocal(col_scale), (TILE, _HALF), (1,))
+        bounce_ref[...] = encode_scaled(x, inv_col).astype(jnp.float16)
+        dt_ref[h, :] = plgpu.load(bounce_ref.T, layout=_WGMMA, optimized=swizzled).astype(FP8_DTYPE)
+    return row_scale, col_scales
+
+
+def _both_body(x_gmem, d_gmem, s_gmem, dt_gmem, st_gmem, x_smem, d_smem, dt_smem, bounce,
+               s_smem, st_smem, bars, *, chunks: int, slots: int, pow2_scale: bool,
+               swizzled: bool):
+    """One CTA: rows [128 i, 128 i + 128) x `chunks` chunks of 128 columns of x [M, N].
+
+    Outputs: the (1, 128) tiles d [M, Np] with row scales s [M, >= Np // 128] (stored once per
+    CTA, `chunks` columns: a multiple of 16 bytes), and the (128, 1) tiles written transposed, dt
+    [N, Mp], with their column scales st [Mp // 128, N] untransposed (each chunk's 128 scales
+    are one contiguous TMA row; the caller transposes that small array).
+    """
+    i, j = jax.lax.axis_index("rows"), jax.lax.axis_index("chunks")
+    rows = pl.ds(i * TILE, TILE)
+
+    def chunk(c):
+        return pl.ds((j * chunks + c) * TILE, TILE)
+
+    def fetch(c, slot):
+        plgpu.copy_gmem_to_smem(
+            x_gmem.at[rows, chunk(c)], x_smem.at[slot], bars.at[slot], oob_mode=_ZEROS
+        )
+
+    def quantize_chunk(c, slot):
+        row_scale, col_scales = _both_chunk(
+            x_smem.at[slot], d_smem.at[slot], dt_smem.at[slot], bounce, pow2_scale=pow2_scale,
+            swizzled=swizzled,
+        )
+        s_smem[:, c] = row_scale
+        for h, s in enumerate(col_scales):
+            st_smem[slot, 0, pl.ds(h * _HALF, _HALF)] = s
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(d_smem.at[slot], d_gmem.at[rows, chunk(c)])
+        plgpu.copy_smem_to_gmem(dt_smem.at[slot], dt_gmem.at[chunk(c), rows])
+        plgpu.copy_smem_to_gmem(st_smem.at[slot], st_gmem.at[pl.ds(i, 1), chunk(c)])
+
+    _chunk_loop(chunks, slots, bars, fetch, quantize_chunk, stores_per_chunk=3)
+    plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[rows, pl.ds(j * chunks, chunks)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _both_call(x, *, m: int, n: int, pow2_scale: bool, cfg: QuantizeConfig):
+    """Runs `_both_body` on x [m, >= n] (rows 16-byte aligned) → d, s, dt, st (see there)."""
+    chunks = cfg.column_chunks
+    slots = cfg.slots(chunks)
+    row_blocks, col_chunks = pl.cdiv(m, TILE), pl.cdiv(n, TILE)
+    grid = (row_blocks, pl.cdiv(col_chunks, chunks))
+    # Every array TMA touches must be whole swizzle tiles: x's rows and columns (which also
+    # makes dt's rows, n, a multiple of 8); d's and dt's columns are whole 128s.
+    swizzled = cfg.swizzle and _swizzle_fits(x, TILE)
+    kernel = plgpu.kernel(
+        functools.partial(
+            _both_body, chunks=chunks, slots=slots, pow2_scale=pow2_scale, swizzled=swizzled
+        ),
+        out_type=(
+            jax.ShapeDtypeStruct((m, col_chunks * TILE), FP8_DTYPE),
+            jax.ShapeDtypeStruct((m, _round_up(col_chunks, _SCALE_GROUP)), jnp.float32),
+            jax.ShapeDtypeStruct((n, row_blocks * TILE), FP8_DTYPE),
+            # Column scales, rows padded to 16 bytes (a TMA rule); sliced by the caller.
+            jax.ShapeDtypeStruct((row_blocks, _round_up(n, _SCALE_GROUP)), jnp.float32),
+        ),
+        grid=grid,
+        grid_names=("rows", "chunks"),
+        scratch_types=[
+            _smem((slots, TILE, TILE), x.dtype, swizzled),
+            plgpu.SMEM(
+                (slots, TILE, TILE), FP8_DTYPE,
+                transforms=_swizzled(FP8_DTYPE, _HALF) if swizzled else (),
+            ),
+            _smem((slots, TILE, TILE), FP8_DTYPE, swizzled),
+            _smem((TILE, _HALF), jnp.float16, swizzled),
+            plgpu.SMEM((TILE, chunks), jnp.float32),
+            plgpu.SMEM((slots, 1, TILE), jnp.float32),
+            plgpu.Barrier(num_barriers=slots),
+        ],
+        compiler_params=_COMPILER_PARAMS,
+    )
+    return kernel(x)
+
+
+# ---------------------------------------------------------------------------------------------
 # Public API.
 
 
@@ -576,6 +692,45 @@ def quantize_block_and_transpose(
     )
     scale = scale[:, : kp // TILE].reshape(*batch, mp // TILE, kp // TILE)
     return data.reshape(*batch, mp, kp), scale, data_t.reshape(*batch, kp, mp)
+
+
+# `quantize_tile_and_column_t`'s default: 4 chunks per CTA (its row scales span 16 bytes) through
+# 2 SMEM slots (f32 input fits 2, not 4).
+BOTH_CONFIG = QuantizeConfig(column_chunks=4, stages=2)
+
+
+def quantize_tile_and_column_t(
+    x: jax.Array, *, pow2_scale: bool = False, config: QuantizeConfig = BOTH_CONFIG
+):
+    """Both FP8 forms of an output gradient dy, from one read of it.
+
+    Dgrad consumes dy in (1, 128) tiles and Wgrad consumes dyᵀ scaled per 128 tokens; this reads
+    dy once and writes both (`quantize_tile(x)` and `quantize_column(x, transpose=True)`, bit
+    for bit), instead of reading it once for each.
+
+    Args:
+      x: [M, N] bf16, f16 or f32.
+      config: `column_chunks` (a multiple of 4: a CTA stores its row scales as one 16-byte-wide
+        TMA copy) and `stages` are used.
+
+    Returns:
+      data [M, Np], scale [M, Np // 128] (the (1, 128) tiles; Np = N rounded up to 128) and
+      data_t [N, Mp], scale_t [N, Mp // 128] (the transposed (128, 1) tiles; Mp = M rounded up).
+    """
+    _check_input(x)
+    if config.column_chunks % _SCALE_GROUP:
+        raise ValueError(
+            f"quantize_tile_and_column_t needs column_chunks a multiple of {_SCALE_GROUP}, got "
+            f"{config.column_chunks}; e.g. pallas_kernels.quantize.BOTH_CONFIG"
+        )
+    m, n = x.shape
+    mp, np_ = _round_up(m, TILE), _round_up(n, TILE)
+    if m == 0 or n == 0:
+        return (*_empty((m, np_), (m, np_ // TILE)), *_empty((n, mp), (n, mp // TILE)))
+    data, scale, data_t, scale_t = _both_call(
+        _tma_aligned(x), m=m, n=n, pow2_scale=pow2_scale, cfg=config
+    )
+    return data, scale[:, : np_ // TILE], data_t, scale_t[:, :n].T
 
 
 def quantize_column(x: jax.Array, *, pow2_scale: bool = False, transpose: bool = False,

@@ -122,24 +122,47 @@ def test_quantize_weight_front_door_is_bit_identical(shape, dtype):
             np.testing.assert_array_equal(gb, wb)
 
 
-def test_fp8_linear_quantizes_its_weight_once_for_both_orientations(monkeypatch):
+def test_quantize_grad_front_door_is_bit_identical():
+    """dy's Dgrad operand (1x128 tiles) and Wgrad operand (dyᵀ per 128 tokens) from the fused
+    kernel equal the two separate quantizations, logical shapes and blocks included."""
+    rng = np.random.default_rng()
+    dy = jnp.asarray(rng.standard_normal((200, 136)) * rng.uniform(1e-3, 1e3), jnp.bfloat16)
+    got = jax.jit(lambda v: jfp8.quantize_grad(v, impl="mosaic", interpret=True))(dy)
+    want = (jfp8.quantize(dy, (1, 128)), jfp8.quantize_wgrad_operand(dy))
+    for g, w in zip(got, want):
+        assert (g.block, g.logical, g.shape) == (w.block, w.logical, w.shape)
+        for gb, wb in zip(_bits(g), _bits(w)):
+            np.testing.assert_array_equal(gb, wb)
+
+
+def _count_calls(monkeypatch, module, name, calls):
+    fn = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda x, **kw: calls.append((name, x.shape)) or fn(x, **kw))
+
+
+def test_fp8_ops_read_weight_and_gradient_once_for_both_of_their_forms(monkeypatch):
     """On the kernels' path Fprop and Dgrad take their weights from one fused quantizer launch
-    (not a quantize plus an XLA transpose), for dense and expert weights; traced, not run."""
+    (not a quantize plus an XLA transpose), and Dgrad and Wgrad their dy from one (not two reads
+    of dy), for dense and expert layers; traced, not run."""
     from pallas_kernels import quantize as qk
 
     calls = []
-    fused = qk.quantize_block_and_transpose
-    monkeypatch.setattr(
-        qk, "quantize_block_and_transpose", lambda w, **kw: calls.append(w.shape) or fused(w, **kw)
-    )
+    _count_calls(monkeypatch, qk, "quantize_block_and_transpose", calls)
+    _count_calls(monkeypatch, qk, "quantize_tile_and_column_t", calls)
     monkeypatch.setattr(qk, "quantize_block", lambda *a, **kw: pytest.fail("two-pass weight"))
+    monkeypatch.setattr(qk, "quantize_column", lambda *a, **kw: pytest.fail("dy read twice"))
     recipe = jfp8.Fp8Recipe(interpret=True)
     x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 384), jnp.float32)
     jax.eval_shape(jax.grad(lambda x, w: jfp8.fp8_linear(x, w, recipe).sum(), (0, 1)), x, w)
     wg, sizes = jnp.ones((2, 256, 384), jnp.float32), jnp.array([100, 156], jnp.int32)
     loss = lambda x, w: jfp8.grouped_fp8_linear(x, w, sizes, recipe).sum()  # noqa: E731
     jax.eval_shape(jax.grad(loss, (0, 1)), x, wg)
-    assert calls == [(256, 384), (2, 256, 384)]
+    assert calls == [
+        ("quantize_block_and_transpose", (256, 384)),
+        ("quantize_tile_and_column_t", (256, 384)),
+        ("quantize_block_and_transpose", (2, 256, 384)),
+        ("quantize_tile_and_column_t", (256, 384)),
+    ]
 
 
 def test_quantize_explicit_mosaic_on_unsupported_input_says_so():

@@ -85,7 +85,8 @@ def test_grouped_record(records):
 def test_quantize_record(records):
     record = _record(records, "bench_quantize")
     kernels = {r["kernel"]: r for r in record["rows"]}
-    assert {"copy", "tile", "block", "block-t", "block+mT", "column-t", "retile"} <= set(kernels)
+    assert {"copy", "tile", "block", "block-t", "block+mT", "column-t", "grad", "grad-2",
+            "retile"} <= set(kernels)
     assert record["copy_gbps"] > 0
     for r in kernels.values():
         assert r["gbps"] > 0 and r["mismatches"] == 0 and r["frac_of_copy"] > 0
@@ -93,7 +94,9 @@ def test_quantize_record(records):
     assert "jfp8-mosaic-retile[swizzle=false]" in skipped and record["configs"] == ["swizzle=false"]
 
 
-@pytest.mark.parametrize("kernel", ["tile", "block", "block-t", "block+mT", "column-t", "retile"])
+@pytest.mark.parametrize(
+    "kernel", ["tile", "block", "block-t", "block+mT", "column-t", "grad", "grad-2", "retile"]
+)
 def test_quantize_config_rows_match_the_reference(benches, kernel):
     """What a --config row runs on a GPU (the kernel called with a QuantizeConfig), here in the
     interpreter: the same arrays, bit for bit, as the reference it is checked against there."""
@@ -223,7 +226,7 @@ def test_gpu_session_kernel_worker_in_the_interpreter(monkeypatch, capsys):
         rc = _load("gpu_session").worker_kernels()
     out = capsys.readouterr().out
     assert rc == 0 and "KERNELS OK" in out, out
-    assert out.count(": ok (") == 12, out  # every kernel ran and matched
+    assert out.count(": ok (") == 13, out  # every kernel ran and matched
 
 
 def test_a_spent_budget_skips_the_remaining_shapes(tmp_path, benches):

@@ -12,6 +12,7 @@ into one matrix instead of spreading them over many launches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,8 +32,9 @@ from pallas_kernels import quantize as qk
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE, abs_for_amax, encode
 
 KERNELS = ("tile", "block", "column", "column_t", "retile")
-# "block_t": `quantize_block_and_transpose`, the block quantizer that also writes the transpose.
-ALL_KINDS = (*KERNELS, "block_t")
+# "block_t": `quantize_block_and_transpose`, the block quantizer that also writes the transpose;
+# "both": `quantize_tile_and_column_t`, a gradient's (1, 128) tiles and transposed (128, 1) tiles.
+ALL_KINDS = (*KERNELS, "block_t", "both")
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "pow2_scale"))
@@ -44,6 +46,9 @@ def _reference(x, *, kind: str, pow2_scale: bool):
     if kind == "retile":
         x = quantize(x, (1, TILE), pow2_scale=pow2_scale).dequantize(jnp.float32)
     block = {"tile": (1, TILE), "block": (TILE, TILE), "block_t": (TILE, TILE)}.get(kind, (TILE, 1))
+    if kind == "both":
+        t, c = (quantize(x, b, pow2_scale=pow2_scale) for b in ((1, TILE), (TILE, 1)))
+        return t.data, t.scale, c.mT.data, c.mT.scale
     t = quantize(x, block, pow2_scale=pow2_scale)
     if kind == "block_t":
         return t.data, t.scale, t.mT.data
@@ -51,15 +56,16 @@ def _reference(x, *, kind: str, pow2_scale: bool):
     return t.data, t.scale
 
 
-def _kernel(x, *, kind: str, pow2_scale: bool, config=qk.QuantizeConfig()):
-    kw = dict(pow2_scale=pow2_scale, config=config)
+def _kernel(x, *, kind: str, pow2_scale: bool, config=None):
+    """Kernel `kind` on x, with `config` or (None) that kernel's default config."""
+    kw = dict(pow2_scale=pow2_scale) | ({} if config is None else dict(config=config))
     if kind == "retile":  # its input is the (1, 128)-tiled tensor
         t = quantize(x, (1, TILE), pow2_scale=pow2_scale)
         return qk.retile_tile_to_column_t(t.data, t.scale, m=x.shape[0], k=x.shape[1], **kw)
     if kind.startswith("column"):
         return qk.quantize_column(x, transpose=kind == "column_t", **kw)
     fn = {"tile": qk.quantize_tile, "block": qk.quantize_block,
-          "block_t": qk.quantize_block_and_transpose}[kind]
+          "block_t": qk.quantize_block_and_transpose, "both": qk.quantize_tile_and_column_t}[kind]
     return fn(x, **kw)
 
 
@@ -108,7 +114,7 @@ def _assert_bit_equal(got, want, what: str, seed: int) -> None:
 def _assert_outputs_equal(got, want, what: str, seed: int) -> None:
     """Every output of a kernel (data, scale[, data transposed]) against the reference's."""
     assert len(got) == len(want), (what, len(got), len(want))
-    for name, g, w in zip(("data", "scale", "transposed data"), got, want):
+    for name, g, w in zip(("data", "scale", "transposed data", "transposed scale"), got, want):
         _assert_bit_equal(g, w, f"{what} {name}", seed)
 
 
@@ -158,6 +164,13 @@ HARD_CASES = [
     ("block_t", (300, 200), jnp.bfloat16, True, qk.QuantizeConfig(column_chunks=3)),
     ("block_t", (264, 320), jnp.float32, False, _DEFAULT),
     ("block_t", (300, 1000), jnp.float32, False, qk.QuantizeConfig(column_chunks=5, stages=2)),
+    # A gradient's two forms in one pass: unswizzled with tails on both axes (and N not a
+    # multiple of 4: the column scales' padded rows), swizzled f32 through its default ring with
+    # a last CTA whose chunks run past the end, one slot, and every chunk in flight.
+    ("both", (300, 130), jnp.bfloat16, True, qk.BOTH_CONFIG),
+    ("both", (264, 640), jnp.float32, False, qk.BOTH_CONFIG),
+    ("both", (136, 1088), jnp.bfloat16, False, qk.QuantizeConfig(column_chunks=4, stages=1)),
+    ("both", (257, 448), jnp.bfloat16, True, qk.QuantizeConfig(column_chunks=4)),
 ]
 
 
@@ -179,6 +192,8 @@ def test_bit_identical_to_quantize(kind, shape, dtype, pow2_scale, config):
         # Its f16 bounce reused by every chunk; two stores per chunk through a ring.
         ("block_t", (264, 640), qk.QuantizeConfig(column_chunks=3)),
         ("block_t", (300, 1000), qk.QuantizeConfig(column_chunks=5, stages=2)),
+        # Three stores per chunk through its 2-slot ring; the bounce reused by every half-chunk.
+        ("both", (264, 1088), qk.BOTH_CONFIG),
     ],
 )
 def test_bit_identical_without_smem_races(kind, shape, config):
@@ -189,7 +204,7 @@ def test_bit_identical_without_smem_races(kind, shape, config):
     assert not gpu_callbacks.get_races().races_found
 
 
-@pytest.mark.parametrize("kind", ["tile", "column", "retile", "block_t"])  # one per kernel body
+@pytest.mark.parametrize("kind", ["tile", "column", "retile", "block_t", "both"])  # each body
 def test_single_element(kind):
     """M = K = 1 (f16): one element, the rest padding (zero-filled loads, dropped stores)."""
     _check(kind, _seed(), (1, 1), jnp.float16, True)
@@ -306,6 +321,13 @@ def test_block_t_invalid_input_raises(x, error, match):
         qk.quantize_block_and_transpose(x)
 
 
+def test_both_needs_whole_16_byte_row_scale_groups():
+    with pytest.raises(ValueError, match="column_chunks a multiple of 4"):
+        qk.quantize_tile_and_column_t(
+            jnp.zeros((8, 8), jnp.bfloat16), config=qk.QuantizeConfig(column_chunks=2)
+        )
+
+
 @pytest.mark.parametrize("kind", ["tile", "block", "column", "column_t"])
 @pytest.mark.parametrize(
     "x,error,match",
@@ -348,11 +370,22 @@ def test_invalid_config_raises(fields):
 # CUDA lowering at real sizes, and the real kernels on a GPU.
 
 
-def _lower(kind: str, m: int, k: int, dtype, config=qk.QuantizeConfig()) -> str:
+def _for_kind(kind: str, config: qk.QuantizeConfig) -> qk.QuantizeConfig:
+    """`config` made valid for `kind`: "both" takes 4 chunks per CTA (16-byte scale rows) in a
+    2-slot ring, its default, whatever the config's own chunking (its other fields are kept)."""
+    if kind != "both":
+        return config
+    return dataclasses.replace(config, column_chunks=qk.BOTH_CONFIG.column_chunks,
+                               stages=qk.BOTH_CONFIG.stages)
+
+
+def _lower(kind: str, m: int, k: int, dtype, config=None) -> str:
     S = jax.ShapeDtypeStruct
     if kind == "retile":
         kp = -(-k // TILE) * TILE
-        fn = functools.partial(qk.retile_tile_to_column_t, m=m, k=k, config=config)
+        fn = functools.partial(
+            qk.retile_tile_to_column_t, m=m, k=k, config=config or qk.QuantizeConfig()
+        )
         return _mgpu.lower_for_cuda(fn, S((m, kp), FP8_DTYPE), S((m, kp // TILE), jnp.float32))
     fn = functools.partial(_kernel, kind=kind, pow2_scale=True, config=config)
     return _mgpu.lower_for_cuda(fn, S((m, k), dtype))
@@ -375,6 +408,11 @@ LOWERING_CASES = [(kind, *_SHAPES[(i + j) % 4]) for i, kind in enumerate(KERNELS
         ("block_t", 7168, 2048, jnp.float32),
         ("block_t", 2048, 7168, jnp.bfloat16),
         ("block_t", 300, 130, jnp.float32),
+        # Gradients: bf16 and f32 at DeepSeek-V3 sizes, tails.
+        ("both", 4096, 7168, jnp.bfloat16),
+        ("both", 4096, 7168, jnp.float32),
+        ("both", 4096, 2112, jnp.bfloat16),
+        ("both", 300, 130, jnp.float32),
     ],
 )
 def test_lowers_for_hopper(kind, m, k, dtype):
@@ -425,6 +463,9 @@ def test_lowers_with_other_tiling(kind, config, dtype):
         ("retile", 4100, 2112, None, False),
         ("block_t", 7168, 2048, jnp.float32, True),
         ("block_t", 7172, 2048, jnp.bfloat16, False),
+        ("both", 4096, 7168, jnp.bfloat16, True),
+        ("both", 4096, 7200, jnp.float32, True),
+        ("both", 4096, 7172, jnp.float32, False),
     ],
 )
 def test_swizzles_exactly_where_tma_can_tile(kind, m, k, dtype, swizzled, monkeypatch):
@@ -440,10 +481,10 @@ def test_swizzles_exactly_where_tma_can_tile(kind, m, k, dtype, swizzled, monkey
 
     smem = qk._smem
     monkeypatch.setattr(qk, "_smem", spy)
-    assert "mosaic_gpu" in _lower(kind, m, k, dtype, _DEFAULT)
+    assert "mosaic_gpu" in _lower(kind, m, k, dtype, _for_kind(kind, _DEFAULT))
     assert asked and set(asked) == {swizzled}
     asked.clear()
-    _lower(kind, m, k, dtype, qk.QuantizeConfig.simple())
+    _lower(kind, m, k, dtype, _for_kind(kind, qk.QuantizeConfig.simple()))
     assert asked and set(asked) == {False}
 
 
@@ -470,7 +511,7 @@ def test_on_gpu_matches_reference(kind):
     ]:
         x = _hard_input(seed, shape, dtype)
         got = jax.jit(_kernel, static_argnames=("kind", "pow2_scale", "config"))(
-            x, kind=kind, pow2_scale=pow2_scale, config=config
+            x, kind=kind, pow2_scale=pow2_scale, config=_for_kind(kind, config)
         )
         want = _reference(x, kind=kind, pow2_scale=pow2_scale)
         _assert_outputs_equal(got, want, f"{kind} {shape} {config}", seed)
