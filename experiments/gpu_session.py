@@ -24,13 +24,15 @@ skipped with that reason):
   tune_gemm      (only with --stages tune_gemm, a device call of its own) experiments/tune_gemm.py:
                  candidate GemmConfigs per shape (small M first), the winners written to the
                  table gemm-<device>.json under --out, to commit as pallas_kernels/tuned/
+  tune_grouped   (only with --stages tune_grouped, likewise) tune_gemm.py --grouped: candidate
+                 GroupedGemmConfigs per MoE shape, table grouped-<device>.json
 GPU-only stages are skipped, with the reason, where there is no Hopper GPU or no tool.
 
 Results go to `--out` (default $OUT when set, else benchmarks/results), at most 8 files, as
 the device tool returns at most 8: the three benchmark records, gpu_session-<device>-<date>.json
 (stage statuses, reasons, SASS counts, sanitizer summaries, rewritten after every stage),
 gpu_session-<device>-<date>.log (every stage's output), sass-<device>-<date>.tar.gz, and with
-tune_gemm its record and table (run it as a call of its own: then 4 files).
+a tuning stage its record and table (run each as a call of its own: then 4 files).
 The short table at the end is the summary to read first.
 """
 
@@ -54,9 +56,11 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 STAGES = ("env", "pytest_gpu", "bench_gemm", "bench_grouped", "bench_quantize", "sass", "memcheck",
-          "racecheck", "tune_gemm")
-# tune_gemm takes a whole device call of its own (~14 configs per shape): only when asked for.
-DEFAULT_STAGES = STAGES[:-1]
+          "racecheck", "tune_gemm", "tune_grouped")
+# The tuning stages each take a whole device call of their own (~12 configs per shape): only when
+# asked for.
+TUNING_STAGES = ("tune_gemm", "tune_grouped")
+DEFAULT_STAGES = tuple(s for s in STAGES if s not in TUNING_STAGES)
 # The issue's shapes, most important first (a budget cut drops the tail).
 GEMM_SHAPES = ("8192x8192x8192", "4096x4096x7168", "4096x7168x16384", "4096x2112x7168",
                "4096x24576x1536", "4096x7168x2048", "64x7168x16384", "128x7168x2048")
@@ -69,7 +73,7 @@ QUICK_ARGS = {
     "bench_quantize": ["--shapes", "256x256:bfloat16", "--warmup", "1", "--repeats", "2"],
 }
 TIMEOUTS = dict(env=45, pytest_gpu=120, bench_gemm=170, bench_grouped=110, bench_quantize=70,
-                sass=60, memcheck=75, racecheck=75, tune_gemm=520)
+                sass=60, memcheck=75, racecheck=75, tune_gemm=520, tune_grouped=520)
 MIN_STAGE_SECONDS = 15
 SASS_OPS = ("QGMMA", "HGMMA", "HMMA", "IMMA")
 # Where CUDA tools may live besides PATH: the toolkit, and the copies Triton ships.
@@ -198,9 +202,10 @@ def plan(args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
         stages.append(Stage(tool, [sanitizer or "compute-sanitizer", "--tool", tool, "--print-limit", "100",
                                    py, me, "--worker", "kernels"], TIMEOUTS[tool], skip=skip,
                             env=_sanitizer_env()))
-    stages.append(Stage("tune_gemm", [py, str(REPO / "experiments" / "tune_gemm.py"), "--out", out,
-                                      "--max-seconds", "2", "--repeats", "7"],
-                        TIMEOUTS["tune_gemm"], skip=no_gpu))
+    for name, extra in (("tune_gemm", []), ("tune_grouped", ["--grouped"])):
+        stages.append(Stage(name, [py, str(REPO / "experiments" / "tune_gemm.py"), *extra, "--out",
+                                   out, "--max-seconds", "2", "--repeats", "7"],
+                            TIMEOUTS[name], skip=no_gpu))
     chosen = set(args.stages)
     for s in stages:
         if s.name not in chosen:
@@ -253,7 +258,7 @@ def summarize_pytest(work: pathlib.Path, output: str) -> dict:
 
 def _timed_script(stage: str) -> bool:
     """The stages that run a benchmark-style script (shapes, --budget-s, one JSON record)."""
-    return stage.startswith("bench_") or stage == "tune_gemm"
+    return stage.startswith("bench_") or stage in TUNING_STAGES
 
 
 def summarize_bench(out: pathlib.Path, name: str, since: float) -> dict:
@@ -419,7 +424,8 @@ def quantize_table(record: dict) -> list[str]:
 def tune_table(record: dict) -> list[str]:
     """Per problem: the fastest config tune_gemm measured (its record's `entries`), and its
     speed-up over the default config and over the rule's pick."""
-    lines = [f"GEMM tuning ({record.get('out_dtype')} out)  {'best config':>40s} {'TFLOP/s':>7} "
+    kind = "grouped" if record.get("kind") == "grouped" else "GEMM"
+    lines = [f"{kind} tuning ({record.get('out_dtype')} out)  {'best config':>40s} {'TFLOP/s':>7} "
              f"{'x dflt':>6} {'x rule':>6}"]
     for e in record.get("entries", []):
         problem = f"{e['m']}x{e['n']}x{e['kp']}"
@@ -432,7 +438,8 @@ def final_table(stages: list[Stage], out: pathlib.Path, header: str) -> str:
     lines = [f"== gpu_session: {header} ==", f"{'stage':15s} {'status':8s} {'secs':>7}  summary"]
     lines += [stage_line(s) for s in stages]
     for name, table in (("bench_gemm", gemm_table), ("bench_grouped", grouped_table),
-                        ("bench_quantize", quantize_table), ("tune_gemm", tune_table)):
+                        ("bench_quantize", quantize_table), ("tune_gemm", tune_table),
+                        ("tune_grouped", tune_table)):
         stage = next(s for s in stages if s.name == name)
         record = stage.summary.get("record")
         if record:
@@ -591,7 +598,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=pathlib.Path, default=None, help="results dir ($OUT, else benchmarks/results)")
     p.add_argument("--budget-s", type=float, default=540, help="the whole session's wall-clock budget")
     p.add_argument("--stages", type=lambda s: [x for x in s.split(",") if x], default=list(DEFAULT_STAGES),
-                   help=f"comma-separated subset of {','.join(STAGES)} (default: all but tune_gemm)")
+                   help=f"comma-separated subset of {','.join(STAGES)} (default: all but the tuning stages)")
     p.add_argument("--gemm-config", action="append", default=[], metavar="FIELD=VALUE,...",
                    help="a GemmConfig benched as its own row (repeatable; passed to bench_gemm --config)")
     p.add_argument("--grouped-config", action="append", default=[], metavar="FIELD=VALUE,...",
@@ -652,7 +659,7 @@ def main(argv=None) -> int:
             else:
                 s.timeout = min(s.timeout, left)
                 if _timed_script(s.name):  # it stops starting shapes in time
-                    share = 0.8 if s.name == "tune_gemm" else 0.6
+                    share = 0.8 if s.name in TUNING_STAGES else 0.6
                     s.argv += ["--budget-s", f"{max(s.timeout * share, 5):.0f}"]
                 stage_start = time.time()
                 run_stage(s, env)

@@ -1,21 +1,27 @@
-"""Measures candidate `GemmConfig`s per problem on this GPU and writes the table that
-`pallas_kernels.tuning` reads (the dense GEMM's config when the caller gives none).
+"""Measures candidate configs per problem on this GPU and writes the tables that
+`pallas_kernels.tuning` reads (the dense and grouped GEMMs' configs when the caller gives none).
 
     python experiments/tune_gemm.py                      # Hopper: small-M shapes, then DENSE_SHAPES
     python experiments/tune_gemm.py --shapes 64x7168x2048 256x7168x2048 --out-dtype float32
+    python experiments/tune_gemm.py --grouped            # the grouped GEMM at GROUPED_TUNE_SHAPES
+    python experiments/tune_gemm.py --grouped --shapes 8x128x4096x7168   # GxRxNxK
     python experiments/tune_gemm.py --dry-run            # anywhere: the candidates, nothing run
 
-Per problem MxNxK (a (M, K) in 1x128 tiles times b (N, K) in 128x128 blocks): the rule's pick
-(`tuning.rule_config`), `GemmConfig()`, and a grid of both forms (one warpgroup on 64-row tiles,
-one CTA per tile; warp-specialized persistent 128-row tiles) over tile_n and pipeline depth, every
-one that fits the SMEM budget. Each is checked against `scaled_matmul_reference` before it is
-timed (median of repeats after warm-up, device synchronised); the fastest that passed becomes the
-problem's table entry, with its speed-up over `GemmConfig()` and over the rule.
+Dense, per problem MxNxK (a (M, K) in 1x128 tiles times b (N, K) in 128x128 blocks): the rule's
+pick (`tuning.rule_config`), `GemmConfig()`, and a grid of both forms (one warpgroup on 64-row
+tiles, one CTA per tile; warp-specialized persistent 128-row tiles) over tile_n and pipeline
+depth, every one that fits the SMEM budget. Grouped (`--grouped`), per problem GxRxNxK (G equal
+groups of R token rows against G weights (N, K)): the rule's pick (`tuning.grouped_rule_config`),
+`GroupedGemmConfig()`, `GroupedGemmConfig.simple()` and the warp-specialized form over tile_n,
+pipeline depth and tile order. Each is checked against the reference (`scaled_matmul_reference`,
+`grouped_scaled_matmul_reference`) before it is timed (median of repeats after warm-up, device
+synchronised); the fastest that passed becomes the problem's table entry, with its speed-up over
+the default and over the rule.
 
-Writes `<out>/tune_gemm-<device>-<date>.json` (every measurement, with device, jax version and
-date) and merges the winners into the table (`--table`, default `<out>/gemm-<device>.json`),
-written atomically; commit it as `pallas_kernels/tuned/gemm-<device>.json` to make it the
-library's default for that GPU model.
+Writes `<out>/tune_gemm-<device>-<date>.json` (`tune_grouped-...` with `--grouped`; every measurement, with device, jax version and
+date) and merges the winners into the table (`--table`, default `<out>/gemm-<device>.json`, or
+`<out>/grouped-<device>.json` with `--grouped`), written atomically; commit it under
+`pallas_kernels/tuned/` to make it the library's default for that GPU model.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,12 +64,22 @@ from jfp8.reference import chunk_operand
 from pallas_kernels import tuning
 from pallas_kernels._mgpu import H100_NUM_SMS
 from pallas_kernels.gemm import SMEM_BYTES, GemmConfig, smem_bytes
-from pallas_kernels.shapes import DENSE_SHAPES, SMALL_M_SHAPES, GemmShape
+from pallas_kernels.shapes import (
+    DENSE_SHAPES,
+    GROUPED_SHAPES,
+    SMALL_GROUPED_SHAPES,
+    SMALL_M_SHAPES,
+    GemmShape,
+    GroupedShape,
+)
 
 # Relative Frobenius error against the f32 reference: bf16 output rounding (2^-9) with margin;
 # an f32 output differs only in the order of additions inside a chunk product.
 TOL = {"bfloat16": 1e-2, "float32": 1e-5}
 _OUT_DTYPES = tuple(TOL)
+# The grouped problems tuned by default: few token rows per expert first (narrow tiles may win),
+# then the MoE benchmark shapes.
+GROUPED_TUNE_SHAPES: tuple[GroupedShape, ...] = (*SMALL_GROUPED_SHAPES, *GROUPED_SHAPES)
 
 
 def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmConfig]:
@@ -80,7 +97,27 @@ def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmCon
     return [c for c in unique if smem_bytes(c, out_dtype, chunks) <= SMEM_BYTES]
 
 
-def config_name(config: GemmConfig) -> str:
+def grouped_candidates(rows: int, n: int, kp: int, out_dtype, num_sms: int) -> list:
+    """The `GroupedGemmConfig`s tried at one grouped problem (`rows` token rows in all), the
+    rule's pick and the default first, without repeats and without any over the SMEM budget."""
+    from pallas_kernels.grouped_gemm import GroupedGemmConfig
+
+    chunks = kp // jfp8.TILE
+    found = [tuning.grouped_rule_config(rows, n, kp, out_dtype, num_sms), GroupedGemmConfig(),
+             GroupedGemmConfig.simple()]
+    for tile_n in (64, 128):
+        for stages in (2, 4, 6):
+            for group in (1, 8):
+                found.append(GroupedGemmConfig(tile_n=tile_n, max_concurrent_steps=stages,
+                                               grid_tile_group=group))
+    unique = list(dict.fromkeys(found))
+    # The simple form's few SMEM slots always fit; the warp-specialized one is the dense budget.
+    return [c for c in unique
+            if not c.warp_specialized or smem_bytes(c, out_dtype, chunks) <= SMEM_BYTES]
+
+
+def config_name(config) -> str:
+    """A short name for a `GemmConfig` or `GroupedGemmConfig` (the same fields)."""
     form = "ws" if config.warp_specialized else "1wg"
     persistent = "p" if config.persistent else ""
     return (f"{form}{persistent}-{config.tile_m}x{config.tile_n}-s{config.max_concurrent_steps}"
@@ -132,6 +169,64 @@ def _operands(x, w, kp):
 _reference = jax.jit(lambda a, b: jfp8.scaled_matmul_reference(a, b, jnp.float32))
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _grouped_operands(x, w, rows_per_group, kp):
+    a, b = jfp8.quantize(x, (1, jfp8.TILE)), jfp8.quantize(w, (jfp8.TILE, jfp8.TILE))
+    a_data, a_scale = chunk_operand(a, kp)
+    sizes = jnp.full((w.shape[0],), rows_per_group, jnp.int32)
+    return a, b, a_data, a_scale, sizes
+
+
+_grouped_reference = jax.jit(
+    lambda a, b, sizes: jfp8.grouped_scaled_matmul_reference(a, b, sizes, jnp.float32)
+)
+
+
+class Problem(NamedTuple):
+    """One problem to tune: its table key (m, n, kp), FLOPs, fields for its rows, and
+    (config, roles, Case) per candidate."""
+
+    m: int
+    n: int
+    k: int
+    kp: int
+    flops: float
+    fields: dict
+    cases: list
+
+
+def _roles(config, rule, default) -> list[str]:
+    # The rule's pick comes first; it may be the default too.
+    return [role for role, c in (("rule", rule), ("default", default)) if c == config]
+
+
+def _grouped_problem(shape: GroupedShape, out_dtype: str, seed: int, num_sms: int) -> Problem:
+    from pallas_kernels import grouped_gemm
+
+    g, r, n, k = shape
+    kp = -(-k // jfp8.TILE) * jfp8.TILE
+    x = random_normal(seed, (g * r, k))
+    w = random_normal(seed + 1, (g, n, k)) / np.sqrt(k)
+    a, b, a_data, a_scale, sizes = _grouped_operands(x, w, r, kp)
+    ref = functools.cache(lambda: _grouped_reference(a, b, sizes))
+    configs = grouped_candidates(g * r, n, kp, jnp.dtype(out_dtype), num_sms)
+    cases = []
+    for config in configs:
+        kernel = jax.jit(lambda ad, sa, bd, sb, s, config=config: grouped_gemm.grouped_scaled_matmul(
+            ad, sa, bd, sb, s, n=n, out_dtype=out_dtype, config=config))
+        cases.append((config, _roles(config, configs[0], grouped_gemm.GroupedGemmConfig()), Case(
+            config_name(config),
+            lambda kernel=kernel: kernel(a_data, a_scale, b.data, b.scale, sizes),
+            lambda out: device_rel_error(out, ref()), TOL[out_dtype], "fp8")))
+    return Problem(g * r, n, k, kp, 2.0 * g * r * n * k, dict(groups=g), cases)
+
+
+def _dense_problem(shape: GemmShape, out_dtype: str, seed: int, num_sms: int) -> Problem:
+    kp, cases = _cases(shape, out_dtype, seed, num_sms)
+    m, n, k = shape
+    return Problem(m, n, k, kp, 2.0 * m * n * k, {}, cases)
+
+
 def _cases(shape: GemmShape, out_dtype: str, seed: int, num_sms: int):
     from pallas_kernels import gemm
 
@@ -144,8 +239,7 @@ def _cases(shape: GemmShape, out_dtype: str, seed: int, num_sms: int):
     configs = candidates(m, n, kp, jnp.dtype(out_dtype), num_sms)
     cases = []
     for config in configs:
-        # The rule's pick comes first; it may be the default too.
-        roles = [role for role, c in (("rule", configs[0]), ("default", GemmConfig())) if c == config]
+        roles = _roles(config, configs[0], GemmConfig())
         kernel = jax.jit(lambda ad, sa, bd, sb, config=config: gemm.scaled_matmul(
             ad, sa, bd, sb, n=n, b_block_rows=jfp8.TILE, out_dtype=out_dtype, config=config))
         cases.append((config, roles, Case(
@@ -154,25 +248,57 @@ def _cases(shape: GemmShape, out_dtype: str, seed: int, num_sms: int):
     return kp, cases
 
 
+def _parse_grouped_shape(s: str) -> GroupedShape:
+    try:
+        g, r, n, k = (int(v) for v in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a grouped shape must look like GxRxNxK (e.g. 8x4096x4096x7168), got {s!r}")
+    return GroupedShape(g, r, n, k)
+
+
+def _parse_any_shape(s: str):
+    """MxNxK (dense) or GxRxNxK (grouped); main checks that it matches --grouped."""
+    return _parse_grouped_shape(s) if s.lower().count("x") == 3 else parse_shape(s)
+
+
+def _grouped_label(shape: GroupedShape) -> str:
+    return "x".join(str(v) for v in shape)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", type=parse_shape, nargs="+", default=None, metavar="MxNxK")
+    p.add_argument("--shapes", type=_parse_any_shape, nargs="+", default=None,
+                   metavar="MxNxK | GxRxNxK")
+    p.add_argument("--grouped", action="store_true",
+                   help="tune the grouped (MoE) GEMM: shapes are GxRxNxK, table grouped-<device>.json")
     p.add_argument("--out-dtype", choices=_OUT_DTYPES, default="bfloat16")
     p.add_argument("--table", type=pathlib.Path, default=None,
-                   help="the table to merge the winners into (default <out>/gemm-<device>.json)")
+                   help="the table to merge the winners into (default <out>/gemm-<device>.json, "
+                        "or <out>/grouped-<device>.json with --grouped)")
     p.add_argument("--dry-run", action="store_true", help="list the candidates; run nothing")
     add_common_args(p)
     args = p.parse_args(argv)
+    shape_type = GroupedShape if args.grouped else GemmShape
+    if args.shapes and not all(isinstance(s, shape_type) for s in args.shapes):
+        p.error("with --grouped every shape is GxRxNxK; without it, MxNxK")
 
     device = jax.devices()[0]
-    shapes = args.shapes or (*SMALL_M_SHAPES, *DENSE_SHAPES)
+    if args.grouped:
+        shapes = args.shapes or GROUPED_TUNE_SHAPES
+        kind, label_of, make_problem = "grouped", _grouped_label, _grouped_problem
+        find = lambda s, kp, dt, sms: grouped_candidates(s.groups * s.rows_per_group, s.n, kp, dt, sms)  # noqa: E731
+    else:
+        shapes = args.shapes or (*SMALL_M_SHAPES, *DENSE_SHAPES)
+        kind, label_of, make_problem = "gemm", shape_label, _dense_problem
+        find = lambda s, kp, dt, sms: candidates(s.m, s.n, kp, dt, sms)  # noqa: E731
     num_sms = device.core_count if device.platform == "gpu" else H100_NUM_SMS
     out_dtype = jnp.dtype(args.out_dtype)
     if args.dry_run:
-        for m, n, k in shapes:
-            kp = -(-k // jfp8.TILE) * jfp8.TILE
-            names = [config_name(c) for c in candidates(m, n, kp, out_dtype, num_sms)]
-            print(f"{m}x{n}x{k}: {len(names)} candidates (rule first): {', '.join(names)}")
+        for shape in shapes:
+            kp = -(-shape.k // jfp8.TILE) * jfp8.TILE
+            names = [config_name(c) for c in find(shape, kp, out_dtype, num_sms)]
+            print(f"{label_of(shape)}: {len(names)} candidates (rule first): {', '.join(names)}")
         return 0
     if not is_hopper(device):
         print(f"tune_gemm times the Mosaic GPU kernels and needs a Hopper GPU; this is "
@@ -181,32 +307,33 @@ def main(argv=None) -> int:
         return 2
 
     timing = timing_from_args(args, True)
-    print(f"device: {device.device_kind}; jax {jax.__version__}; {num_sms} SMs; out {args.out_dtype}")
-    table = args.table or args.out / tuning.table_name(device.device_kind)
+    print(f"device: {device.device_kind}; jax {jax.__version__}; {num_sms} SMs; out {args.out_dtype}; "
+          f"{kind}")
+    table = args.table or args.out / tuning.table_name(device.device_kind, kind)
     start = time.perf_counter()
     rows, failed, skipped = [], [], []
 
     def save():
-        return write_record("tune_gemm", rows, args.out,
+        return write_record("tune_grouped" if args.grouped else "tune_gemm", rows, args.out,
                             timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
-                            out_dtype=args.out_dtype, table=str(table), entries=best_entries(rows),
-                            failed=failed, skipped=skipped)
+                            kind=kind, out_dtype=args.out_dtype, table=str(table),
+                            entries=best_entries(rows), failed=failed, skipped=skipped)
 
-    for shape, label in within_budget(shapes, shape_label, args.budget_s, start, skipped):
-        m, n, k = shape
+    for shape, label in within_budget(shapes, label_of, args.budget_s, start, skipped):
         try:
-            kp, cases = _cases(shape, args.out_dtype, args.seed, num_sms)
+            problem = make_problem(shape, args.out_dtype, args.seed, num_sms)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
             failed.append(error_entry("(operands)", label, e))
             continue
-        for j, (config, roles, case) in enumerate(cases):
+        for j, (config, roles, case) in enumerate(problem.cases):
             if why := budget_spent(args.budget_s, start):
                 # Checked per candidate (each is a compile and a timing), so that a problem that
                 # starts late cannot run far past the budget; its rows so far still count.
-                skipped += [dict(impl=c.name, problem=label, reason=why) for _, _, c in cases[j:]]
+                skipped += [dict(impl=c.name, problem=label, reason=why) for _, _, c in problem.cases[j:]]
                 break
-            row = functools.partial(gemm_row, device_kind=device.device_kind, flops=2.0 * m * n * k,
-                                    m=m, n=n, k=k, kp=kp, out_dtype=args.out_dtype,
+            row = functools.partial(gemm_row, device_kind=device.device_kind, flops=problem.flops,
+                                    m=problem.m, n=problem.n, k=problem.k, kp=problem.kp,
+                                    out_dtype=args.out_dtype, **problem.fields,
                                     config=dataclasses.asdict(config), roles=roles)
             run_cases([case], label, timing, row, rows, failed, args.only)
         save()
@@ -218,7 +345,7 @@ def main(argv=None) -> int:
     print(f"\n{'MxNxKp':>18s} {'best':>22s} {'TFLOP/s':>8} {'x default':>9} {'x rule':>7}")
     for e in entries:
         problem = f"{e['m']}x{e['n']}x{e['kp']}"
-        print(f"{problem:>18s} {config_name(GemmConfig(**e['config'])):>22s} {e['tflops']:8.4g} "
+        print(f"{problem:>18s} {e['impl']:>22s} {e['tflops']:8.4g} "
               f"{fmt(e['speedup_vs_default']):>9} {fmt(e['speedup_vs_rule']):>7}")
     if entries:
         print(f"table: {table}")

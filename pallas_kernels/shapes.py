@@ -45,6 +45,14 @@ GROUPED_SHAPES: tuple[GroupedShape, ...] = (
     GroupedShape(8, 4096, 7168, 2048),
 )
 
+# Few token rows per expert (small batches): DeepSeek-V3's expert projections (gate and up fused,
+# N = 2 x 2048; down, K = 2048) at 32 rows per expert, where the fewest possible row tiles times
+# 128-wide column tiles are fewer than an H100's SMs (the rule narrows the column tiles).
+SMALL_GROUPED_SHAPES: tuple[GroupedShape, ...] = (
+    GroupedShape(8, 32, 4096, 7168),
+    GroupedShape(8, 32, 7168, 2048),
+)
+
 # Small shapes for CPU runs of the benchmark (XLA paths only) and quick checks.
 CPU_DENSE_SHAPES: tuple[GemmShape, ...] = (
     GemmShape(256, 256, 512),

@@ -1,17 +1,20 @@
-"""Which `GemmConfig` the dense GEMM runs for a problem when the caller gives none.
+"""Which config the dense and grouped GEMMs run for a problem when the caller gives none.
 
 Two sources, in order:
 1. A table measured on this GPU model by `experiments/tune_gemm.py` (`tuned/gemm-<device>.json`
-   next to this file, or the file named by `$JFP8_GEMM_TABLE`): for the problem's (N, Kp, output
-   dtype), the fastest config found at the measured M nearest to this one in log2 M, if that M
-   is within a factor `TABLE_M_REACH` of it. Layers have fixed N and K and vary M (tokens), so
-   that is the axis to interpolate along; further away the best form may differ (memory- vs
+   for the dense kernel, `tuned/grouped-<device>.json` for the grouped one, next to this file,
+   or the files named by `$JFP8_GEMM_TABLE` / `$JFP8_GROUPED_TABLE`): for the problem's (N, Kp,
+   output dtype), the fastest config found at the measured M nearest to this one in log2 M, if
+   that M is within a factor `TABLE_M_REACH` of it. Layers have fixed N and K and vary M
+   (tokens; for the grouped kernel all groups' token rows together, measured with equal groups),
+   so that is the axis to interpolate along; further away the best form may differ (memory- vs
    compute-bound), and the rule decides.
-2. Else `rule_config`, a rule predicted from the kernel's structure (not measured; see there).
+2. Else a rule predicted from the kernel's structure (not measured): `rule_config`,
+   `grouped_rule_config`.
 
 Every config computes the same bits (the promotion order does not depend on the tiling), so the
-choice only moves speed. Tests check the rule's invariants (valid, within SMEM, grid filled) on
-random problems, lower its picks at the small-M shapes and run them in the interpreter.
+choice only moves speed. Tests check the rules' invariants (valid, within SMEM, grid filled) on
+random problems, lower their picks at the small-M shapes and run them in the interpreter.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from pallas_kernels.gemm import (
 
 TABLE_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
 TABLE_ENV = "JFP8_GEMM_TABLE"
+GROUPED_TABLE_ENV = "JFP8_GROUPED_TABLE"
+# The two tables: kind -> the environment variable that can name its file.
+TABLE_KINDS = {"gemm": TABLE_ENV, "grouped": GROUPED_TABLE_ENV}
 # Deepest pipeline the rule asks for; small tiles leave SMEM for more.
 MAX_STAGES = 8
 # Narrowest tiles the rule uses, in both forms. Narrower tiles fill more SMs but re-read a more
@@ -85,57 +91,82 @@ def _narrowed(base, row_tiles: int, n: int, kp: int, out_dtype, num_sms: int, *,
     return config
 
 
-def grouped_config(rows: int, n: int, kp: int, out_dtype, *, num_sms: int | None = None):
-    """The `GroupedGemmConfig` `grouped_gemm.grouped_scaled_matmul` runs when given none, for
-    `rows` token rows (all groups) against weights of `n` x `kp`: the dense rule's narrowing,
-    predicted, not measured, and not tabulated. Group boundaries only add row tiles, so
-    cdiv(rows, tile_m) is the fewest there can be: `GroupedGemmConfig()` wherever that many
-    fill the SMs (the MoE benchmark shapes), narrower column tiles below."""
+def grouped_rule_config(rows: int, n: int, kp: int, out_dtype, num_sms: int):
+    """The `GroupedGemmConfig` predicted to be fastest for `rows` token rows (all groups) against
+    weights of `n` x `kp` (not measured): the dense rule's narrowing. Group boundaries only add
+    row tiles, so cdiv(rows, tile_m) is the fewest there can be: `GroupedGemmConfig()` wherever
+    that many fill the SMs (the MoE benchmark shapes), narrower column tiles below."""
     from pallas_kernels.grouped_gemm import GroupedGemmConfig  # imports gemm, as this does
 
-    num_sms = _mgpu.num_sms() if num_sms is None else num_sms
     base = GroupedGemmConfig()
     return _narrowed(base, -(-rows // base.tile_m), n, kp, out_dtype, num_sms, deepen=False)
 
 
-def table_name(device_kind: str) -> str:
+def grouped_config(rows: int, n: int, kp: int, out_dtype, *, device_kind: str | None = None,
+                   num_sms: int | None = None):
+    """The config `grouped_gemm.grouped_scaled_matmul` runs when given none: measured table
+    (`grouped-<device>.json`), else `grouped_rule_config`."""
+    device_kind = _mgpu.device_kind() if device_kind is None else device_kind
+    num_sms = _mgpu.num_sms() if num_sms is None else num_sms
+    tuned = table_config(rows, n, kp, out_dtype, device_kind, kind="grouped")
+    return tuned if tuned is not None else grouped_rule_config(rows, n, kp, out_dtype, num_sms)
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in TABLE_KINDS:
+        raise ValueError(f"table kind must be one of {sorted(TABLE_KINDS)}, got {kind!r}")
+
+
+def table_name(device_kind: str, kind: str = "gemm") -> str:
     """The table's file name for a GPU model, e.g. 'gemm-nvidia-h100-80gb-hbm3.json'."""
-    return f"gemm-{device_kind.lower().replace(' ', '-')}.json"
+    _check_kind(kind)
+    return f"{kind}-{device_kind.lower().replace(' ', '-')}.json"
 
 
-def table_path(device_kind: str) -> pathlib.Path:
-    """Where the measured table for `device_kind` lives (`$JFP8_GEMM_TABLE` overrides)."""
-    if os.environ.get(TABLE_ENV):
-        return pathlib.Path(os.environ[TABLE_ENV])
-    return TABLE_DIR / table_name(device_kind)
+def table_path(device_kind: str, kind: str = "gemm") -> pathlib.Path:
+    """Where the measured table for `device_kind` lives (its environment variable overrides)."""
+    _check_kind(kind)
+    if os.environ.get(TABLE_KINDS[kind]):
+        return pathlib.Path(os.environ[TABLE_KINDS[kind]])
+    return TABLE_DIR / table_name(device_kind, kind)
+
+
+def _config_class(kind: str):
+    if kind == "grouped":
+        from pallas_kernels.grouped_gemm import GroupedGemmConfig
+
+        return GroupedGemmConfig
+    return GemmConfig
 
 
 @functools.cache
-def _load_table(path: pathlib.Path, version: tuple) -> tuple[tuple[tuple, GemmConfig], ...]:
+def _load_table(path: pathlib.Path, version: tuple, kind: str) -> tuple[tuple[tuple, object], ...]:
     """((m, n, kp, out_dtype), config) per entry of a `tune_gemm.py` table; cached per version
     (the file's mtime, size and inode: a rewritten table is read again). A function already
     traced under jit keeps the config it was traced with."""
     del version  # part of the cache key only
+    config_class = _config_class(kind)
     try:
         entries = json.loads(path.read_text())["entries"]
         return tuple(
             (
                 (int(e["m"]), int(e["n"]), int(e["kp"]), jnp.dtype(e["out_dtype"]).name),
-                GemmConfig(**e["config"]),
+                config_class(**e["config"]),
             )
             for e in entries
         )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(
-            f"GEMM tuning table {path} is unreadable ({type(e).__name__}: {e}); regenerate it "
-            f"with experiments/tune_gemm.py, delete it, or point ${TABLE_ENV} elsewhere"
+            f"{kind} tuning table {path} is unreadable ({type(e).__name__}: {e}); regenerate it "
+            f"with experiments/tune_gemm.py, delete it, or point ${TABLE_KINDS[kind]} elsewhere"
         ) from e
 
 
-def table_config(m: int, n: int, kp: int, out_dtype, device_kind: str) -> GemmConfig | None:
+def table_config(m: int, n: int, kp: int, out_dtype, device_kind: str, kind: str = "gemm"):
     """The measured config for (n, kp, out_dtype) at the M nearest to `m` (log2), or None when
-    there is none within a factor `TABLE_M_REACH` of `m`."""
-    path = table_path(device_kind)
+    there is none within a factor `TABLE_M_REACH` of `m`. `kind`: "gemm" (a `GemmConfig`) or
+    "grouped" (a `GroupedGemmConfig`; M counts all groups' rows)."""
+    path = table_path(device_kind, kind)
     if not path.is_file():
         return None
     stat = path.stat()
@@ -143,7 +174,7 @@ def table_config(m: int, n: int, kp: int, out_dtype, device_kind: str) -> GemmCo
     same = [
         (abs(math.log2(em) - math.log2(max(m, 1))), em, config)
         for (em, en, ekp, edt), config in _load_table(
-            path, (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            path, (stat.st_mtime_ns, stat.st_size, stat.st_ino), kind
         )
         if (en, ekp, edt) == (n, kp, dtype) and em > 0
     ]
@@ -158,4 +189,3 @@ def dense_config(m: int, n: int, kp: int, out_dtype, *, device_kind: str | None 
     num_sms = _mgpu.num_sms() if num_sms is None else num_sms
     tuned = table_config(m, n, kp, out_dtype, device_kind)
     return tuned if tuned is not None else rule_config(m, n, kp, out_dtype, num_sms)
-

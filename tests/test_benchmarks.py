@@ -175,8 +175,10 @@ def test_gpu_session_runs_on_cpu(tmp_path, records):
     assert gemm[gemm.index("--shapes") + 1] == "8192x8192x8192" and "tile_m=128" in gemm
     grouped = next(s for s in stages if s["name"] == "bench_grouped")["argv"]
     assert grouped[grouped.index("--config") + 1] == GROUPED_SIMPLE
-    tune = next(s for s in stages if s["name"] == "tune_gemm")
-    assert tune["skip"].startswith("not selected")  # a device call of its own, when asked for
+    for name in session.TUNING_STAGES:  # each a device call of its own, when asked for
+        tune = next(s for s in stages if s["name"] == name)
+        assert tune["skip"].startswith("not selected")
+        assert ("--grouped" in tune["argv"]) == (name == "tune_grouped")
     quantize = next(s for s in stages if s["name"] == "bench_quantize")["argv"]
     assert quantize[quantize.index("--config") + 1] == "swizzle=false"
     # A real run of the env stage, the GPU stages skipped, and the table over the benchmark records.

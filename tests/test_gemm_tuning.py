@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,12 @@ from pallas_kernels import gemm, tuning
 from pallas_kernels._mgpu import H100_DEVICE_KIND, H100_NUM_SMS
 from pallas_kernels.fp8_math import TILE
 from pallas_kernels.grouped_gemm import GroupedGemmConfig
-from pallas_kernels.shapes import DENSE_SHAPES, GROUPED_SHAPES, SMALL_M_SHAPES
+from pallas_kernels.shapes import (
+    DENSE_SHAPES,
+    GROUPED_SHAPES,
+    SMALL_GROUPED_SHAPES,
+    SMALL_M_SHAPES,
+)
 from test_gemm_kernel import _kernel, _operands, _reference, _seed
 from helpers import assert_bitwise_equal, interpret
 
@@ -31,6 +37,7 @@ def _no_table(monkeypatch, tmp_path):
     """Tests see no measured table unless they write one (a committed table must not change
     what the rule tests check)."""
     monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "no-table.json"))
+    monkeypatch.setenv(tuning.GROUPED_TABLE_ENV, str(tmp_path / "no-grouped-table.json"))
 
 
 @pytest.mark.parametrize("shape", DENSE_SHAPES, ids=str)
@@ -135,11 +142,36 @@ def test_a_broken_table_is_a_clear_error(monkeypatch, tmp_path, text):
         tuning.dense_config(64, 1, 128, jnp.bfloat16, device_kind="x", num_sms=132)
 
 
-def test_the_table_is_per_device_model(monkeypatch):
+def test_the_table_is_per_device_model_and_kernel(monkeypatch):
     monkeypatch.delenv(tuning.TABLE_ENV)
+    monkeypatch.delenv(tuning.GROUPED_TABLE_ENV)
     path = tuning.table_path("NVIDIA H100 80GB HBM3")
     assert path.parent == tuning.TABLE_DIR and path.name == "gemm-nvidia-h100-80gb-hbm3.json"
     assert np.all([tuning.table_path(k) != path for k in ("NVIDIA H200", "NVIDIA H100 PCIe")])
+    grouped = tuning.table_path("NVIDIA H100 80GB HBM3", "grouped")
+    assert grouped.parent == tuning.TABLE_DIR and grouped.name == "grouped-nvidia-h100-80gb-hbm3.json"
+    with pytest.raises(ValueError, match="table kind"):
+        tuning.table_path("NVIDIA H100 80GB HBM3", "dense")
+
+
+def test_a_measured_grouped_table_wins_and_stays_apart(monkeypatch, tmp_path):
+    """The grouped kernel reads its own table (GroupedGemmConfig entries, M = all groups' rows),
+    the dense kernel never does, and a problem outside it gets the grouped rule."""
+    path = tmp_path / "grouped.json"
+    monkeypatch.setenv(tuning.GROUPED_TABLE_ENV, str(path))
+    tuned = dict(tile_m=128, tile_n=64, max_concurrent_steps=6, grid_tile_group=1)
+    _write_table(path, [dict(m=32768, n=4096, kp=7168, out_dtype="bfloat16", config=tuned)])
+    choose = lambda rows, n=4096: tuning.grouped_config(  # noqa: E731
+        rows, n, 7168, jnp.bfloat16, device_kind=H100_DEVICE_KIND, num_sms=H100_NUM_SMS)
+    assert choose(20000) == choose(60000) == GroupedGemmConfig(**tuned)
+    assert choose(32768, n=7168) == GroupedGemmConfig()  # the rule
+    assert choose(1000) == tuning.grouped_rule_config(1000, 4096, 7168, jnp.bfloat16, H100_NUM_SMS)
+    dense = tuning.dense_config(32768, 4096, 7168, jnp.bfloat16, device_kind=H100_DEVICE_KIND,
+                                num_sms=H100_NUM_SMS)
+    assert dense == FAST
+    path.write_text("not json")
+    with pytest.raises(ValueError, match="grouped tuning table"):
+        choose(32768)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +257,54 @@ def test_tuner_end_to_end_in_the_interpreter(tune, monkeypatch, tmp_path):
     assert [e["impl"] for e in record["entries"]] == [best["impl"]]
 
 
+@pytest.mark.parametrize("shape", [(8, 32, 4096, 7168), (8, 4096, 4096, 7168), (3, 5, 100, 200)])
+def test_grouped_tuner_candidates_start_with_the_rule_and_fit(tune, shape):
+    g, r, n, k = shape
+    kp = -(-k // TILE) * TILE
+    found = tune.grouped_candidates(g * r, n, kp, jnp.dtype(jnp.float32), H100_NUM_SMS)
+    assert found[0] == tuning.grouped_rule_config(g * r, n, kp, jnp.float32, H100_NUM_SMS)
+    assert GroupedGemmConfig() in found and GroupedGemmConfig.simple() in found
+    assert len(set(found)) == len(found) > 4
+    assert all(gemm.smem_bytes(c, jnp.float32, kp // TILE) <= gemm.SMEM_BYTES
+               for c in found if c.warp_specialized)
+
+
+def test_grouped_tuner_cli_checks_the_shape_kind(tune, capsys):
+    assert tune.main(["--grouped", "--dry-run", "--shapes", "8x32x4096x7168"]) == 0
+    assert "8x32x4096x7168: " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tune.main(["--grouped", "--shapes", "64x7168x2048"])
+    assert "GxRxNxK" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--shapes", "8x32x4096x7168"])
+
+
+def test_grouped_tuner_end_to_end_in_the_interpreter(tune, monkeypatch, tmp_path):
+    """`main --grouped` as on a Hopper GPU, the kernels in the interpreter at a tiny MoE problem
+    (three candidates): checked, timed, the fastest in the grouped table, which
+    `grouped_config` then returns (and the dense table is not written)."""
+    from pallas_kernels import _mgpu
+
+    every = tune.grouped_candidates
+    monkeypatch.setattr(tune, "grouped_candidates", lambda *args: every(*args)[:3])
+    monkeypatch.setattr(tune, "is_hopper", lambda device=None: True)
+    argv = ["--grouped", "--shapes", "2x64x256x256", "--out", str(tmp_path), "--warmup", "0",
+            "--repeats", "1", "--inner", "1", "--max-seconds", "0.5"]
+    with _mgpu.interpret_mode(True):
+        assert tune.main(argv) == 0
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("tune_grouped-*.json")]
+    assert record["kind"] == "grouped" and not record["failed"] and not record["skipped"]
+    assert len(record["rows"]) == 3 and {r["groups"] for r in record["rows"]} == {2}
+    assert {role for r in record["rows"] for role in r["roles"]} == {"rule", "default"}
+    best = min(record["rows"], key=lambda r: r["ms"])
+    assert pathlib.Path(record["table"]).name.startswith("grouped-")
+    assert not list(tmp_path.glob("gemm-*.json"))
+    monkeypatch.setenv(tuning.GROUPED_TABLE_ENV, record["table"])
+    tabled = tuning.table_config(128, 256, 256, jnp.bfloat16, "any", kind="grouped")
+    chosen = tuning.grouped_config(128, 256, 256, jnp.bfloat16, device_kind="any", num_sms=132)
+    assert tabled == chosen == GroupedGemmConfig(**best["config"])
+
+
 # ---------------------------------------------------------------------------------------------
 # The grouped kernel's rule.
 
@@ -243,6 +323,17 @@ def test_grouped_rule_is_valid_and_fits_smem(rows, n, chunks, out_dtype):
     config = tuning.grouped_config(rows, n, chunks * TILE, out_dtype, num_sms=H100_NUM_SMS)
     assert config.warp_specialized and config.tile_n in (64, 128)
     assert gemm.smem_bytes(config, out_dtype, chunks) <= gemm.SMEM_BYTES
+
+
+@pytest.mark.parametrize("shape", SMALL_GROUPED_SHAPES, ids=str)
+def test_grouped_rule_narrows_and_lowers_at_few_rows_per_expert(shape):
+    """The tuner's small grouped shapes: the rule picks 64-wide column tiles, and they lower."""
+    from test_grouped_kernel import _lower_matmul
+
+    rows = shape.groups * shape.rows_per_group
+    config = tuning.grouped_config(rows, shape.n, shape.k, jnp.bfloat16, num_sms=H100_NUM_SMS)
+    assert config.tile_n == 64
+    assert "mosaic_gpu" in _lower_matmul(shape.groups, rows, shape.n, shape.k, config=config)
 
 
 def test_grouped_small_problem_choice_lowers_and_matches_the_reference():
