@@ -9,6 +9,7 @@ the numerics contract, not an implementation detail.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, TypeAlias
 
 import jax
@@ -157,7 +158,9 @@ def _quantize_kernel(x: jax.Array, block: Block, pow2_scale: bool, interpret: bo
     from pallas_kernels import quantize as qk
 
     *batch, m, k = x.shape
-    x2 = x.reshape(-1, k)  # rows of different batch items never share a block (checked above)
+    # Rows of different batch items never share a block (checked above). Not reshape(-1, k):
+    # that cannot infer the rows when k is 0.
+    x2 = x.reshape(math.prod(batch) * m, k)
     fn = {(1, TILE): qk.quantize_tile, (TILE, 1): qk.quantize_column, (TILE, TILE): qk.quantize_block}[block]
     with interpret_mode(interpret):
         data, scale = fn(x2, pow2_scale=pow2_scale)
@@ -240,8 +243,8 @@ def quantize_weight(
     blocks) this is `quantize` followed by `.mT`. Bit-identical either way.
 
     Args:
-      w: `(..., K, N)`, as for `quantize`; stacked matrices (e.g. experts `(G, K, N)`) take the
-        fused kernel when K is a multiple of 128.
+      w: `(..., K, N)`, as for `quantize`. 2-D weights and one stack of them (experts,
+        `(G, K, N)`, K a multiple of 128) take the fused kernel; other shapes the two passes.
       block, pow2_scale, impl, interpret: as for `quantize`.
     """
     w = jnp.asarray(w)

@@ -543,9 +543,10 @@ def _both_call(x, *, m: int, n: int, pow2_scale: bool, cfg: QuantizeConfig):
     slots = cfg.slots(chunks)
     row_blocks, col_chunks = pl.cdiv(m, TILE), pl.cdiv(n, TILE)
     grid = (row_blocks, pl.cdiv(col_chunks, chunks))
-    # Every array TMA touches must be whole swizzle tiles: x's rows and columns (which also
-    # makes dt's rows, n, a multiple of 8); d's and dt's columns are whole 128s.
-    swizzled = cfg.swizzle and _swizzle_fits(x, TILE)
+    # Every array TMA touches must be whole swizzle tiles: x's rows and columns (x is padded to
+    # 16-byte rows, so its width can be whole spans while dt's rows, n, are not whole 8s: checked
+    # apart); d's and dt's columns are whole 128s.
+    swizzled = cfg.swizzle and _swizzle_fits(x, TILE) and n % SWIZZLE_ROWS == 0
     kernel = plgpu.kernel(
         functools.partial(
             _both_body, chunks=chunks, slots=slots, pow2_scale=pow2_scale, swizzled=swizzled
@@ -711,7 +712,9 @@ def quantize_tile_and_column_t(
     Args:
       x: [M, N] bf16, f16 or f32.
       config: `column_chunks` (a multiple of 4: a CTA stores its row scales as one 16-byte-wide
-        TMA copy) and `stages` are used.
+        TMA copy), `stages` and `swizzle` are used (`BOTH_CONFIG` by default; with
+        `swizzle=False`, the unswizzled form). Four chunks fit SMEM only through a ring
+        (`stages` <= 3 for 16-bit input, 2 for f32).
 
     Returns:
       data [M, Np], scale [M, Np // 128] (the (1, 128) tiles; Np = N rounded up to 128) and

@@ -166,11 +166,12 @@ HARD_CASES = [
     ("block_t", (300, 1000), jnp.float32, False, qk.QuantizeConfig(column_chunks=5, stages=2)),
     # A gradient's two forms in one pass: unswizzled with tails on both axes (and N not a
     # multiple of 4: the column scales' padded rows), swizzled f32 through its default ring with
-    # a last CTA whose chunks run past the end, one slot, and every chunk in flight.
+    # a last CTA whose chunks run past the end, one slot, and 3 slots for 4 chunks (all 4 at
+    # once would not fit SMEM).
     ("both", (300, 130), jnp.bfloat16, True, qk.BOTH_CONFIG),
     ("both", (264, 640), jnp.float32, False, qk.BOTH_CONFIG),
     ("both", (136, 1088), jnp.bfloat16, False, qk.QuantizeConfig(column_chunks=4, stages=1)),
-    ("both", (257, 448), jnp.bfloat16, True, qk.QuantizeConfig(column_chunks=4)),
+    ("both", (257, 448), jnp.bfloat16, True, qk.QuantizeConfig(column_chunks=4, stages=3)),
 ]
 
 
@@ -413,6 +414,7 @@ LOWERING_CASES = [(kind, *_SHAPES[(i + j) % 4]) for i, kind in enumerate(KERNELS
         ("both", 4096, 7168, jnp.float32),
         ("both", 4096, 2112, jnp.bfloat16),
         ("both", 300, 130, jnp.float32),
+        ("both", 256, 60, jnp.bfloat16),  # padded to 64 columns: see the swizzle test
     ],
 )
 def test_lowers_for_hopper(kind, m, k, dtype):
@@ -425,7 +427,7 @@ def test_stacked_block_t_lowers_for_hopper():
     assert "mosaic_gpu" in _mgpu.lower_for_cuda(fn, jax.ShapeDtypeStruct((8, 7168, 2048), jnp.float32))
 
 
-@pytest.mark.parametrize("kind", ["tile", "column", "retile"])  # one per kernel body
+@pytest.mark.parametrize("kind", ["tile", "column", "retile", "block_t", "both"])  # each body
 def test_lowers_a_single_element(kind):
     """TMA boxes larger than the whole array, and a 1-element row padded to 16 bytes."""
     assert "mosaic_gpu" in _lower(kind, 1, 1, jnp.bfloat16)
@@ -466,6 +468,10 @@ def test_lowers_with_other_tiling(kind, config, dtype):
         ("both", 4096, 7168, jnp.bfloat16, True),
         ("both", 4096, 7200, jnp.float32, True),
         ("both", 4096, 7172, jnp.float32, False),
+        # x padded to 16-byte rows is whole swizzle spans, but dy's width (dt's rows) is not a
+        # multiple of 8.
+        ("both", 4096, 7166, jnp.bfloat16, False),
+        ("both", 256, 30, jnp.float32, False),
     ],
 )
 def test_swizzles_exactly_where_tma_can_tile(kind, m, k, dtype, swizzled, monkeypatch):
