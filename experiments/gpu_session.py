@@ -16,6 +16,8 @@ skipped with that reason):
                  plus any --grouped-config rows
   bench_quantize experiments/bench_quantize.py against the measured copy bandwidth, plus any
                  --quantize-config rows (e.g. swizzle=false, the unswizzled kernels)
+  bench_linear   experiments/bench_linear.py: forward + backward of one fp8_linear layer (every
+                 quantization included) against the bf16 x @ w, at DeepSeek-V3 shapes
   sass           each jfp8 kernel run once with MOSAIC_GPU_DUMP_TO set (jaxlib/mosaic/gpu/dump.cc:
                  PTX, ptxas log and nvdisasm SASS per Mosaic module); QGMMA / HGMMA / HMMA counted
                  per module; PTX is assembled with ptxas + cuobjdump when no SASS was written
@@ -29,7 +31,7 @@ skipped with that reason):
 GPU-only stages are skipped, with the reason, where there is no Hopper GPU or no tool.
 
 Results go to `--out` (default $OUT when set, else benchmarks/results), at most 8 files, as
-the device tool returns at most 8: the three benchmark records, gpu_session-<device>-<date>.json
+the device tool returns at most 8: the four benchmark records, gpu_session-<device>-<date>.json
 (stage statuses, reasons, SASS counts, sanitizer summaries, rewritten after every stage),
 gpu_session-<device>-<date>.log (every stage's output), sass-<device>-<date>.tar.gz, and with
 a tuning stage its record and table (run each as a call of its own: then 4 files).
@@ -55,8 +57,8 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-STAGES = ("env", "pytest_gpu", "bench_gemm", "bench_grouped", "bench_quantize", "sass", "memcheck",
-          "racecheck", "tune_gemm", "tune_grouped")
+STAGES = ("env", "pytest_gpu", "bench_gemm", "bench_grouped", "bench_quantize", "bench_linear",
+          "sass", "memcheck", "racecheck", "tune_gemm", "tune_grouped")
 # The tuning stages each take a whole device call of their own (~12 configs per shape): only when
 # asked for.
 TUNING_STAGES = ("tune_gemm", "tune_grouped")
@@ -66,14 +68,16 @@ GEMM_SHAPES = ("8192x8192x8192", "4096x4096x7168", "4096x7168x16384", "4096x2112
                "4096x24576x1536", "4096x7168x2048", "64x7168x16384", "128x7168x2048")
 GROUPED_SHAPES = ("8x4096x4096x7168", "4x8192x4096x7168", "8x4096x7168x2048")
 QUANTIZE_SHAPES = ("8192x8192:bfloat16", "4096x7168:bfloat16", "7168x2048:float32")
+LINEAR_SHAPES = ("4096x7168x2048", "4096x4096x7168", "4096x2112x7168")
 # CPU (--quick): tiny problems, XLA paths only.
 QUICK_ARGS = {
     "bench_gemm": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
     "bench_grouped": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
     "bench_quantize": ["--shapes", "256x256:bfloat16", "--warmup", "1", "--repeats", "2"],
+    "bench_linear": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
 }
 TIMEOUTS = dict(env=45, pytest_gpu=120, bench_gemm=170, bench_grouped=110, bench_quantize=70,
-                sass=60, memcheck=75, racecheck=75, tune_gemm=520, tune_grouped=520)
+                bench_linear=60, sass=60, memcheck=75, racecheck=75, tune_gemm=520, tune_grouped=520)
 MIN_STAGE_SECONDS = 15
 SASS_OPS = ("QGMMA", "HGMMA", "HMMA", "IMMA")
 # Where CUDA tools may live besides PATH: the toolkit, and the copies Triton ships.
@@ -194,6 +198,7 @@ def plan(args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
     stages.append(bench("bench_grouped", "bench_grouped.py", args.grouped_shapes, grouped_extra))
     quantize_extra = [a for c in args.quantize_config for a in ("--config", c)]
     stages.append(bench("bench_quantize", "bench_quantize.py", args.quantize_shapes, quantize_extra))
+    stages.append(bench("bench_linear", "bench_linear.py", args.linear_shapes))
     stages.append(Stage("sass", [py, me, "--worker", "kernels"], TIMEOUTS["sass"], skip=no_gpu,
                         env={"MOSAIC_GPU_DUMP_TO": str(work / "sass"),
                              "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
@@ -409,6 +414,23 @@ def grouped_table(record: dict) -> list[str]:
     return lines
 
 
+def linear_table(record: dict) -> list[str]:
+    """fp8_linear forward + backward against the bf16 layer, per shape."""
+    rows = record.get("rows", [])
+    lines = [f"linear fwd+bwd, ms       {'bf16':>8} | {'fp8 impl':14s} {'ms':>8} {'x bf16':>6} "
+             f"{'err/f32':>8}"]
+    for key in dict.fromkeys((r["m"], r["n"], r["k"]) for r in rows):
+        at = {r["impl"]: r for r in rows if (r["m"], r["n"], r["k"]) == key}
+        base = at.get("bf16", {}).get("ms")
+        for name, r in at.items():
+            if name == "bf16":
+                continue
+            lines.append(f"{'x'.join(map(str, key)):24s} {_fmt(base, '.3f'):>8} | {name:14s} "
+                         f"{_fmt(r['ms'], '.3f'):>8} {_fmt(r.get('ratio_vs_bf16'), '.2f'):>6} "
+                         f"{_fmt(r.get('err_vs_f32'), '.1e'):>8}")
+    return lines
+
+
 def quantize_table(record: dict) -> list[str]:
     lines = [f"quantize, GB/s (copy {_fmt(record.get('copy_gbps'), '.4g')} GB/s)   {'GB/s':>7} {'of copy':>7}"]
     for r in record.get("rows", []):
@@ -438,7 +460,8 @@ def final_table(stages: list[Stage], out: pathlib.Path, header: str) -> str:
     lines = [f"== gpu_session: {header} ==", f"{'stage':15s} {'status':8s} {'secs':>7}  summary"]
     lines += [stage_line(s) for s in stages]
     for name, table in (("bench_gemm", gemm_table), ("bench_grouped", grouped_table),
-                        ("bench_quantize", quantize_table), ("tune_gemm", tune_table),
+                        ("bench_quantize", quantize_table), ("bench_linear", linear_table),
+                        ("tune_gemm", tune_table),
                         ("tune_grouped", tune_table)):
         stage = next(s for s in stages if s.name == name)
         record = stage.summary.get("record")
@@ -608,6 +631,7 @@ def main(argv=None) -> int:
     p.add_argument("--gemm-shapes", nargs="+", default=list(GEMM_SHAPES))
     p.add_argument("--grouped-shapes", nargs="+", default=list(GROUPED_SHAPES))
     p.add_argument("--quantize-shapes", nargs="+", default=list(QUANTIZE_SHAPES))
+    p.add_argument("--linear-shapes", nargs="+", default=list(LINEAR_SHAPES))
     p.add_argument("--quick", action="store_true", help="tiny benchmark shapes (implied without a Hopper GPU)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the table; run nothing")
     p.add_argument("--assume-hopper", action="store_true",

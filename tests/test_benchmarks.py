@@ -42,7 +42,8 @@ def _record(out: pathlib.Path, name: str) -> dict:
 @pytest.fixture(scope="module")
 def benches():
     """The benchmark modules, loaded once: their jitted references compile once for all tests."""
-    return {name: _load(name) for name in ("bench_gemm", "bench_grouped", "bench_quantize")}
+    names = ("bench_gemm", "bench_grouped", "bench_quantize", "bench_linear")
+    return {name: _load(name) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,7 @@ def records(tmp_path_factory, benches):
         ["--shapes", "128x256:bfloat16", "--config", "swizzle=false", "--out", str(out), *FAST]
     )
     assert rc == 0
+    assert benches["bench_linear"].main(["--shapes", "128x256x256", "--out", str(out), *FAST]) == 0
     return out
 
 
@@ -92,6 +94,28 @@ def test_quantize_record(records):
         assert r["gbps"] > 0 and r["mismatches"] == 0 and r["frac_of_copy"] > 0
     skipped = {s["impl"]: s["reason"] for s in record["skipped"]}
     assert "jfp8-mosaic-retile[swizzle=false]" in skipped and record["configs"] == ["swizzle=false"]
+
+
+def test_linear_record(records):
+    record = _record(records, "bench_linear")
+    rows = {r["impl"]: r for r in record["rows"]}
+    assert set(rows) == {"bf16", "fp8-xla"} and not record["failed"]
+    for r in rows.values():
+        assert GEMM_KEYS <= set(r) and r["tflops"] > 0 and (r["m"], r["n"], r["k"]) == (128, 256, 256)
+    assert rows["bf16"]["ratio_vs_bf16"] == 1.0 and rows["bf16"]["rel_error"] < 2e-2
+    # The FP8 row is checked against the XLA reference (itself here: 0) and its E4M3 error
+    # against f32 autodiff recorded: a few percent, not zero.
+    assert rows["fp8-xla"]["rel_error"] == 0 and 1e-3 < rows["fp8-xla"]["err_vs_f32"] < 0.1
+
+
+def test_wrong_linear_fails_its_check(tmp_path, monkeypatch, benches):
+    bench = benches["bench_linear"]
+    right = bench._fp8_linear
+    monkeypatch.setattr(bench, "_fp8_linear", lambda impl: lambda x, w: right(impl)(x, w) * 1.1)
+    argv = ["--shapes", "128x256x256", "--only", "fp8", "--out", str(tmp_path), *FAST]
+    assert bench.main(argv) == 1
+    (failure,) = _record(tmp_path, "bench_linear")["failed"]
+    assert failure["impl"] == "fp8-xla" and "check failed" in failure["error"]
 
 
 @pytest.mark.parametrize(
@@ -193,6 +217,7 @@ def test_gpu_session_runs_on_cpu(tmp_path, records):
     table = session.gemm_table(json.loads(next(out.glob("bench_gemm-*.json")).read_text()))
     assert any("jfp8-xla" in line for line in table)
     assert session.quantize_table(json.loads(next(out.glob("bench_quantize-*.json")).read_text()))[1:]
+    assert session.linear_table(json.loads(next(out.glob("bench_linear-*.json")).read_text()))[1:]
 
 
 def test_sass_counting():
