@@ -57,10 +57,12 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-STAGES = ("env", "pytest_gpu", "bench_gemm", "bench_grouped", "bench_quantize", "bench_linear",
-          "sass", "memcheck", "racecheck", "tune_gemm", "tune_grouped")
-# The tuning stages each take a whole device call of their own (~12 configs per shape): only when
-# asked for.
+# In the order they run: the kernels' correctness and the issue's benchmarks first; the layer
+# benchmark, an extra, after the SASS and the sanitizers.
+STAGES = ("env", "pytest_gpu", "bench_gemm", "bench_grouped", "bench_quantize", "sass", "memcheck",
+          "racecheck", "bench_linear", "tune_gemm", "tune_grouped")
+# The tuning stages each take a whole device call of their own (11-14 configs per shape): only
+# when asked for.
 TUNING_STAGES = ("tune_gemm", "tune_grouped")
 DEFAULT_STAGES = tuple(s for s in STAGES if s not in TUNING_STAGES)
 # The issue's shapes, most important first (a budget cut drops the tail).
@@ -198,7 +200,6 @@ def plan(args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
     stages.append(bench("bench_grouped", "bench_grouped.py", args.grouped_shapes, grouped_extra))
     quantize_extra = [a for c in args.quantize_config for a in ("--config", c)]
     stages.append(bench("bench_quantize", "bench_quantize.py", args.quantize_shapes, quantize_extra))
-    stages.append(bench("bench_linear", "bench_linear.py", args.linear_shapes))
     stages.append(Stage("sass", [py, me, "--worker", "kernels"], TIMEOUTS["sass"], skip=no_gpu,
                         env={"MOSAIC_GPU_DUMP_TO": str(work / "sass"),
                              "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
@@ -207,6 +208,7 @@ def plan(args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
         stages.append(Stage(tool, [sanitizer or "compute-sanitizer", "--tool", tool, "--print-limit", "100",
                                    py, me, "--worker", "kernels"], TIMEOUTS[tool], skip=skip,
                             env=_sanitizer_env()))
+    stages.append(bench("bench_linear", "bench_linear.py", args.linear_shapes))
     for name, extra in (("tune_gemm", []), ("tune_grouped", ["--grouped"])):
         stages.append(Stage(name, [py, str(REPO / "experiments" / "tune_gemm.py"), *extra, "--out",
                                    out, "--max-seconds", "2", "--repeats", "7"],
@@ -450,7 +452,8 @@ def tune_table(record: dict) -> list[str]:
     lines = [f"{kind} tuning ({record.get('out_dtype')} out)  {'best config':>40s} {'TFLOP/s':>7} "
              f"{'x dflt':>6} {'x rule':>6}"]
     for e in record.get("entries", []):
-        problem = f"{e['m']}x{e['n']}x{e['kp']}"
+        problem = (f"{e['groups']}x{e['m'] // e['groups']}x" if "groups" in e else f"{e['m']}x") + \
+            f"{e['n']}x{e['kp']}"
         lines.append(f"{problem:24s} {e['impl']:>40s} {_fmt(e['tflops'], '.4g'):>7} "
                      f"{_fmt(e['speedup_vs_default'], '.2f'):>6} {_fmt(e['speedup_vs_rule'], '.2f'):>6}")
     return lines

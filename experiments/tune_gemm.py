@@ -18,8 +18,8 @@ pipeline depth and tile order. Each is checked against the reference (`scaled_ma
 synchronised); the fastest that passed becomes the problem's table entry, with its speed-up over
 the default and over the rule.
 
-Writes `<out>/tune_gemm-<device>-<date>.json` (`tune_grouped-...` with `--grouped`; every measurement, with device, jax version and
-date) and merges the winners into the table (`--table`, default `<out>/gemm-<device>.json`, or
+Writes `<out>/tune_gemm-<device>-<date>.json` (`tune_grouped-...` with `--grouped`; every
+measurement, with device, jax version and date) and merges the winners into the table (`--table`, default `<out>/gemm-<device>.json`, or
 `<out>/grouped-<device>.json` with `--grouped`), written atomically; commit it under
 `pallas_kernels/tuned/` to make it the library's default for that GPU model.
 """
@@ -105,8 +105,9 @@ def grouped_candidates(rows: int, n: int, kp: int, out_dtype, num_sms: int) -> l
     chunks = kp // jfp8.TILE
     found = [tuning.grouped_rule_config(rows, n, kp, out_dtype, num_sms), GroupedGemmConfig(),
              GroupedGemmConfig.simple()]
-    for tile_n in (64, 128):
-        for stages in (2, 4, 6):
+    # 128-wide tiles do not fit 6 stages (the SMEM filter below would drop them anyway).
+    for tile_n, depths in ((64, (2, 4, 6)), (128, (2, 4))):
+        for stages in depths:
             for group in (1, 8):
                 found.append(GroupedGemmConfig(tile_n=tile_n, max_concurrent_steps=stages,
                                                grid_tile_group=group))
@@ -125,16 +126,18 @@ def config_name(config) -> str:
 
 
 def best_entries(rows: list[dict]) -> list[dict]:
-    """One table entry per problem (m, n, kp, out_dtype): its fastest measured config."""
+    """One table entry per problem (m, n, kp, out_dtype and, for the grouped kernel, groups):
+    its fastest measured config."""
     by_problem: dict[tuple, list[dict]] = {}
     for r in rows:
-        by_problem.setdefault((r["m"], r["n"], r["kp"], r["out_dtype"]), []).append(r)
+        by_problem.setdefault(tuning.entry_key(r), []).append(r)
     entries = []
-    for (m, n, kp, out_dtype), rs in by_problem.items():
+    for (m, n, kp, out_dtype, groups), rs in by_problem.items():
         best = min(rs, key=lambda r: r["ms"])
         ms = {role: r["ms"] for r in rs for role in r.get("roles", ())}
         entries.append(dict(
-            m=m, n=n, kp=kp, out_dtype=out_dtype, config=best["config"], impl=best["impl"],
+            m=m, n=n, kp=kp, out_dtype=out_dtype, **({"groups": groups} if groups else {}),
+            config=best["config"], impl=best["impl"],
             tflops=best["tflops"], ms=best["ms"], candidates=len(rs),
             speedup_vs_default=ms["default"] / best["ms"] if "default" in ms else None,
             speedup_vs_rule=ms["rule"] / best["ms"] if "rule" in ms else None,
@@ -142,14 +145,28 @@ def best_entries(rows: list[dict]) -> list[dict]:
     return entries
 
 
-def merge_table(path: pathlib.Path, entries: list[dict], device_kind: str) -> pathlib.Path:
-    """Writes `entries` into the table at `path`, replacing those for the same problems and
-    keeping the others; via a temporary file and an atomic rename (a crash leaves the old one)."""
-    old = json.loads(path.read_text())["entries"] if path.is_file() else []
-    key = lambda e: (e["m"], e["n"], e["kp"], e["out_dtype"])  # noqa: E731
+def _problem_name(entry: dict) -> str:
+    """MxNxKp, or GxRxNxKp (R rows per group) for a grouped entry."""
+    n, kp = entry["n"], entry["kp"]
+    if "groups" in entry:
+        return f"{entry['groups']}x{entry['m'] // entry['groups']}x{n}x{kp}"
+    return f"{entry['m']}x{n}x{kp}"
+
+
+def merge_table(path: pathlib.Path, entries: list[dict], device_kind: str,
+                kind: str = "gemm") -> pathlib.Path:
+    """Writes `entries` into the `kind` table at `path`, replacing those for the same problems
+    and keeping the others; via a temporary file and an atomic rename (a crash leaves the old
+    one). A table of the other kind at `path` is an error (its entries would be taken for this
+    kernel's)."""
+    old = json.loads(path.read_text()) if path.is_file() else dict(kind=kind, entries=[])
+    if tuning.table_kind(old) != kind:
+        raise ValueError(f"{path} is a {tuning.table_kind(old)!r} table; the {kind!r} winners "
+                         "go to a table of their own (--table)")
+    key = tuning.entry_key
     new_keys = {key(e) for e in entries}
-    merged = sorted([e for e in old if key(e) not in new_keys] + entries, key=key)
-    table = dict(device=device_kind, jax_version=jax.__version__,
+    merged = sorted([e for e in old["entries"] if key(e) not in new_keys] + entries, key=key)
+    table = dict(kind=kind, device=device_kind, jax_version=jax.__version__,
                  date=datetime.date.today().isoformat(), source="experiments/tune_gemm.py",
                  entries=merged)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -259,7 +276,11 @@ def _parse_grouped_shape(s: str) -> GroupedShape:
 
 def _parse_any_shape(s: str):
     """MxNxK (dense) or GxRxNxK (grouped); main checks that it matches --grouped."""
-    return _parse_grouped_shape(s) if s.lower().count("x") == 3 else parse_shape(s)
+    parts = s.lower().count("x") + 1
+    if parts not in (3, 4):
+        raise argparse.ArgumentTypeError(
+            f"a shape is MxNxK (dense) or GxRxNxK (with --grouped), got {s!r}")
+    return _parse_grouped_shape(s) if parts == 4 else parse_shape(s)
 
 
 def _grouped_label(shape: GroupedShape) -> str:
@@ -338,14 +359,14 @@ def main(argv=None) -> int:
             run_cases([case], label, timing, row, rows, failed, args.only)
         save()
         if rows:  # after every problem, so that a run cut short keeps its winners
-            merge_table(table, best_entries(rows), device.device_kind)
+            merge_table(table, best_entries(rows), device.device_kind, kind)
     path = save()
     entries = best_entries(rows)
     fmt = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
-    print(f"\n{'MxNxKp':>18s} {'best':>22s} {'TFLOP/s':>8} {'x default':>9} {'x rule':>7}")
+    print(f"\n{'MxNxKp|GxRxNxKp':>22s} {'best':>22s} {'TFLOP/s':>8} {'x default':>9} {'x rule':>7}")
     for e in entries:
-        problem = f"{e['m']}x{e['n']}x{e['kp']}"
-        print(f"{problem:>18s} {e['impl']:>22s} {e['tflops']:8.4g} "
+        problem = _problem_name(e)
+        print(f"{problem:>22s} {e['impl']:>22s} {e['tflops']:8.4g} "
               f"{fmt(e['speedup_vs_default']):>9} {fmt(e['speedup_vs_rule']):>7}")
     if entries:
         print(f"table: {table}")

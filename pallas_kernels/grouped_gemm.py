@@ -564,7 +564,8 @@ def grouped_scaled_matmul(
     if config is None:
         from pallas_kernels import tuning  # imports this module
 
-        config = tuning.grouped_config(lhs_data.shape[0], n, lhs_data.shape[1], out_dtype)
+        config = tuning.grouped_config(lhs_data.shape[0], n, lhs_data.shape[1], out_dtype,
+                                       groups=rhs_data.shape[0])
     if not config.warp_specialized and config.tile_n != TILE:
         raise NotImplementedError(
             f"the simple grouped_scaled_matmul needs tile_n={TILE} (one weight-block scale per "

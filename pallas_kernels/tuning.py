@@ -4,11 +4,12 @@ Two sources, in order:
 1. A table measured on this GPU model by `experiments/tune_gemm.py` (`tuned/gemm-<device>.json`
    for the dense kernel, `tuned/grouped-<device>.json` for the grouped one, next to this file,
    or the files named by `$JFP8_GEMM_TABLE` / `$JFP8_GROUPED_TABLE`): for the problem's (N, Kp,
-   output dtype), the fastest config found at the measured M nearest to this one in log2 M, if
-   that M is within a factor `TABLE_M_REACH` of it. Layers have fixed N and K and vary M
-   (tokens; for the grouped kernel all groups' token rows together, measured with equal groups),
-   so that is the axis to interpolate along; further away the best form may differ (memory- vs
-   compute-bound), and the rule decides.
+   output dtype) — and for the grouped kernel its number of groups G — the fastest config found
+   at the measured M nearest to this one in log2 M, if that M is within a factor
+   `TABLE_M_REACH` of it. Layers have fixed N, K (and G) and vary M (tokens; for the grouped
+   kernel all groups' token rows together, measured with equal groups), so that is the axis to
+   interpolate along; further away the best form may differ (memory- vs compute-bound), and the
+   rule decides. Each table records its kind, and a table of the other kind is an error.
 2. Else a rule predicted from the kernel's structure (not measured): `rule_config`,
    `grouped_rule_config`.
 
@@ -102,13 +103,13 @@ def grouped_rule_config(rows: int, n: int, kp: int, out_dtype, num_sms: int):
     return _narrowed(base, -(-rows // base.tile_m), n, kp, out_dtype, num_sms, deepen=False)
 
 
-def grouped_config(rows: int, n: int, kp: int, out_dtype, *, device_kind: str | None = None,
-                   num_sms: int | None = None):
+def grouped_config(rows: int, n: int, kp: int, out_dtype, *, groups: int = 0,
+                   device_kind: str | None = None, num_sms: int | None = None):
     """The config `grouped_gemm.grouped_scaled_matmul` runs when given none: measured table
-    (`grouped-<device>.json`), else `grouped_rule_config`."""
+    (`grouped-<device>.json`, entries for `groups` groups only), else `grouped_rule_config`."""
     device_kind = _mgpu.device_kind() if device_kind is None else device_kind
     num_sms = _mgpu.num_sms() if num_sms is None else num_sms
-    tuned = table_config(rows, n, kp, out_dtype, device_kind, kind="grouped")
+    tuned = table_config(rows, n, kp, out_dtype, device_kind, kind="grouped", groups=groups)
     return tuned if tuned is not None else grouped_rule_config(rows, n, kp, out_dtype, num_sms)
 
 
@@ -139,22 +140,29 @@ def _config_class(kind: str):
     return GemmConfig
 
 
+def table_kind(table: dict) -> str:
+    """The kind a table says it is ("gemm" for tables that predate the field)."""
+    return table.get("kind", "gemm")
+
+
+def entry_key(entry: dict) -> tuple:
+    """A table entry's problem: (m, n, kp, out_dtype, groups); groups 0 in the dense table."""
+    return (int(entry["m"]), int(entry["n"]), int(entry["kp"]),
+            jnp.dtype(entry["out_dtype"]).name, int(entry.get("groups", 0)))
+
+
 @functools.cache
 def _load_table(path: pathlib.Path, version: tuple, kind: str) -> tuple[tuple[tuple, object], ...]:
-    """((m, n, kp, out_dtype), config) per entry of a `tune_gemm.py` table; cached per version
-    (the file's mtime, size and inode: a rewritten table is read again). A function already
-    traced under jit keeps the config it was traced with."""
+    """(`entry_key`, config) per entry of a `tune_gemm.py` table; cached per version (the file's
+    mtime, size and inode: a rewritten table is read again). A function already traced under jit
+    keeps the config it was traced with."""
     del version  # part of the cache key only
     config_class = _config_class(kind)
     try:
-        entries = json.loads(path.read_text())["entries"]
-        return tuple(
-            (
-                (int(e["m"]), int(e["n"]), int(e["kp"]), jnp.dtype(e["out_dtype"]).name),
-                config_class(**e["config"]),
-            )
-            for e in entries
-        )
+        table = json.loads(path.read_text())
+        if table_kind(table) != kind:
+            raise ValueError(f"it is a {table_kind(table)!r} table, not a {kind!r} one")
+        return tuple((entry_key(e), config_class(**e["config"])) for e in table["entries"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(
             f"{kind} tuning table {path} is unreadable ({type(e).__name__}: {e}); regenerate it "
@@ -162,21 +170,22 @@ def _load_table(path: pathlib.Path, version: tuple, kind: str) -> tuple[tuple[tu
         ) from e
 
 
-def table_config(m: int, n: int, kp: int, out_dtype, device_kind: str, kind: str = "gemm"):
-    """The measured config for (n, kp, out_dtype) at the M nearest to `m` (log2), or None when
-    there is none within a factor `TABLE_M_REACH` of `m`. `kind`: "gemm" (a `GemmConfig`) or
-    "grouped" (a `GroupedGemmConfig`; M counts all groups' rows)."""
+def table_config(m: int, n: int, kp: int, out_dtype, device_kind: str, kind: str = "gemm",
+                 groups: int = 0):
+    """The measured config for (n, kp, out_dtype, groups) at the M nearest to `m` (log2), or None
+    when there is none within a factor `TABLE_M_REACH` of `m`. `kind`: "gemm" (a `GemmConfig`;
+    groups 0) or "grouped" (a `GroupedGemmConfig`; M counts all `groups` groups' rows)."""
     path = table_path(device_kind, kind)
     if not path.is_file():
         return None
     stat = path.stat()
-    dtype = jnp.dtype(out_dtype).name
+    problem = (n, kp, jnp.dtype(out_dtype).name, groups)
     same = [
         (abs(math.log2(em) - math.log2(max(m, 1))), em, config)
-        for (em, en, ekp, edt), config in _load_table(
+        for (em, *rest), config in _load_table(
             path, (stat.st_mtime_ns, stat.st_size, stat.st_ino), kind
         )
-        if (en, ekp, edt) == (n, kp, dtype) and em > 0
+        if tuple(rest) == problem and em > 0
     ]
     near = [t for t in same if t[0] <= math.log2(TABLE_M_REACH)]
     return min(near, key=lambda t: t[:2])[2] if near else None

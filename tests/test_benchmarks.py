@@ -10,6 +10,7 @@ import json
 import pathlib
 import sys
 
+import jax
 import pytest
 
 import jfp8
@@ -108,10 +109,28 @@ def test_linear_record(records):
     assert rows["fp8-xla"]["rel_error"] == 0 and 1e-3 < rows["fp8-xla"]["err_vs_f32"] < 0.1
 
 
-def test_wrong_linear_fails_its_check(tmp_path, monkeypatch, benches):
+def _wrong_forward_only(linear):
+    """`linear` with a zero forward output and the right backward."""
+    @jax.custom_vjp
+    def f(x, w):
+        return linear(x, w) * 0
+
+    f.defvjp(lambda x, w: (f(x, w), jax.vjp(linear, x, w)[1]), lambda vjp, g: vjp(g))
+    return f
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [lambda f: lambda x, w: f(x, w) * 1.1,  # every output off by 10 %
+     _wrong_forward_only],  # y wrong, dx and dw right
+    ids=["scaled", "forward-only"],
+)
+def test_wrong_linear_fails_its_check(tmp_path, monkeypatch, benches, wrong):
+    """Also where the measured FP8 path is the reference path itself (impl "xla", here): the
+    bound against f32 autodiff catches it."""
     bench = benches["bench_linear"]
     right = bench._fp8_linear
-    monkeypatch.setattr(bench, "_fp8_linear", lambda impl: lambda x, w: right(impl)(x, w) * 1.1)
+    monkeypatch.setattr(bench, "_fp8_linear", lambda impl: wrong(right(impl)))
     argv = ["--shapes", "128x256x256", "--only", "fp8", "--out", str(tmp_path), *FAST]
     assert bench.main(argv) == 1
     (failure,) = _record(tmp_path, "bench_linear")["failed"]
@@ -199,6 +218,8 @@ def test_gpu_session_runs_on_cpu(tmp_path, records):
     assert gemm[gemm.index("--shapes") + 1] == "8192x8192x8192" and "tile_m=128" in gemm
     grouped = next(s for s in stages if s["name"] == "bench_grouped")["argv"]
     assert grouped[grouped.index("--config") + 1] == GROUPED_SIMPLE
+    linear = next(s for s in stages if s["name"] == "bench_linear")["argv"]
+    assert linear[linear.index("--shapes") + 1] == session.LINEAR_SHAPES[0]
     for name in session.TUNING_STAGES:  # each a device call of its own, when asked for
         tune = next(s for s in stages if s["name"] == name)
         assert tune["skip"].startswith("not selected")
@@ -240,6 +261,10 @@ def test_tune_table_reads_a_tune_record():
     record = dict(out_dtype="bfloat16", entries=_load("tune_gemm").best_entries(rows))
     (header, line) = _load("gpu_session").tune_table(record)
     assert "1wg-64x64-s6-g1" in line and line.split()[-2:] == ["4.00", "2.00"]
+    grouped = [dict(r, groups=8, m=256) for r in rows]
+    record = dict(kind="grouped", out_dtype="bfloat16", entries=_load("tune_gemm").best_entries(grouped))
+    (header, line) = _load("gpu_session").tune_table(record)
+    assert header.startswith("grouped tuning") and line.startswith("8x32x7168x2048")
 
 
 def test_gpu_session_kernel_worker_in_the_interpreter(monkeypatch, capsys):

@@ -97,8 +97,9 @@ def test_chosen_config_is_bit_identical_to_reference(m, n, k, b_block_rows, out_
     assert_bitwise_equal(out, _reference(a, b, out_dtype), seed)
 
 
-def _write_table(path, entries):
-    path.write_text(json.dumps({"device": H100_DEVICE_KIND, "entries": entries}))
+def _write_table(path, entries, kind=None):
+    table = {"device": H100_DEVICE_KIND, "entries": entries}
+    path.write_text(json.dumps(table | ({} if kind is None else {"kind": kind})))
 
 
 def test_a_measured_table_wins_at_the_nearest_m(monkeypatch, tmp_path):
@@ -160,10 +161,17 @@ def test_a_measured_grouped_table_wins_and_stays_apart(monkeypatch, tmp_path):
     path = tmp_path / "grouped.json"
     monkeypatch.setenv(tuning.GROUPED_TABLE_ENV, str(path))
     tuned = dict(tile_m=128, tile_n=64, max_concurrent_steps=6, grid_tile_group=1)
-    _write_table(path, [dict(m=32768, n=4096, kp=7168, out_dtype="bfloat16", config=tuned)])
-    choose = lambda rows, n=4096: tuning.grouped_config(  # noqa: E731
-        rows, n, 7168, jnp.bfloat16, device_kind=H100_DEVICE_KIND, num_sms=H100_NUM_SMS)
+    four = dict(tile_m=128, tile_n=128, max_concurrent_steps=2, grid_tile_group=1)
+    _write_table(path, [
+        dict(m=32768, n=4096, kp=7168, out_dtype="bfloat16", groups=8, config=tuned),
+        dict(m=32768, n=4096, kp=7168, out_dtype="bfloat16", groups=4, config=four),
+    ], kind="grouped")
+    choose = lambda rows, n=4096, groups=8: tuning.grouped_config(  # noqa: E731
+        rows, n, 7168, jnp.bfloat16, groups=groups, device_kind=H100_DEVICE_KIND,
+        num_sms=H100_NUM_SMS)
     assert choose(20000) == choose(60000) == GroupedGemmConfig(**tuned)
+    assert choose(32768, groups=4) == GroupedGemmConfig(**four)  # same rows, other G
+    assert choose(32768, groups=2) == GroupedGemmConfig()  # no entry for 2 groups: the rule
     assert choose(32768, n=7168) == GroupedGemmConfig()  # the rule
     assert choose(1000) == tuning.grouped_rule_config(1000, 4096, 7168, jnp.bfloat16, H100_NUM_SMS)
     dense = tuning.dense_config(32768, 4096, 7168, jnp.bfloat16, device_kind=H100_DEVICE_KIND,
@@ -172,6 +180,20 @@ def test_a_measured_grouped_table_wins_and_stays_apart(monkeypatch, tmp_path):
     path.write_text("not json")
     with pytest.raises(ValueError, match="grouped tuning table"):
         choose(32768)
+
+
+def test_a_table_of_the_other_kind_is_an_error(monkeypatch, tmp_path):
+    """GemmConfig and GroupedGemmConfig have the same fields: only the table's kind tells them
+    apart, so a grouped table named as the dense one (or the reverse) must not be used."""
+    path = tmp_path / "table.json"
+    _write_table(path, [dict(m=64, n=7168, kp=2048, out_dtype="bfloat16", groups=8,
+                             config=dict(tile_m=128))], kind="grouped")
+    monkeypatch.setenv(tuning.TABLE_ENV, str(path))
+    with pytest.raises(ValueError, match="'grouped' table, not a 'gemm' one"):
+        tuning.dense_config(64, 7168, 2048, jnp.bfloat16, device_kind="x", num_sms=132)
+    monkeypatch.setenv(tuning.GROUPED_TABLE_ENV, str(path))
+    assert tuning.grouped_config(64, 7168, 2048, jnp.bfloat16, groups=8, device_kind="x",
+                                 num_sms=132) == GroupedGemmConfig()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +249,9 @@ def test_tuner_table_round_trip(tune, monkeypatch, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     table = json.loads(path.read_text())
     assert table["device"] == H100_DEVICE_KIND and len(table["entries"]) == 3
+    assert table["kind"] == "gemm"
+    with pytest.raises(ValueError, match="a 'gemm' table"):
+        tune.merge_table(path, [dict(entry, groups=8)], H100_DEVICE_KIND, "grouped")
     monkeypatch.setenv(tuning.TABLE_ENV, str(path))
     assert tuning.dense_config(100, 7168, 2048, jnp.bfloat16, device_kind="x", num_sms=132) == narrow
     assert tuning.dense_config(5000, 7168, 2048, jnp.bfloat16, device_kind="x", num_sms=132) == FAST
@@ -269,6 +294,23 @@ def test_grouped_tuner_candidates_start_with_the_rule_and_fit(tune, shape):
                for c in found if c.warp_specialized)
 
 
+def test_grouped_problems_with_the_same_rows_stay_apart(tune):
+    """8 x 4096 and 4 x 8192 rows are both M = 32768: the groups keep them two problems, each
+    with its own winner and its own speed-ups."""
+    def row(groups, config, ms, *roles):
+        return dict(m=32768, groups=groups, n=4096, k=7168, kp=7168, out_dtype="bfloat16", ms=ms,
+                    tflops=1.0, impl=tune.config_name(config), config=dataclasses.asdict(config),
+                    roles=list(roles))
+
+    narrow = GroupedGemmConfig(tile_n=64)
+    rows = [row(8, GroupedGemmConfig(), 2.0, "rule", "default"), row(8, narrow, 1.0),
+            row(4, GroupedGemmConfig(), 1.05, "rule", "default"), row(4, narrow, 1.0)]
+    by_groups = {e["groups"]: e for e in tune.best_entries(rows)}
+    assert set(by_groups) == {4, 8}
+    assert by_groups[8]["speedup_vs_default"] == 2.0 and by_groups[4]["speedup_vs_default"] == 1.05
+    assert by_groups[8]["candidates"] == by_groups[4]["candidates"] == 2
+
+
 def test_grouped_tuner_cli_checks_the_shape_kind(tune, capsys):
     assert tune.main(["--grouped", "--dry-run", "--shapes", "8x32x4096x7168"]) == 0
     assert "8x32x4096x7168: " in capsys.readouterr().out
@@ -277,6 +319,9 @@ def test_grouped_tuner_cli_checks_the_shape_kind(tune, capsys):
     assert "GxRxNxK" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         tune.main(["--shapes", "8x32x4096x7168"])
+    with pytest.raises(SystemExit):
+        tune.main(["--grouped", "--shapes", "1x8x32x4096x7168"])
+    assert "GxRxNxK" in capsys.readouterr().err
 
 
 def test_grouped_tuner_end_to_end_in_the_interpreter(tune, monkeypatch, tmp_path):
@@ -300,8 +345,9 @@ def test_grouped_tuner_end_to_end_in_the_interpreter(tune, monkeypatch, tmp_path
     assert pathlib.Path(record["table"]).name.startswith("grouped-")
     assert not list(tmp_path.glob("gemm-*.json"))
     monkeypatch.setenv(tuning.GROUPED_TABLE_ENV, record["table"])
-    tabled = tuning.table_config(128, 256, 256, jnp.bfloat16, "any", kind="grouped")
-    chosen = tuning.grouped_config(128, 256, 256, jnp.bfloat16, device_kind="any", num_sms=132)
+    tabled = tuning.table_config(128, 256, 256, jnp.bfloat16, "any", kind="grouped", groups=2)
+    chosen = tuning.grouped_config(128, 256, 256, jnp.bfloat16, groups=2, device_kind="any",
+                                   num_sms=132)
     assert tabled == chosen == GroupedGemmConfig(**best["config"])
 
 
