@@ -459,21 +459,95 @@ def tune_table(record: dict) -> list[str]:
     return lines
 
 
+# Issue #4's speed targets: (benchmark, what, baseline impl or None, bound). Dense: 8192^3 and
+# DeepSeek-V3's M=4096 shapes with K >= 7168; grouped: every MoE shape; quantizers: every
+# kernel's default row against the copy bandwidth.
+DENSE_TARGET_SHAPES = ((8192, 8192, 8192), (4096, 2112, 7168), (4096, 7168, 16384),
+                       (4096, 4096, 7168))
+TARGETS = (
+    ("bench_gemm", "x XLA bf16", "xla-bf16", 1.6),
+    ("bench_gemm", "x torch blockwise FP8", "torch-fp8-blockwise", 1.0),
+    ("bench_grouped", "x bf16 einsum", "xla-bf16-einsum", 1.4),
+    ("bench_grouped", "x bf16 ragged_dot_mgpu", "mgpu-ragged-dot-bf16", 1.4),
+    ("bench_quantize", "of copy bandwidth", None, 0.7),
+)
+
+
+def target_verdicts(records: dict[str, dict]) -> list[dict]:
+    """Each of issue #4's targets at each problem, from the benchmark records (name -> record):
+    the measured value, the bound, and "pass", "FAIL" or "not measured" (no jfp8 row on the
+    Mosaic kernels, or no baseline row)."""
+    verdicts = []
+    for bench, what, baseline, bound in TARGETS:
+        rows = records.get(bench, {}).get("rows", [])
+        if bench == "bench_quantize":
+            mine = [r for r in rows if r["impl"].startswith("jfp8-mosaic-") and "[" not in r["impl"]]
+            wanted = [(f"{r['kernel']} {r['m']}x{r['k']}:{r['dtype']}", r.get("frac_of_copy"))
+                      for r in mine]
+        else:
+            if bench == "bench_gemm":
+                keys = DENSE_TARGET_SHAPES
+                key_of = lambda r: (r["m"], r["n"], r["k"])  # noqa: E731
+            else:
+                keys = list(dict.fromkeys((r["groups"], r["m"], r["n"], r["k"]) for r in rows))
+                key_of = lambda r: (r["groups"], r["m"], r["n"], r["k"])  # noqa: E731
+            mine = {key_of(r): r for r in rows if r["impl"] == "jfp8-mosaic"}
+            wanted = []
+            for key in keys:
+                label = "x".join(map(str, key)) if bench == "bench_gemm" else \
+                    f"{key[0]}x{key[1] // key[0]}x{key[2]}x{key[3]}"
+                wanted.append((label, mine.get(key, {}).get("ratio_vs", {}).get(baseline)))
+        if not wanted:
+            wanted = [("(no jfp8-mosaic row)", None)]
+        for problem, value in wanted:
+            verdict = "not measured" if value is None else ("pass" if value >= bound else "FAIL")
+            verdicts.append(dict(benchmark=bench, problem=problem, target=what, bound=bound,
+                                 value=value, verdict=verdict))
+    return verdicts
+
+
+def targets_table(verdicts: list[dict]) -> list[str]:
+    lines = [f"issue #4 targets          {'problem':28s} {'target':24s} {'value':>6} {'bound':>5}"]
+    for v in verdicts:
+        lines.append(f"{v['benchmark']:25s} {v['problem']:28s} {v['target']:24s} "
+                     f"{_fmt(v['value'], '.2f'):>6} {v['bound']:5.2f}  {v['verdict']}")
+    return lines
+
+
+def _records(stages: list[Stage], out: pathlib.Path) -> dict[str, dict]:
+    """The benchmark and tuning records this session wrote, by stage name (unreadable ones
+    left out)."""
+    records = {}
+    for s in stages:
+        name = s.summary.get("record")
+        if name:
+            try:
+                records[s.name] = json.loads((out / name).read_text())
+            except (OSError, ValueError):
+                pass
+    return records
+
+
 def final_table(stages: list[Stage], out: pathlib.Path, header: str) -> str:
     lines = [f"== gpu_session: {header} ==", f"{'stage':15s} {'status':8s} {'secs':>7}  summary"]
     lines += [stage_line(s) for s in stages]
+    records = _records(stages, out)
     for name, table in (("bench_gemm", gemm_table), ("bench_grouped", grouped_table),
                         ("bench_quantize", quantize_table), ("bench_linear", linear_table),
                         ("tune_gemm", tune_table),
                         ("tune_grouped", tune_table)):
-        stage = next(s for s in stages if s.name == name)
-        record = stage.summary.get("record")
-        if record:
+        if name in records:
             lines.append("")
             try:
-                lines += table(json.loads((out / record).read_text()))
-            except (OSError, KeyError, ValueError, TypeError) as e:
-                lines.append(f"{name}: could not tabulate {record}: {type(e).__name__}: {e}")
+                lines += table(records[name])
+            except (KeyError, ValueError, TypeError) as e:
+                lines.append(f"{name}: could not tabulate its record: {type(e).__name__}: {e}")
+    if any(name in records for name in ("bench_gemm", "bench_grouped", "bench_quantize")):
+        lines.append("")
+        try:
+            lines += targets_table(target_verdicts(records))
+        except (KeyError, ValueError, TypeError) as e:
+            lines.append(f"targets: could not evaluate: {type(e).__name__}: {e}")
     lines.append(f"\nresults in {out}")
     return "\n".join(lines)
 
@@ -672,6 +746,10 @@ def main(argv=None) -> int:
                       budget_s=args.budget_s, dry_run=args.dry_run, argv=sys.argv[1:] if argv is None else argv,
                       stages=[{k: v for k, v in dataclasses.asdict(s).items() if k not in ("output", "env")}
                               | {"env": s.env} for s in stages])
+        try:
+            record["targets"] = target_verdicts(_records(stages, args.out))
+        except (KeyError, ValueError, TypeError) as e:  # a malformed record must not lose the rest
+            record["targets"] = f"could not evaluate: {type(e).__name__}: {e}"
         summary_path.write_text(json.dumps(record, indent=1) + "\n")
 
     with open(log_path, "w", encoding="utf-8") as log:

@@ -241,6 +241,43 @@ def test_gpu_session_runs_on_cpu(tmp_path, records):
     assert session.linear_table(json.loads(next(out.glob("bench_linear-*.json")).read_text()))[1:]
 
 
+def _row(impl, m, n, k, **kw):
+    return dict(impl=impl, m=m, n=n, k=k, **kw)
+
+
+def test_targets_are_judged_from_the_records():
+    """Issue #4's targets, from records as the benchmarks write them: pass, FAIL, and "not
+    measured" where the kernels did not run (CPU records) or a baseline is missing."""
+    session = _load("gpu_session")
+    gemm = {"rows": [
+        _row("jfp8-mosaic", 8192, 8192, 8192, ratio_vs={"xla-bf16": 1.7, "torch-fp8-blockwise": 0.9}),
+        _row("jfp8-mosaic", 4096, 4096, 7168, ratio_vs={"xla-bf16": 1.5}),
+        _row("jfp8-mosaic[tile_m=64]", 4096, 2112, 7168, ratio_vs={"xla-bf16": 9.0}),  # not the default
+    ]}
+    grouped = {"rows": [_row("jfp8-mosaic", 32768, 4096, 7168, groups=8,
+                             ratio_vs={"xla-bf16-einsum": 1.41})]}
+    quantize = {"rows": [
+        dict(impl="jfp8-mosaic-tile", kernel="tile", m=8192, k=8192, dtype="bfloat16", frac_of_copy=0.8),
+        dict(impl="jfp8-mosaic-grad[swizzle=false]", kernel="grad", m=8192, k=8192,
+             dtype="bfloat16", frac_of_copy=0.1),
+    ]}
+    verdicts = session.target_verdicts(
+        {"bench_gemm": gemm, "bench_grouped": grouped, "bench_quantize": quantize})
+    got = {(v["benchmark"], v["problem"], v["target"]): v["verdict"] for v in verdicts}
+    assert got[("bench_gemm", "8192x8192x8192", "x XLA bf16")] == "pass"
+    assert got[("bench_gemm", "8192x8192x8192", "x torch blockwise FP8")] == "FAIL"
+    assert got[("bench_gemm", "4096x4096x7168", "x XLA bf16")] == "FAIL"
+    assert got[("bench_gemm", "4096x2112x7168", "x XLA bf16")] == "not measured"
+    assert got[("bench_grouped", "8x4096x4096x7168", "x bf16 einsum")] == "pass"
+    assert got[("bench_grouped", "8x4096x4096x7168", "x bf16 ragged_dot_mgpu")] == "not measured"
+    assert got[("bench_quantize", "tile 8192x8192:bfloat16", "of copy bandwidth")] == "pass"
+    assert not any("grad" in problem for _, problem, _ in got)  # config rows are not the target
+    # CPU records: the kernels never ran, so nothing is judged.
+    cpu = session.target_verdicts({"bench_gemm": {"rows": [_row("jfp8-xla", 8192, 8192, 8192)]}})
+    assert {v["verdict"] for v in cpu} == {"not measured"}
+    assert session.targets_table(verdicts)[1:]
+
+
 def test_sass_counting():
     sass = """
         /*0a50*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24, gsb0 ;
