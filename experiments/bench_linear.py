@@ -11,6 +11,8 @@ every quantization (x, W in both orientations, dy in both forms, the §3.5.2 re-
   bf16          x @ w.astype(bf16), XLA (cuBLAS on a GPU)
   fp8-<impl>    fp8_linear with the DeepSeek-V3 recipe: impl "mosaic" (the kernels) on Hopper,
                 the XLA reference elsewhere (on CPU its time says nothing about the kernels)
+  fp8-mosaic-unfused  the same with Fp8Recipe(fuse_quantizers=False): W and dy quantized by
+                separate kernels (and W's transpose by XLA), as before the fused quantizers
 Checks before timing, on y, dx and dw (the largest relative Frobenius error of the three): bf16
 against f32 (`precision="highest"`) autodiff, <= 2e-2; the FP8 row against the same op on the XLA
 reference path (same numerics: <= 1e-2, bf16 rounding) and against f32 autodiff (<= 0.1, recorded
@@ -74,9 +76,10 @@ def _bf16_linear(x, w):
     return x @ w.astype(jnp.bfloat16)
 
 
-def _fp8_linear(impl):
+def _fp8_linear(impl, fuse_quantizers=True):
     """The measured FP8 layer (module level so that tests can substitute a wrong one)."""
-    return lambda x, w: jfp8.fp8_linear(x, w, jfp8.Fp8Recipe(impl=impl))
+    recipe = jfp8.Fp8Recipe(impl=impl, fuse_quantizers=fuse_quantizers)
+    return lambda x, w: jfp8.fp8_linear(x, w, recipe)
 
 
 def _reference_fp8_linear(x, w):
@@ -105,21 +108,27 @@ def _cases(shape, impl: str, seed: int) -> tuple[list[Case], dict]:
     x, w, g = _operands(seed, tuple(shape))
     f32 = functools.cache(lambda: _fwd_bwd(_f32_linear)(x.astype(jnp.float32), w, g))
     same = functools.cache(lambda: _fwd_bwd(_reference_fp8_linear)(x, w, g))
-    bf16, fp8 = _fwd_bwd(_bf16_linear), _fwd_bwd(_fp8_linear(impl))
+    bf16 = _fwd_bwd(_bf16_linear)
     extra = {}
 
-    def fp8_check(out):
-        # Both bounds: the same numerics as the reference path (which on CPU is this path
-        # itself), and E4M3's error against f32 autodiff.
-        extra["err_vs_f32"] = err = _error(out, f32())
-        if not err <= TOL_FP8_VS_F32:
-            raise CheckFailed(f"error {err:.3e} against f32 autodiff > {TOL_FP8_VS_F32}")
-        return _error(out, same())
+    def fp8_check(name):
+        def check(out):
+            # Both bounds: the same numerics as the reference path (which on CPU is this path
+            # itself), and E4M3's error against f32 autodiff.
+            extra[name] = err = _error(out, f32())
+            if not err <= TOL_FP8_VS_F32:
+                raise CheckFailed(f"error {err:.3e} against f32 autodiff > {TOL_FP8_VS_F32}")
+            return _error(out, same())
 
-    cases = [
-        Case(BASELINE, lambda: bf16(x, w, g), lambda out: _error(out, f32()), TOL_BF16, "bf16"),
-        Case(f"fp8-{impl}", lambda: fp8(x, w, g), fp8_check, TOL_SAME_NUMERICS, "fp8"),
-    ]
+        return check
+
+    cases = [Case(BASELINE, lambda: bf16(x, w, g), lambda out: _error(out, f32()), TOL_BF16, "bf16")]
+    # With the kernels, the layer with its quantizers fused and unfused (`fuse_quantizers`): the
+    # fused ones' effect on a whole training step. The XLA path has no fused quantizers.
+    for fused in (True, False) if impl == "mosaic" else (True,):
+        name = f"fp8-{impl}" + ("" if fused else "-unfused")
+        fn = _fwd_bwd(_fp8_linear(impl, fused))
+        cases.append(Case(name, lambda fn=fn: fn(x, w, g), fp8_check(name), TOL_SAME_NUMERICS, "fp8"))
     return cases, extra
 
 
@@ -165,8 +174,8 @@ def main(argv=None) -> int:
 
         def row(case, meas, m=m, n=n, k=k):
             r = gemm_row(case, meas, device.device_kind, 3 * 2.0 * m * n * k, m=m, n=n, k=k)
-            if case.name != BASELINE and "err_vs_f32" in extra:
-                r["err_vs_f32"] = extra["err_vs_f32"]
+            if case.name in extra:
+                r["err_vs_f32"] = extra[case.name]
             return r
 
         run_cases(cases, label, timing, row, rows, failed, args.only)

@@ -66,13 +66,13 @@ def _q_weight(w: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Ten
     GEMM is not FP8. With both, one fused pass writes the two orientations (`quantize_weight`)."""
     if not (recipe.fprop or recipe.dgrad):
         return None, None
-    if recipe.fprop and recipe.dgrad:
+    if recipe.fprop and recipe.dgrad and recipe.fuse_quantizers:
         return quantize_weight(
             w, recipe.weight_block, pow2_scale=recipe.pow2_scale, impl=recipe.impl,
             interpret=recipe.interpret,
         )
     qw = _q(w, recipe.weight_block, recipe)
-    return (None, qw.mT) if recipe.fprop else (qw, None)
+    return (qw if recipe.dgrad else None), (qw.mT if recipe.fprop else None)
 
 
 def _mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype, recipe: Fp8Recipe) -> jax.Array:
@@ -100,9 +100,9 @@ def _wgrad_dy(dy: jax.Array, recipe: Fp8Recipe) -> Fp8Tensor:
 def _q_grad(dy: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Tensor | None]:
     """dy -> (its Dgrad operand, its Wgrad operand dyᵀ), each None when that GEMM is not FP8.
     With DeepSeek-V3's scaling for both, one fused pass reads dy once (`quantize_grad`)."""
-    if recipe.dgrad and recipe.wgrad and (recipe.grad_block, recipe.wgrad_block) == (
-        (1, TILE), (TILE, 1)
-    ):
+    if recipe.dgrad and recipe.wgrad and recipe.fuse_quantizers and (
+        recipe.grad_block, recipe.wgrad_block
+    ) == ((1, TILE), (TILE, 1)):
         return quantize_grad(
             dy, pow2_scale=recipe.pow2_scale, impl=recipe.impl, interpret=recipe.interpret
         )

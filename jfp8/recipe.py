@@ -23,6 +23,10 @@ class Fp8Recipe:
       pow2_scale: round every scale up to a power of two (UE8M0).
       impl: "auto" (Mosaic GPU kernels on Hopper, XLA reference elsewhere), "xla" or "mosaic".
       interpret: run the kernels in the Mosaic GPU interpreter (tests).
+      fuse_quantizers: on the kernels' path, quantize W into both orientations (Fprop, Dgrad) in
+        one pass and dy into both forms (Dgrad, Wgrad) in one pass (`quantize_weight`,
+        `quantize_grad`); False runs the separate quantizers and an XLA transpose instead. Same
+        bits either way: a switch for comparing the two, or for sidestepping a fused kernel.
     """
 
     activation_block: Block = (1, TILE)
@@ -35,6 +39,7 @@ class Fp8Recipe:
     pow2_scale: bool = False
     impl: Impl = "auto"
     interpret: bool = False
+    fuse_quantizers: bool = True
 
     def __post_init__(self):
         for name in ("activation_block", "weight_block", "grad_block"):

@@ -165,6 +165,24 @@ def test_fp8_ops_read_weight_and_gradient_once_for_both_of_their_forms(monkeypat
     ]
 
 
+def test_fuse_quantizers_false_runs_the_separate_kernels(monkeypatch):
+    """Fp8Recipe(fuse_quantizers=False): the fused quantizers never run; W goes through the
+    block kernel and dy through the tile and transposed-column kernels."""
+    from pallas_kernels import quantize as qk
+
+    calls = []
+    for name in ("quantize_block", "quantize_tile", "quantize_column"):
+        fn = getattr(qk, name)
+        monkeypatch.setattr(qk, name, lambda x, fn=fn, name=name, **kw: (
+            calls.append(name) or fn(x, **kw)))
+    for name in ("quantize_block_and_transpose", "quantize_tile_and_column_t"):
+        monkeypatch.setattr(qk, name, lambda *a, **kw: pytest.fail("a fused quantizer ran"))
+    recipe = jfp8.Fp8Recipe(interpret=True, fuse_quantizers=False)
+    x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 384), jnp.float32)
+    jax.eval_shape(jax.grad(lambda x, w: jfp8.fp8_linear(x, w, recipe).sum(), (0, 1)), x, w)
+    assert sorted(calls) == ["quantize_block", "quantize_column", "quantize_tile", "quantize_tile"]
+
+
 @pytest.mark.parametrize("shape", [(7, 0), (2, 0, 5), (0, 3, 128)], ids=str)
 def test_quantize_front_doors_take_empty_input(shape):
     """Zero-size inputs through the kernels' front doors: no launch, the reference's shapes."""

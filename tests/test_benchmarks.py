@@ -130,7 +130,7 @@ def test_wrong_linear_fails_its_check(tmp_path, monkeypatch, benches, wrong):
     bound against f32 autodiff catches it."""
     bench = benches["bench_linear"]
     right = bench._fp8_linear
-    monkeypatch.setattr(bench, "_fp8_linear", lambda impl: wrong(right(impl)))
+    monkeypatch.setattr(bench, "_fp8_linear", lambda *args: wrong(right(*args)))
     argv = ["--shapes", "128x256x256", "--only", "fp8", "--out", str(tmp_path), *FAST]
     assert bench.main(argv) == 1
     (failure,) = _record(tmp_path, "bench_linear")["failed"]

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jfp8
 from jfp8 import TILE, Fp8Recipe, fp8_linear, grouped_fp8_linear, quantize, scaled_matmul_reference
 from jfp8.reference import grouped_scaled_matmul_reference, grouped_wgrad_reference
-from helpers import fresh_rng as _rng, rel_error as _rel
+from helpers import assert_bitwise_equal, fresh_rng as _rng, rel_error as _rel
 
 XLA = Fp8Recipe(impl="xla")
 QUANT_BOUND = 0.06  # two operands at ~2.6 % rms E4M3 error each: ~3.7 % expected
@@ -333,3 +333,21 @@ def test_ops_through_the_kernels_in_the_interpreter():
     outs = [_grouped_vjp(xg, wg, gs, dyg, recipe=recipe) for recipe in (kernels, XLA)]
     for got, want in zip(*outs):
         assert _rel(got, want) <= 1e-5, f"seed {seed}"
+
+
+def test_fused_and_separate_quantizers_give_the_same_bits():
+    """`fuse_quantizers=False` (separate kernels for W, Wᵀ, dy's two forms) against the default
+    fused ones, through every kernel in the interpreter: y, dx and dW bit for bit, dense (f32
+    master, bf16 x) and grouped (bf16 master, f32 x)."""
+    rng, seed = _rng()
+    fused, separate = Fp8Recipe(interpret=True), Fp8Recipe(interpret=True, fuse_quantizers=False)
+    x = jnp.asarray(rng.standard_normal((136, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 200)) / 16, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((136, 200)), jnp.bfloat16)
+    for got, want in zip(*[_linear_vjp(x, w, dy, recipe=r) for r in (fused, separate)]):
+        assert_bitwise_equal(got, want, seed)
+    xg, wg, gs = _grouped_problem(rng, t=150, k=256, n=128, sizes=(60, 90))
+    xg, wg = xg.astype(jnp.float32), wg.astype(jnp.bfloat16)
+    dyg = jnp.asarray(rng.standard_normal((150, 128)), jnp.float32)
+    for got, want in zip(*[_grouped_vjp(xg, wg, gs, dyg, recipe=r) for r in (fused, separate)]):
+        assert_bitwise_equal(got, want, seed)
