@@ -47,6 +47,7 @@ from jfp8.benchmarking import (
     error_entry,
     gemm_row,
     parse_config,
+    parse_grouped_shape,
     random_normal,
     report_end,
     run_cases,
@@ -67,14 +68,6 @@ CPU_GROUPED_SHAPES = (GroupedShape(2, 128, 256, 256), GroupedShape(4, 64, 128, 5
 # ragged_dot_mgpu's tiling: one of the configurations its own autotuner (ragged_dot_mgpu.main)
 # searches; override with --mgpu-config.
 MGPU_DEFAULTS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=2)
-
-
-def parse_grouped_shape(s: str) -> GroupedShape:
-    try:
-        g, r, n, k = (int(v) for v in s.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape must look like GxRxNxK (e.g. 8x4096x4096x7168), got {s!r}")
-    return GroupedShape(g, r, n, k)
 
 
 def parse_kv(text: str) -> dict[str, int]:

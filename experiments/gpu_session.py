@@ -353,6 +353,11 @@ def summarize_env(output: str) -> dict:
 # ------------------------------------------------------------------------------ the table
 
 
+def _grouped_label(groups: int, rows: int, n: int, k: int) -> str:
+    """GxRxNxK (R rows per group) for a grouped problem recorded with all groups' rows."""
+    return f"{groups}x{rows // groups}x{n}x{k}"
+
+
 def _fmt(x, spec=".1f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -409,7 +414,7 @@ def grouped_table(record: dict) -> list[str]:
                 continue
             rv = r.get("ratio_vs", {})
             lines.append(
-                f"{f'{g}x{m // g}x{n}x{k}':24s} {_fmt(t('xla-bf16-einsum'), '.4g'):>7} {_fmt(t('xla-ragged-dot-bf16'), '.4g'):>7} "
+                f"{_grouped_label(g, m, n, k):24s} {_fmt(t('xla-bf16-einsum'), '.4g'):>7} {_fmt(t('xla-ragged-dot-bf16'), '.4g'):>7} "
                 f"{_fmt(t('mgpu-ragged-dot-bf16'), '.4g'):>7} | {_fmt(r['tflops'], '.4g'):>7} "
                 f"{_fmt(rv.get('xla-bf16-einsum'), '.2f'):>8} {_fmt(rv.get('xla-ragged-dot-bf16'), '.2f'):>8} "
                 f"{_fmt(rv.get('mgpu-ragged-dot-bf16'), '.2f'):>6} {_fmt(r.get('frac_fp8_peak') and 100 * r['frac_fp8_peak']):>6}")
@@ -452,8 +457,8 @@ def tune_table(record: dict) -> list[str]:
     lines = [f"{kind} tuning ({record.get('out_dtype')} out)  {'best config':>40s} {'TFLOP/s':>7} "
              f"{'x dflt':>6} {'x rule':>6}"]
     for e in record.get("entries", []):
-        problem = (f"{e['groups']}x{e['m'] // e['groups']}x" if "groups" in e else f"{e['m']}x") + \
-            f"{e['n']}x{e['kp']}"
+        problem = (_grouped_label(e["groups"], e["m"], e["n"], e["kp"]) if "groups" in e
+                   else f"{e['m']}x{e['n']}x{e['kp']}")
         lines.append(f"{problem:24s} {e['impl']:>40s} {_fmt(e['tflops'], '.4g'):>7} "
                      f"{_fmt(e['speedup_vs_default'], '.2f'):>6} {_fmt(e['speedup_vs_rule'], '.2f'):>6}")
     return lines
@@ -494,8 +499,7 @@ def target_verdicts(records: dict[str, dict]) -> list[dict]:
             mine = {key_of(r): r for r in rows if r["impl"] == "jfp8-mosaic"}
             wanted = []
             for key in keys:
-                label = "x".join(map(str, key)) if bench == "bench_gemm" else \
-                    f"{key[0]}x{key[1] // key[0]}x{key[2]}x{key[3]}"
+                label = "x".join(map(str, key)) if bench == "bench_gemm" else _grouped_label(*key)
                 wanted.append((label, mine.get(key, {}).get("ratio_vs", {}).get(baseline)))
         if not wanted:
             wanted = [("(no jfp8-mosaic row)", None)]

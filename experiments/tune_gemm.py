@@ -51,6 +51,7 @@ from jfp8.benchmarking import (
     device_rel_error,
     error_entry,
     gemm_row,
+    parse_grouped_shape,
     parse_shape,
     random_normal,
     report_end,
@@ -239,12 +240,6 @@ def _grouped_problem(shape: GroupedShape, out_dtype: str, seed: int, num_sms: in
 
 
 def _dense_problem(shape: GemmShape, out_dtype: str, seed: int, num_sms: int) -> Problem:
-    kp, cases = _cases(shape, out_dtype, seed, num_sms)
-    m, n, k = shape
-    return Problem(m, n, k, kp, 2.0 * m * n * k, {}, cases)
-
-
-def _cases(shape: GemmShape, out_dtype: str, seed: int, num_sms: int):
     from pallas_kernels import gemm
 
     m, n, k = shape
@@ -262,16 +257,7 @@ def _cases(shape: GemmShape, out_dtype: str, seed: int, num_sms: int):
         cases.append((config, roles, Case(
             config_name(config), lambda kernel=kernel: kernel(a_data, a_scale, b.data, b.scale),
             lambda out: device_rel_error(out, ref()), TOL[out_dtype], "fp8")))
-    return kp, cases
-
-
-def _parse_grouped_shape(s: str) -> GroupedShape:
-    try:
-        g, r, n, k = (int(v) for v in s.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"a grouped shape must look like GxRxNxK (e.g. 8x4096x4096x7168), got {s!r}")
-    return GroupedShape(g, r, n, k)
+    return Problem(m, n, k, kp, 2.0 * m * n * k, {}, cases)
 
 
 def _parse_any_shape(s: str):
@@ -280,11 +266,7 @@ def _parse_any_shape(s: str):
     if parts not in (3, 4):
         raise argparse.ArgumentTypeError(
             f"a shape is MxNxK (dense) or GxRxNxK (with --grouped), got {s!r}")
-    return _parse_grouped_shape(s) if parts == 4 else parse_shape(s)
-
-
-def _grouped_label(shape: GroupedShape) -> str:
-    return "x".join(str(v) for v in shape)
+    return parse_grouped_shape(s) if parts == 4 else parse_shape(s)
 
 
 def main(argv=None) -> int:
@@ -307,11 +289,11 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     if args.grouped:
         shapes = args.shapes or GROUPED_TUNE_SHAPES
-        kind, label_of, make_problem = "grouped", _grouped_label, _grouped_problem
+        kind, make_problem = "grouped", _grouped_problem
         find = lambda s, kp, dt, sms: grouped_candidates(s.groups * s.rows_per_group, s.n, kp, dt, sms)  # noqa: E731
     else:
         shapes = args.shapes or (*SMALL_M_SHAPES, *DENSE_SHAPES)
-        kind, label_of, make_problem = "gemm", shape_label, _dense_problem
+        kind, make_problem = "gemm", _dense_problem
         find = lambda s, kp, dt, sms: candidates(s.m, s.n, kp, dt, sms)  # noqa: E731
     num_sms = device.core_count if device.platform == "gpu" else H100_NUM_SMS
     out_dtype = jnp.dtype(args.out_dtype)
@@ -319,7 +301,7 @@ def main(argv=None) -> int:
         for shape in shapes:
             kp = -(-shape.k // jfp8.TILE) * jfp8.TILE
             names = [config_name(c) for c in find(shape, kp, out_dtype, num_sms)]
-            print(f"{label_of(shape)}: {len(names)} candidates (rule first): {', '.join(names)}")
+            print(f"{shape_label(shape)}: {len(names)} candidates (rule first): {', '.join(names)}")
         return 0
     if not is_hopper(device):
         print(f"tune_gemm times the Mosaic GPU kernels and needs a Hopper GPU; this is "
@@ -340,7 +322,7 @@ def main(argv=None) -> int:
                             kind=kind, out_dtype=args.out_dtype, table=str(table),
                             entries=best_entries(rows), failed=failed, skipped=skipped)
 
-    for shape, label in within_budget(shapes, label_of, args.budget_s, start, skipped):
+    for shape, label in within_budget(shapes, shape_label, args.budget_s, start, skipped):
         try:
             problem = make_problem(shape, args.out_dtype, args.seed, num_sms)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands

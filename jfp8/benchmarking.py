@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.shapes import GemmShape
+from pallas_kernels.shapes import GemmShape, GroupedShape
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
@@ -173,6 +173,16 @@ def parse_shape(s: str) -> GemmShape:
     except ValueError:
         raise argparse.ArgumentTypeError(f"shape must look like MxNxK (e.g. 4096x7168x2048), got {s!r}")
     return GemmShape(m, n, k)
+
+
+def parse_grouped_shape(s: str) -> GroupedShape:
+    """'GxRxNxK' (G groups of R rows) -> GroupedShape, for argparse."""
+    try:
+        g, r, n, k = (int(v) for v in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"shape must look like GxRxNxK (e.g. 8x4096x4096x7168), got {s!r}")
+    return GroupedShape(g, r, n, k)
 
 
 def _parse_value(text: str, default: Any, name: str) -> Any:

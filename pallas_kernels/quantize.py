@@ -99,7 +99,7 @@ class QuantizeConfig:
         span whole 16-byte TMA units.
       column_chunks: [128, 128] chunks per CTA in the kernels whose CTA owns 128 rows
         (`quantize_block`, `quantize_block_and_transpose`, `quantize_column`,
-        `quantize_tile_and_column_t`: 80 to 112 KiB of SMEM each for f32 input, unless `stages`
+        `quantize_tile_and_column_t`: 80 to 96 KiB of SMEM each for f32 input, unless `stages`
         bounds them).
       stages: SMEM slots for a CTA's input chunks (and for its E4M3 output chunks). None: one
         per chunk, every load issued at once. Fewer than the CTA's chunks: a ring, each slot
@@ -329,13 +329,47 @@ def _row_scale_call(inputs, *, out_rows: int, out_chunks: int, transposed: bool,
 # Kernels whose CTA owns 128 rows and reduces down columns: block and (non-transposed) column.
 
 
-def _column_chunk(x_ref, d_ref, bounce_ref=None, *, per_column: bool, pow2_scale: bool,
-                  swizzled: bool):
+def _halves_smem(slots: int, swizzled: bool):
+    """The E4M3 output slots [slots, 128, 128] of the column kernels, written in [128, 64] halves
+    (64-byte swizzled tiles when `swizzled`)."""
+    return plgpu.SMEM((slots, TILE, TILE), FP8_DTYPE,
+                      transforms=_swizzled(FP8_DTYPE, _HALF) if swizzled else ())
+
+
+def _row_block_cta(x_gmem, x_smem, bars, chunks: int):
+    """A column-kernel CTA: rows [128 i, 128 i + 128) x `chunks` chunks of 128 columns.
+
+    Returns (i, j, rows, chunk, fetch): the CTA's grid indices, its rows, chunk c's columns and
+    `fetch(c, slot)`, chunk c's TMA load into an SMEM slot (for `_chunk_loop`).
+    """
+    i, j = jax.lax.axis_index("rows"), jax.lax.axis_index("chunks")
+    rows = pl.ds(i * TILE, TILE)
+
+    def chunk(c):
+        return pl.ds((j * chunks + c) * TILE, TILE)
+
+    def fetch(c, slot):
+        plgpu.copy_gmem_to_smem(
+            x_gmem.at[rows, chunk(c)], x_smem.at[slot], bars.at[slot], oob_mode=_ZEROS
+        )
+
+    return i, j, rows, chunk, fetch
+
+
+def _store_half_transposed(q, half, dt_ref, bounce_ref, swizzled: bool) -> None:
+    """E4M3 `q` [128, 64], columns `half` of a chunk, into rows `half` of `dt_ref` [128, 128],
+    transposed through `bounce_ref` (f16 [128, 64]; exact for every E4M3 value): Hopper
+    transposes 16-bit tiles, not 8-bit ones (see `_transposed_chunk`)."""
+    bounce_ref[...] = q.astype(jnp.float16)
+    dt_ref[half, :] = plgpu.load(bounce_ref.T, layout=_WGMMA, optimized=swizzled).astype(FP8_DTYPE)
+
+
+def _column_chunk(x_ref, d_ref, dt_ref=None, bounce_ref=None, *, per_column: bool,
+                  pow2_scale: bool, swizzled: bool):
     """Quantizes one SMEM chunk [128, 128] into `d_ref`, in two [128, 64] halves.
 
-    With `bounce_ref` (f16 [128, 128]) the E4M3 values are also written there as f16 (exact), for
-    the caller to read back transposed. Returns the two halves' [64] column scales when
-    `per_column`, else the chunk's one scale.
+    With `dt_ref` (and its f16 `bounce_ref`) also writes the E4M3 chunk transposed there.
+    Returns the two halves' [64] column scales when `per_column`, else the chunk's one scale.
     """
     halves = [pl.ds(h * _HALF, _HALF) for h in range(TILE // _HALF)]
     col_amax = [
@@ -350,8 +384,8 @@ def _column_chunk(x_ref, d_ref, bounce_ref=None, *, per_column: bool, pow2_scale
     for h, inv_h in zip(halves, inv):
         q = encode_scaled(_load_f32(x_ref.at[:, h], swizzled), inv_h)
         d_ref[:, h] = q
-        if bounce_ref is not None:
-            bounce_ref[:, h] = q.astype(jnp.float16)
+        if dt_ref is not None:
+            _store_half_transposed(q, h, dt_ref, bounce_ref, swizzled)
     return scale
 
 
@@ -363,33 +397,22 @@ def _column_body(x_gmem, d_gmem, s_gmem, *refs, chunks: int, slots: int, per_col
     written straight to GMEM (a single f32 is below the 16-byte TMA minimum). With `item_blocks`
     (block scaling only) the kernel also writes each block transposed into `dt_gmem` [items, Kp,
     item_blocks * 128]: the input's rows are `items` stacked matrices of `item_blocks` row blocks
-    each, and each matrix is transposed on its own. The transpose goes through SMEM as f16, as in
-    `_transposed_chunk`.
+    each, and each matrix is transposed on its own (`_store_half_transposed`).
     """
+    dt_smem = bounce = None
     if item_blocks is not None:
         dt_gmem, x_smem, d_smem, dt_smem, bounce, bars = refs
     elif per_column:
         x_smem, d_smem, s_smem, bars = refs
     else:
         x_smem, d_smem, bars = refs
-    i, j = jax.lax.axis_index("rows"), jax.lax.axis_index("chunks")
-    rows = pl.ds(i * TILE, TILE)
-
-    def chunk(c):
-        return pl.ds((j * chunks + c) * TILE, TILE)
-
-    def fetch(c, slot):
-        plgpu.copy_gmem_to_smem(
-            x_gmem.at[rows, chunk(c)], x_smem.at[slot], bars.at[slot], oob_mode=_ZEROS
-        )
+    i, j, rows, chunk, fetch = _row_block_cta(x_gmem, x_smem, bars, chunks)
 
     def quantize_chunk(c, slot):
         scale = _column_chunk(
-            x_smem.at[slot], d_smem.at[slot], None if item_blocks is None else bounce,
-            per_column=per_column, pow2_scale=pow2_scale, swizzled=swizzled,
+            x_smem.at[slot], d_smem.at[slot], None if dt_smem is None else dt_smem.at[slot],
+            bounce, per_column=per_column, pow2_scale=pow2_scale, swizzled=swizzled,
         )
-        if item_blocks is not None:
-            dt_smem[slot] = plgpu.load(bounce.T, layout=_WGMMA, optimized=swizzled).astype(FP8_DTYPE)
         if per_column:
             for h, s in enumerate(scale):
                 s_smem[slot, 0, pl.ds(h * _HALF, _HALF)] = s
@@ -437,11 +460,11 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
         out_type.append(
             jax.ShapeDtypeStruct((items, out_cols, row_blocks // items * TILE), FP8_DTYPE)
         )
-        # The transposed block [128, 128] E4M3 and its f16 bounce (`_column_chunk`), both
-        # stored whole: 128-byte swizzled tiles.
+        # The transposed block [128, 128] E4M3 and the f16 bounce of one half
+        # (`_store_half_transposed`): 128-byte swizzled tiles.
         transposed = [
             _smem((slots, TILE, TILE), FP8_DTYPE, swizzled),
-            _smem((TILE, TILE), jnp.float16, swizzled),
+            _smem((TILE, _HALF), jnp.float16, swizzled),
         ]
     kernel = plgpu.kernel(
         functools.partial(
@@ -454,10 +477,7 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
         grid_names=("rows", "chunks"),
         scratch_types=[
             _smem((slots, TILE, TILE), x.dtype, swizzled),
-            plgpu.SMEM(
-                (slots, TILE, TILE), FP8_DTYPE,
-                transforms=_swizzled(FP8_DTYPE, _HALF) if swizzled else (),
-            ),
+            _halves_smem(slots, swizzled),
             *transposed,
             # Per-column scales are staged for a TMA store; a block's one scale is not.
             *([plgpu.SMEM((slots, 1, TILE), jnp.float32)] if per_column else []),
@@ -474,8 +494,7 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
 
 def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, pow2_scale: bool, swizzled: bool):
     """x_ref [128, 128] → its (1, 128)-tile E4M3 in `d_ref` [128, 128] and its (128, 1)-tile E4M3,
-    transposed, in `dt_ref` [128, 128], one [128, 64] half at a time (the transpose through
-    `bounce_ref`, f16 [128, 64], as in `_transposed_chunk`).
+    transposed, in `dt_ref` [128, 128], one [128, 64] half at a time (`_store_half_transposed`).
 
     Returns the [128] row scales and the two halves' [64] column scales. A row's amax is the max
     of its two halves' maxima: the same value as one reduction over the row (max is exact).
@@ -493,8 +512,7 @@ def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, pow2_scale: bool, swizzled:
         x = _load_f32(x_ref.at[:, h], swizzled)
         d_ref[:, h] = encode_scaled(x, inv_row)
         inv_col = jax.lax.broadcast_in_dim(reciprocal(col_scale), (TILE, _HALF), (1,))
-        bounce_ref[...] = encode_scaled(x, inv_col).astype(jnp.float16)
-        dt_ref[h, :] = plgpu.load(bounce_ref.T, layout=_WGMMA, optimized=swizzled).astype(FP8_DTYPE)
+        _store_half_transposed(encode_scaled(x, inv_col), h, dt_ref, bounce_ref, swizzled)
     return row_scale, col_scales
 
 
@@ -508,16 +526,7 @@ def _both_body(x_gmem, d_gmem, s_gmem, dt_gmem, st_gmem, x_smem, d_smem, dt_smem
     [N, Mp], with their column scales st [Mp // 128, N] untransposed (each chunk's 128 scales
     are one contiguous TMA row; the caller transposes that small array).
     """
-    i, j = jax.lax.axis_index("rows"), jax.lax.axis_index("chunks")
-    rows = pl.ds(i * TILE, TILE)
-
-    def chunk(c):
-        return pl.ds((j * chunks + c) * TILE, TILE)
-
-    def fetch(c, slot):
-        plgpu.copy_gmem_to_smem(
-            x_gmem.at[rows, chunk(c)], x_smem.at[slot], bars.at[slot], oob_mode=_ZEROS
-        )
+    i, j, rows, chunk, fetch = _row_block_cta(x_gmem, x_smem, bars, chunks)
 
     def quantize_chunk(c, slot):
         row_scale, col_scales = _both_chunk(
@@ -562,10 +571,7 @@ def _both_call(x, *, m: int, n: int, pow2_scale: bool, cfg: QuantizeConfig):
         grid_names=("rows", "chunks"),
         scratch_types=[
             _smem((slots, TILE, TILE), x.dtype, swizzled),
-            plgpu.SMEM(
-                (slots, TILE, TILE), FP8_DTYPE,
-                transforms=_swizzled(FP8_DTYPE, _HALF) if swizzled else (),
-            ),
+            _halves_smem(slots, swizzled),
             _smem((slots, TILE, TILE), FP8_DTYPE, swizzled),
             _smem((TILE, _HALF), jnp.float16, swizzled),
             plgpu.SMEM((TILE, chunks), jnp.float32),

@@ -103,7 +103,7 @@ def grouped_rule_config(rows: int, n: int, kp: int, out_dtype, num_sms: int):
     return _narrowed(base, -(-rows // base.tile_m), n, kp, out_dtype, num_sms, deepen=False)
 
 
-def grouped_config(rows: int, n: int, kp: int, out_dtype, *, groups: int = 0,
+def grouped_config(rows: int, n: int, kp: int, out_dtype, *, groups: int,
                    device_kind: str | None = None, num_sms: int | None = None):
     """The config `grouped_gemm.grouped_scaled_matmul` runs when given none: measured table
     (`grouped-<device>.json`, entries for `groups` groups only), else `grouped_rule_config`."""

@@ -358,7 +358,7 @@ def test_grouped_tuner_end_to_end_in_the_interpreter(tune, monkeypatch, tmp_path
 @pytest.mark.parametrize("shape", GROUPED_SHAPES, ids=str)
 def test_grouped_rule_keeps_the_fast_form_at_the_moe_shapes(shape):
     rows = shape.groups * shape.rows_per_group
-    config = tuning.grouped_config(rows, shape.n, shape.k, jnp.bfloat16, num_sms=H100_NUM_SMS)
+    config = tuning.grouped_rule_config(rows, shape.n, shape.k, jnp.bfloat16, H100_NUM_SMS)
     assert config == GroupedGemmConfig()
 
 
@@ -366,7 +366,7 @@ def test_grouped_rule_keeps_the_fast_form_at_the_moe_shapes(shape):
 @given(rows=st.integers(1, 50000), n=st.integers(1, 20000), chunks=st.integers(1, 120),
        out_dtype=st.sampled_from([jnp.bfloat16, jnp.float32]))
 def test_grouped_rule_is_valid_and_fits_smem(rows, n, chunks, out_dtype):
-    config = tuning.grouped_config(rows, n, chunks * TILE, out_dtype, num_sms=H100_NUM_SMS)
+    config = tuning.grouped_rule_config(rows, n, chunks * TILE, out_dtype, H100_NUM_SMS)
     assert config.warp_specialized and config.tile_n in (64, 128)
     assert gemm.smem_bytes(config, out_dtype, chunks) <= gemm.SMEM_BYTES
 
@@ -377,7 +377,7 @@ def test_grouped_rule_narrows_and_lowers_at_few_rows_per_expert(shape):
     from test_grouped_kernel import _lower_matmul
 
     rows = shape.groups * shape.rows_per_group
-    config = tuning.grouped_config(rows, shape.n, shape.k, jnp.bfloat16, num_sms=H100_NUM_SMS)
+    config = tuning.grouped_rule_config(rows, shape.n, shape.k, jnp.bfloat16, H100_NUM_SMS)
     assert config.tile_n == 64
     assert "mosaic_gpu" in _lower_matmul(shape.groups, rows, shape.n, shape.k, config=config)
 
@@ -387,7 +387,7 @@ def test_grouped_small_problem_choice_lowers_and_matches_the_reference():
     the interpreter equal to the grouped reference with empty and ragged groups."""
     from test_grouped_kernel import _lower_matmul
 
-    assert tuning.grouped_config(256, 2048, 7168, jnp.bfloat16).tile_n == 64
+    assert tuning.grouped_config(256, 2048, 7168, jnp.bfloat16, groups=8).tile_n == 64
     assert "mosaic_gpu" in _lower_matmul(8, 256, 2048, 7168)
 
     import jfp8
@@ -397,7 +397,7 @@ def test_grouped_small_problem_choice_lowers_and_matches_the_reference():
     w = jnp.asarray(rng.standard_normal((3, 300, 256)) / 16, jnp.float32)
     sizes = jnp.asarray([120, 0, 70], jnp.int32)
     a, b = jfp8.quantize(x, (1, TILE)), jfp8.quantize(w, (TILE, TILE))
-    assert tuning.grouped_config(200, 300, 256, jnp.float32).tile_n == 64
+    assert tuning.grouped_config(200, 300, 256, jnp.float32, groups=3).tile_n == 64
     got = jfp8.grouped_scaled_matmul(a, b, sizes, out_dtype=jnp.float32, interpret=True)
     want = jfp8.grouped_scaled_matmul_reference(a, b, sizes, jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -403,9 +403,8 @@ LOWERING_CASES = [(kind, *_SHAPES[(i + j) % 4]) for i, kind in enumerate(KERNELS
     "kind,m,k,dtype",
     [
         *LOWERING_CASES,
-        # Weights: f32 masters (the largest SMEM of all the defaults: 2 chunks of input, E4M3
-        # output, its transpose and the f16 bounce, 16 bytes under the limit once the block
-        # kernel stopped staging per-column scales it does not use), bf16, tails.
+        # Weights: f32 masters (the largest SMEM of the defaults: 2 chunks of input, of E4M3
+        # output and of its transpose, and a half-chunk f16 bounce), bf16, tails.
         ("block_t", 7168, 2048, jnp.float32),
         ("block_t", 2048, 7168, jnp.bfloat16),
         ("block_t", 300, 130, jnp.float32),
