@@ -414,3 +414,107 @@ def accumulation_sweep(
                     )
                 )
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# How far a Hopper kernel may be from the reference. The interpreter's wgmma is an exact matmul,
+# so there the kernels equal `scaled_matmul_reference` bit for bit; the tensor core sums each
+# 128-chunk in its limited accumulator, so on hardware they cannot. The bound below is what the
+# simulator predicts for that accumulator, read pessimistically, times a margin: it is used by the
+# `gpu`-marked tests and the GPU session's smoke stage. tests/test_hardware_bound.py checks that
+# real bugs (a wrong or stale scale, a stale or dropped chunk, a transposed tile) land far outside.
+
+#: The hardware read pessimistically: one kept bit fewer than the report's ~14, and every product
+#: aligned to its MMA step's largest exponent (more truncation than aligning the step's sum).
+HARDWARE_WORST_CASE = AccumulatorModel(kept_bits=HOPPER_KEPT_BITS - 1, alignment="product")
+#: Margin over the simulated worst case, for what the model leaves out (the adder tree's order,
+#: guard bits, the input distribution of one draw).
+HARDWARE_MARGIN = 4.0
+#: The bound never goes below f32 summation-order noise.
+F32_ORDER_FLOOR = 1e-6
+
+
+def relative_fro_error(out, ref) -> float:
+    """||out - ref||_F / ||ref||_F in float64 (0 when both are 0; inf when only ref is); NaN in
+    `out` gives NaN, which fails every `<=` check."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    num, den = float(np.linalg.norm(out - ref)), float(np.linalg.norm(ref))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def _squared_errors(pairs) -> tuple[float, float]:
+    """(sum ||sim - exact||^2, sum ||exact||^2) over (a, b) problems, `sim` under
+    HARDWARE_WORST_CASE and `exact` the float64 oracle."""
+    num = den = 0.0
+    for a, b, model in pairs:
+        exact = scaled_matmul_oracle(a, b)
+        sim = np.asarray(simulated_scaled_matmul(a, b, model), np.float64)
+        num += float(np.sum((sim - exact) ** 2))
+        den += float(np.sum(exact**2))
+    return num, den
+
+
+def _bound(num: float, den: float, margin: float) -> float:
+    rel = math.sqrt(num / den) if den > 0 else 0.0
+    return margin * max(rel, F32_ORDER_FLOOR)
+
+
+def hardware_error_bound(
+    a: Fp8Tensor, b: Fp8Tensor, *, model: AccumulatorModel = HARDWARE_WORST_CASE,
+    margin: float = HARDWARE_MARGIN,
+) -> float:
+    """The largest `relative_fro_error(kernel(a, b), scaled_matmul_reference(a, b))` a correct
+    Hopper kernel may show: `margin` x the simulated error of `model` against the f64 oracle on
+    these very operands (never below F32_ORDER_FLOOR). A bug-free kernel that lands above it means
+    the accumulator is worse than the model; the smoke stage and the GPU tests say so.
+
+    a (M, K) and b (N, K) as for `scaled_matmul_reference`. Runs the simulator (float64, exact on
+    any device); about a second at 256 x 256 x 512 on a CPU core.
+    """
+    return _bound(*_squared_errors([(a, b, model)]), margin)
+
+
+def _rows(t: Fp8Tensor, start: int, stop: int) -> Fp8Tensor:
+    """Rows [start, stop) of a row-scaled (1, 128) or per-tensor operand."""
+    if t.block not in (None, (1, TILE)):
+        raise ValueError(f"row slicing needs a (1, {TILE})-tiled or per-tensor operand, got {t.block}")
+    scale = t.scale if t.block is None else t.scale[..., start:stop, :]
+    return Fp8Tensor(t.data[..., start:stop, :], scale, t.block, (stop - start, t.logical[1]))
+
+
+def grouped_hardware_error_bound(
+    lhs: Fp8Tensor, rhs: Fp8Tensor, group_sizes, *, model: AccumulatorModel = HARDWARE_WORST_CASE,
+    margin: float = HARDWARE_MARGIN,
+) -> float:
+    """`hardware_error_bound` for `grouped_scaled_matmul_reference(lhs, rhs, group_sizes)`: each
+    group's rows against its weight, the errors pooled over the whole (T, N) output."""
+    ends = np.cumsum(np.asarray(group_sizes, np.int64))
+    pairs, start = [], 0
+    for g, end in enumerate(ends):
+        if end > start:
+            w = Fp8Tensor(rhs.data[g], rhs.scale[g], rhs.block, rhs.logical)
+            pairs.append((_rows(lhs, start, int(end)), w, model))
+        start = int(end)
+    return _bound(*_squared_errors(pairs), margin)
+
+
+def grouped_wgrad_hardware_error_bound(
+    lhs_t: Fp8Tensor, rhs_t: Fp8Tensor, group_sizes, *,
+    model: AccumulatorModel = HARDWARE_WORST_CASE, margin: float = HARDWARE_MARGIN,
+) -> float:
+    """`hardware_error_bound` for `grouped_wgrad_reference(lhs_t, rhs_t, group_sizes)`: group g is
+    the dense problem over the whole token axis with the other groups' tokens zeroed (the
+    reference's `in_g` mask; the 128-token chunks and their scales stay where they are)."""
+    ends = np.cumsum(np.asarray(group_sizes, np.int64))
+    tokens = np.arange(lhs_t.data.shape[-1])
+    pairs, start = [], 0
+    for end in ends:
+        if end > start:
+            keep = jnp.asarray((tokens >= start) & (tokens < end))
+            masked = [Fp8Tensor(jnp.where(keep, t.data, jnp.zeros((), t.data.dtype)), t.scale,
+                                t.block, t.logical) for t in (lhs_t, rhs_t)]
+            pairs.append((*masked, model))
+        start = int(end)
+    return _bound(*_squared_errors(pairs), margin)
