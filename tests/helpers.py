@@ -50,3 +50,13 @@ def assert_bitwise_equal(out, ref, seed):
         f"seed={seed}: {diff.sum()} of {diff.size} outputs differ "
         f"({np.isnan(out).sum()} NaN), first at {np.argwhere(diff)[0]}"
     )
+
+
+def on_cpu(fn, *args):
+    """`fn(*args)` computed on the CPU, as a numpy array. On a GPU machine the references must
+    not run there: XLA may give an FP8 dot to the tensor cores, whose chunk sums are exactly what
+    the hardware bound is about."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        args = jax.tree.map(lambda x: jax.device_put(x, cpu) if isinstance(x, jax.Array) else x, args)
+        return np.asarray(fn(*args))

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jfp8.accumulation import hardware_error_bound, relative_fro_error
 from jfp8.fp8 import Fp8Tensor, quantize
 from jfp8.reference import scaled_matmul_reference
 from pallas_kernels import gemm
@@ -40,6 +41,7 @@ from pallas_kernels.fp8_math import FP8_DTYPE, TILE
 from pallas_kernels.shapes import DENSE_SHAPES
 from helpers import assert_bitwise_equal as _assert_bitwise_equal
 from helpers import interpret as _interpret
+from helpers import on_cpu as _on_cpu
 from helpers import interpret_detecting_races as _interpret_detecting_races
 
 # The weight pairing (b_block_rows = 128, Fprop/Dgrad) and the tile pairing (1, Wgrad).
@@ -376,6 +378,8 @@ def test_on_gpu_matches_reference(m, n, k, b_block_rows, config):
     seed = _seed()
     a, b = _operands(seed, m, n, k, b_block_rows, exact=False)
     out = np.asarray(_kernel(a, b, b_block_rows, jnp.float32, CONFIGS.get(config)))
-    ref = np.asarray(_reference(a, b, jnp.float32))
-    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-    assert err <= 1e-5, f"seed={seed}: relative Frobenius error {err}"
+    ref = _on_cpu(_reference, a, b, jnp.float32)
+    # The tensor core sums each 128-chunk with ~14 bits, not f32: bit-exactness is the
+    # interpreter's, and hardware is held to the simulated accumulator's error (with margin).
+    err, bound = relative_fro_error(out, ref), hardware_error_bound(a, b)
+    assert err <= bound, f"seed={seed}: relative Frobenius error {err:.3e} > bound {bound:.3e}"
