@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -68,3 +69,33 @@ def lower_for_cuda(fn, *args, **kwargs) -> str:
     with jax.sharding.use_abstract_mesh(h100_abstract_mesh()):
         lowered = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
     return lowered.as_text()
+
+
+# Set by `profile`: (trace directory, events per warpgroup) for the kernels traced inside it.
+_PROFILE: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "jfp8_mosaic_profile", default=None
+)
+
+
+@contextlib.contextmanager
+def profile(directory: str, events: int = 1024):
+    """Kernels *traced* inside this block record Mosaic GPU profiler events: each `jax.named_scope`
+    region of a kernel body (the GEMM main loop's "wgmma" and "promote"), per warpgroup, into a
+    Perfetto trace per launch in `directory`. Decided at trace time: a function jitted earlier
+    keeps the kernel it compiled. `events` bounds the events one warpgroup records: the buffer
+    lives in shared memory (16 bytes an event and warpgroup, next to the kernel's own stages),
+    and events past it are dropped, so a long launch is traced over its first tiles only."""
+    token = _PROFILE.set((str(directory), events))
+    try:
+        yield
+    finally:
+        _PROFILE.reset(token)
+
+
+def compiler_params() -> dict:
+    """`plgpu.kernel` keyword arguments for the current `profile` block ({} outside one)."""
+    spec = _PROFILE.get()
+    if spec is None:
+        return {}
+    return {"compiler_params": plgpu.CompilerParams(
+        profile_space=spec[1], profile_dir=spec[0], profile_bounds_check=True)}

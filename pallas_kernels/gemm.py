@@ -215,16 +215,19 @@ def _promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array) -> jax.Array:
         plgpu.wgmma_wait(0)  # the promotion needs the finished partial sum
         return acc_ref[...]
 
-    partial = pl.run_scoped(chunk_product, plgpu.ACC((rows, cols), jnp.float32))  # zeroed
-    sa = plgpu.load(sa_smem, layout=wgmma_layout.reduce(1))  # [rows] per output row
-    sb = plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [cols] per output column
-    sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
-    out = out + partial * (sa * sb)
-    # The pipeline hands this stage back to TMA next. The scale loads above are generic-proxy
-    # reads and TMA writes through the async proxy, which PTX orders only across a proxy fence
-    # (`fence.proxy.async`, here with a warpgroup barrier); without it the interpreter's race
-    # detector reports the stage's next TMA write as racing with these reads.
-    plgpu.commit_smem()
+    # The named scopes are the regions `_mgpu.profile` times per warpgroup (nothing otherwise).
+    with jax.named_scope("wgmma"):
+        partial = pl.run_scoped(chunk_product, plgpu.ACC((rows, cols), jnp.float32))  # zeroed
+    with jax.named_scope("promote"):
+        sa = plgpu.load(sa_smem, layout=wgmma_layout.reduce(1))  # [rows] per output row
+        sb = plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [cols] per output column
+        sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
+        out = out + partial * (sa * sb)
+        # The pipeline hands this stage back to TMA next. The scale loads above are generic-proxy
+        # reads and TMA writes through the async proxy, which PTX orders only across a proxy
+        # fence (`fence.proxy.async`, here with a warpgroup barrier); without it the
+        # interpreter's race detector reports the stage's next TMA write as racing with them.
+        plgpu.commit_smem()
     return out
 
 
@@ -519,6 +522,7 @@ def launch_tiles(kernel, out_type, config, num_tiles: int, num_sms: int | None =
     ctas = min(num_tiles, num_sms) if config.persistent else num_tiles
     if config.warp_specialized:
         kwargs.update(num_threads=WS_CONSUMER_WGS + 1, thread_name="wg")
+    kwargs.update(_mgpu.compiler_params())  # profiler events, inside `_mgpu.profile` only
     return plgpu.kernel(kernel, out_type=out_type, grid=(ctas,), grid_names=("sm",), **kwargs)
 
 
