@@ -1,41 +1,47 @@
-"""Everything a GPU session does for issue #4, in one command, inside about 9 minutes.
+"""A GPU session in three device calls of under 8 minutes each, smoke first.
 
-    bash scripts/gpu_session.sh                       # on the GPU machine (the device `run` tool)
-    bash scripts/gpu_session.sh --gemm-config tile_m=128,tile_n=128 --gemm-config tile_m=64
-    python experiments/gpu_session.py --dry-run       # anywhere: the plan, nothing run
-    python experiments/gpu_session.py --quick         # CPU: tiny benchmarks, GPU stages skipped
+    bash scripts/gpu_session.sh                     # call 1: env, smoke (each kernel form alone), pytest -m gpu
+    bash scripts/gpu_session.sh --command bench     # call 2: dense, grouped, quantize, fp8_linear benchmarks
+    bash scripts/gpu_session.sh --command bisect    # call 3: GemmConfig bisection, ncu, Mosaic profile, sanitizers
+    bash scripts/gpu_session.sh --command tune_gemm     # optional further calls: the tuning tables
+    bash scripts/gpu_session.sh --command tune_grouped
+    python experiments/gpu_session.py --dry-run     # anywhere: the three calls' plans, in order
+    python experiments/gpu_session.py --rehearse --command smoke   # CPU: the same plumbing, kernels
+                                                    # in the Mosaic GPU interpreter, tiny shapes
 
-Stages, in order, each a subprocess with its own timeout (a failure or timeout of one does not
-stop the others; all share `--budget-s`, and a stage that would start with too little left is
-skipped with that reason):
-  env            device, driver, jax / jaxlib / torch / triton versions, CUDA tools found
-  pytest_gpu     `pytest -m gpu tests`: the kernel tests that need a Hopper GPU
-  bench_gemm     experiments/bench_gemm.py at the issue's dense shapes (8192^3 first, then
-                 DeepSeek-V3 M=4096 with K >= 7168), plus any --gemm-config rows
-  bench_grouped  experiments/bench_grouped.py at the MoE shapes (8 experts x 4096 rows first),
-                 plus any --grouped-config rows
-  bench_quantize experiments/bench_quantize.py against the measured copy bandwidth, plus any
-                 --quantize-config rows (e.g. swizzle=false, the unswizzled kernels)
-  bench_linear   experiments/bench_linear.py: forward + backward of one fp8_linear layer (every
-                 quantization included) against the bf16 x @ w, at DeepSeek-V3 shapes
-  sass           each jfp8 kernel run once with MOSAIC_GPU_DUMP_TO set (jaxlib/mosaic/gpu/dump.cc:
-                 PTX, ptxas log and nvdisasm SASS per Mosaic module); QGMMA / HGMMA / HMMA counted
-                 per module; PTX is assembled with ptxas + cuobjdump when no SASS was written
-  memcheck       compute-sanitizer --tool memcheck on the same run-each-kernel-once script
-  racecheck      compute-sanitizer --tool racecheck, likewise
-  tune_gemm      (only with --stages tune_gemm, a device call of its own) experiments/tune_gemm.py:
-                 candidate GemmConfigs per shape (small M first), the winners written to the
-                 table gemm-<device>.json under --out, to commit as pallas_kernels/tuned/
-  tune_grouped   (only with --stages tune_grouped, likewise) tune_gemm.py --grouped: candidate
-                 GroupedGemmConfigs per MoE shape, table grouped-<device>.json
-GPU-only stages are skipped, with the reason, where there is no Hopper GPU or no tool.
+Each stage is a subprocess in its own process group with its own timeout; a failing stage does
+not stop the next one. All stages of a call share `--budget-s`; a stage that would start with too
+little left is skipped, with that reason.
 
-Results go to `--out` (default $OUT when set, else benchmarks/results), at most 8 files, as
-the device tool returns at most 8: the four benchmark records, gpu_session-<device>-<date>.json
-(stage statuses, reasons, SASS counts, sanitizer summaries, rewritten after every stage),
-gpu_session-<device>-<date>.log (every stage's output), sass-<device>-<date>.tar.gz, and with
-a tuning stage its record and table (run each as a call of its own: then 4 files).
-The short table at the end is the summary to read first.
+Stages:
+  env            device, driver, versions, the CUDA tools found (ptxas, nvdisasm, cuobjdump, ncu,
+                 compute-sanitizer) and pytest-timeout
+  smoke          each kernel form of experiments/gpu_smoke.py in a subprocess of its own (45 s
+                 each): compiled?, correct within the hardware bound (GEMMs) or bit-exact
+                 (quantizers)?, and, from the compiler's dumps (MOSAIC_GPU_DUMP_PTX/PTXAS/SASS),
+                 registers, spill bytes, ptxas warnings (C7508: setmaxnreg ignored; serialized
+                 wgmma), QGMMA/HGMMA, USETMAXREG and LDL/STL counts
+  pytest_gpu     `pytest -m gpu` with a per-test timeout (pytest-timeout) and faulthandler dumps
+  bench_*        experiments/bench_{gemm,grouped,quantize,linear}.py at the DeepSeek-V3 shapes,
+                 every row checked against its reference before it is timed
+  bisect_gemm    bench_gemm at 8192^3 and 4096x7168x16384 with one row per GemmConfig variant
+                 (warp_specialized, persistent, tile_n, stages, tile order)
+  ncu            Nsight Compute on the default dense kernel at 8192^3 (one launch after a warm-up):
+                 speed of light, tensor pipe, L2/DRAM throughput, clocks
+  profile        the same launch with the Mosaic GPU profiler: time in the `wgmma` and `promote`
+                 regions of the main loop, per warpgroup
+  memcheck, racecheck, memcheck_grouped
+                 compute-sanitizer on one smoke kernel each, filtered to the Mosaic kernels;
+                 racecheck's findings on mbarrier/async-proxy code are advisory
+  tune_gemm / tune_grouped
+                 experiments/tune_gemm.py: candidate configs per problem, the winners' table
+
+Nothing is lost when a call is cut off: every stage streams into
+`gpu_session-<device>-<date>-<command>.log` as it runs, and the summary
+`gpu_session-<device>-<date>-<command>.json` (stage statuses, the smoke rows, pytest counts,
+sanitizer and ncu readings, the speed targets) is rewritten after every stage and every smoke
+kernel. The device returns at most 8 files a call, hence one log per call rather than one per
+stage; the smoke stage's compiler dumps go into `smoke-dumps-<device>-<date>.tar.gz`.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import argparse
 import dataclasses
 import datetime
 import glob
+import importlib.util
 import json
 import os
 import pathlib
@@ -56,58 +63,121 @@ import tarfile
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-# In the order they run: the kernels' correctness and the issue's benchmarks first; the layer
-# benchmark, an extra, after the SASS and the sanitizers.
-STAGES = ("env", "pytest_gpu", "bench_gemm", "bench_grouped", "bench_quantize", "sass", "memcheck",
-          "racecheck", "bench_linear", "tune_gemm", "tune_grouped")
-# The tuning stages each take a whole device call of their own (11-14 configs per shape): only
-# when asked for.
-TUNING_STAGES = ("tune_gemm", "tune_grouped")
-DEFAULT_STAGES = tuple(s for s in STAGES if s not in TUNING_STAGES)
-# The issue's shapes, most important first (a budget cut drops the tail).
+EXPERIMENTS = pathlib.Path(__file__).resolve().parent
+REPO = EXPERIMENTS.parent
+sys.path.insert(0, str(EXPERIMENTS))
+import gpu_reports  # noqa: E402
+import gpu_tables  # noqa: E402
+
+COMMANDS = {
+    "smoke": ("env", "smoke", "pytest_gpu"),
+    "bench": ("bench_gemm", "bench_grouped", "bench_quantize", "bench_linear"),
+    "bisect": ("bisect_gemm", "ncu", "profile", "memcheck", "racecheck", "memcheck_grouped"),
+    "tune_gemm": ("tune_gemm",),
+    "tune_grouped": ("tune_grouped",),
+}
+# The first-contact plan: these three, in this order, each a device call of its own.
+PLAN = ("smoke", "bench", "bisect")
+TIMEOUTS = dict(env=45, smoke=270, pytest_gpu=150, bench_gemm=170, bench_grouped=110,
+                bench_quantize=70, bench_linear=90, bisect_gemm=200, ncu=90, profile=60,
+                memcheck=60, racecheck=60, memcheck_grouped=50, tune_gemm=450, tune_grouped=450)
+SMOKE_KERNEL_TIMEOUT = 45.0
+SMOKE_FIRST_TIMEOUT = 75.0  # the first kernel also pays for CUDA and jax start-up
+PYTEST_TEST_TIMEOUT = 90
+MIN_STAGE_SECONDS = 15
+DEFAULT_BUDGET_S = 470  # a call's wall clock: under 8 minutes, inside the device's 10
+
+# The benchmark shapes, most important first (a budget cut drops the tail).
 GEMM_SHAPES = ("8192x8192x8192", "4096x4096x7168", "4096x7168x16384", "4096x2112x7168",
                "4096x24576x1536", "4096x7168x2048", "64x7168x16384", "128x7168x2048")
 GROUPED_SHAPES = ("8x4096x4096x7168", "4x8192x4096x7168", "8x4096x7168x2048")
 QUANTIZE_SHAPES = ("8192x8192:bfloat16", "4096x7168:bfloat16", "7168x2048:float32")
 LINEAR_SHAPES = ("4096x7168x2048", "4096x4096x7168", "4096x2112x7168")
-# CPU (--quick): tiny problems, XLA paths only.
+BISECT_SHAPES = ("8192x8192x8192", "4096x7168x16384")
+# One switch of the default GemmConfig() per row, then the simple form.
+BISECT_CONFIGS = ("warp_specialized=false,persistent=false,tile_m=64,grid_tile_group=1,max_concurrent_steps=2",
+                  "persistent=false", "grid_tile_group=1", "tile_n=64", "max_concurrent_steps=3",
+                  "max_concurrent_steps=5", "tile_m=256")
+PROFILE_SHAPE = "8192x8192x8192"
+# What the sanitizer stages run (one kernel each).
+SANITIZED = {"memcheck": ("memcheck", "gemm_default"), "racecheck": ("racecheck", "gemm_default"),
+             "memcheck_grouped": ("memcheck", "grouped_fprop")}
+# The Mosaic GPU kernels' CUDA names contain this (`<body>_mosaic_gpu_kernel`): the filter for
+# ncu and compute-sanitizer, so that XLA's own kernels are not instrumented.
+MOSAIC_KERNEL_SUBSTRING = "mosaic_gpu"
+
+# --rehearse (CPU): tiny shapes, XLA paths in the benchmarks, kernels in the interpreter.
 QUICK_ARGS = {
     "bench_gemm": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
     "bench_grouped": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
     "bench_quantize": ["--shapes", "256x256:bfloat16", "--warmup", "1", "--repeats", "2"],
     "bench_linear": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
+    "bisect_gemm": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
 }
-TIMEOUTS = dict(env=45, pytest_gpu=120, bench_gemm=170, bench_grouped=110, bench_quantize=70,
-                bench_linear=60, sass=60, memcheck=75, racecheck=75, tune_gemm=520, tune_grouped=520)
-MIN_STAGE_SECONDS = 15
-SASS_OPS = ("QGMMA", "HGMMA", "HMMA", "IMMA")
-# Where CUDA tools may live besides PATH: the toolkit, and the copies Triton ships.
+# A rehearsal's smoke stage: a real form in the interpreter, a form whose compiler dump is a
+# committed sample (parsers end to end), a hang (the timeout and kill) and a crash.
+REHEARSAL_SMOKE = ("quantize_tile", "_sample_dump", "_hang", "_crash")
+REHEARSAL_SMOKE_TIMEOUT = 60.0
+REHEARSAL_HANG_TIMEOUT = 4.0
+
 TOOL_DIRS = ("/usr/local/cuda/bin", "/usr/local/cuda/compute-sanitizer", "/opt/nvidia/*/bin",
-             "/usr/local/cuda-*/bin")
+             "/opt/nvidia/nsight-compute/*", "/usr/local/cuda-*/bin")
+SMOKE_DUMP_ENV = {"MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_SASS": "1"}
 
 
 # ------------------------------------------------------------------------------ environment
 
 
 def find_tool(name: str) -> str | None:
+    """`name` on PATH, in the CUDA directories, or in the CUDA toolkit pip packages."""
     found = shutil.which(name)
     if found:
         return found
     dirs = [d for pattern in TOOL_DIRS for d in sorted(glob.glob(pattern))]
-    try:  # Triton wheels carry ptxas, cuobjdump and nvdisasm
-        import importlib.util
-
-        spec = importlib.util.find_spec("triton")
-        if spec and spec.origin:
-            dirs.append(str(pathlib.Path(spec.origin).parent / "backends" / "nvidia" / "bin"))
-    except (ImportError, ValueError):
-        pass
+    dirs += [str(pathlib.Path(root) / "bin") for root in _pip_cuda_roots()]
+    spec = importlib.util.find_spec("triton")  # Triton wheels carry ptxas, cuobjdump, nvdisasm
+    if spec and spec.origin:
+        dirs.append(str(pathlib.Path(spec.origin).parent / "backends" / "nvidia" / "bin"))
     for d in dirs:
         path = pathlib.Path(d) / name
         if path.is_file() and os.access(path, os.X_OK):
             return str(path)
     return None
+
+
+def _pip_cuda_roots() -> list[str]:
+    """The CUDA roots jax itself would find in pip packages (jax._src.lib._cuda_path's order)."""
+    roots = []
+    for module in ("nvidia.cu13", "nvidia.cuda_nvcc"):
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            continue
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            roots.append(str(loc))
+    return roots
+
+
+def _is_root(path: str, *, disasm: bool) -> bool:
+    p = pathlib.Path(path)
+    ok = (p / "bin" / "ptxas").is_file() and any((p / "nvvm" / "libdevice").glob("libdevice*.bc"))
+    return ok and (not disasm or (p / "bin" / "nvdisasm").is_file())
+
+
+def cuda_root_for_dumps() -> tuple[dict[str, str], str]:
+    """(env, note): the CUDA_ROOT the smoke subprocesses need for Mosaic GPU to disassemble
+    (it runs `<root>/bin/nvdisasm`; jax sets MOSAIC_GPU_CUDA_ROOT from CUDA_ROOT at import and
+    overwrites any value of its own, and XLA takes ptxas and libdevice from the same root)."""
+    if os.environ.get("CUDA_ROOT"):
+        return {}, f"CUDA_ROOT={os.environ['CUDA_ROOT']} (given)"
+    candidates = _pip_cuda_roots() + ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"))
+    default = next((c for c in candidates if _is_root(c, disasm=False)), None)
+    if default and _is_root(default, disasm=True):
+        return {}, f"jax's CUDA root {default} has nvdisasm"
+    full = next((c for c in candidates if _is_root(c, disasm=True)), None)
+    if full:
+        return {"CUDA_ROOT": full}, f"CUDA_ROOT={full} (jax's own root {default} has no nvdisasm)"
+    return {}, "no CUDA root with ptxas, libdevice and nvdisasm: SASS from ptxas + cuobjdump on the PTX"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +213,7 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-") or "unknown"
 
 
-# ------------------------------------------------------------------------------ stages
+# ------------------------------------------------------------------------------ the plan
 
 
 @dataclasses.dataclass
@@ -151,395 +221,385 @@ class Stage:
     name: str
     argv: list[str]
     timeout: float
-    skip: str | None = None  # reason the stage is not run
+    skip: str | None = None  # why the stage is not run
     env: dict[str, str] = dataclasses.field(default_factory=dict)
-    # filled in by `run_stage`
+    kind: str = "command"  # "command", "bench" (writes a record), "smoke" (many subprocesses)
+    # filled in when it runs
     status: str = "planned"
     seconds: float = 0.0
     rc: int | None = None
     summary: dict = dataclasses.field(default_factory=dict)
-    output: str = ""
 
 
 def _python() -> str:
     return sys.executable or "python3"
 
 
-def _sanitizer_env() -> dict[str, str]:
-    # Plain allocations sized per buffer (memcheck then sees real bounds), no autotuning launches,
-    # no CUDA graphs: only the kernels of the script are launched.
-    return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
-            "XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="}
+def _pytest_timeout_available() -> bool:
+    return importlib.util.find_spec("pytest_timeout") is not None
 
 
-def plan(args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
-    py, me = _python(), str(pathlib.Path(__file__).resolve())
-    out = str(args.out)
-    quick = args.quick or not gpu.hopper
-    no_gpu = None if gpu.hopper else gpu.why_not
-    sanitizer = find_tool("compute-sanitizer")
-    (work / "sass").mkdir(parents=True, exist_ok=True)  # MOSAIC_GPU_DUMP_TO does not create it
+def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
+    """The stages of one call, in order, with their commands (not run)."""
+    py, me, smoke = _python(), str(pathlib.Path(__file__).resolve()), str(EXPERIMENTS / "gpu_smoke.py")
+    out = args.out
+    rehearse = args.rehearse
+    no_gpu = None if (gpu.hopper or rehearse) else gpu.why_not
+    gpu_only = None if gpu.hopper else (gpu.why_not or "needs a Hopper GPU")
     stages = []
 
-    def bench(name, script, shapes, extra=()):
-        timeout = TIMEOUTS[name]
-        argv = [py, str(REPO / "experiments" / script), "--out", out, "--max-seconds", "3"]
-        argv += QUICK_ARGS[name] if quick else ["--shapes", *shapes]
-        argv += list(extra)
-        return Stage(name, argv, timeout)
+    def bench(name, script, shapes, extra=(), out_dir=out):
+        argv = [py, str(EXPERIMENTS / script), "--out", str(out_dir), "--max-seconds", "3"]
+        argv += QUICK_ARGS[name] if rehearse or not gpu.hopper else ["--shapes", *shapes]
+        return Stage(name, argv + list(extra), TIMEOUTS[name], kind="bench")
 
-    stages.append(Stage("env", [py, me, "--worker", "env"], TIMEOUTS["env"],
-                        env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
-    stages.append(Stage("pytest_gpu", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                       "--continue-on-collection-errors",
-                                       f"--junitxml={work / 'pytest.xml'}", str(REPO / "tests")],
-                        TIMEOUTS["pytest_gpu"], skip=no_gpu))
-    gemm_extra = [a for c in args.gemm_config for a in ("--config", c)]
-    stages.append(bench("bench_gemm", "bench_gemm.py", args.gemm_shapes, gemm_extra))
-    grouped_extra = [a for c in args.grouped_config for a in ("--config", c)]
-    stages.append(bench("bench_grouped", "bench_grouped.py", args.grouped_shapes, grouped_extra))
-    quantize_extra = [a for c in args.quantize_config for a in ("--config", c)]
-    stages.append(bench("bench_quantize", "bench_quantize.py", args.quantize_shapes, quantize_extra))
-    stages.append(Stage("sass", [py, me, "--worker", "kernels"], TIMEOUTS["sass"], skip=no_gpu,
-                        env={"MOSAIC_GPU_DUMP_TO": str(work / "sass"),
-                             "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
-    for tool in ("memcheck", "racecheck"):
-        skip = no_gpu or (None if sanitizer else "compute-sanitizer not found on PATH or in the CUDA dirs")
-        stages.append(Stage(tool, [sanitizer or "compute-sanitizer", "--tool", tool, "--print-limit", "100",
-                                   py, me, "--worker", "kernels"], TIMEOUTS[tool], skip=skip,
-                            env=_sanitizer_env()))
-    stages.append(bench("bench_linear", "bench_linear.py", args.linear_shapes))
-    for name, extra in (("tune_gemm", []), ("tune_grouped", ["--grouped"])):
-        stages.append(Stage(name, [py, str(REPO / "experiments" / "tune_gemm.py"), *extra, "--out",
-                                   out, "--max-seconds", "2", "--repeats", "7"],
-                            TIMEOUTS[name], skip=no_gpu))
-    chosen = set(args.stages)
-    for s in stages:
-        if s.name not in chosen:
-            s.skip = "not selected (--stages)"
+    def configs(flag, texts):
+        return [a for c in texts for a in (flag, c)]
+
+    for name in COMMANDS[command]:
+        if name == "env":
+            stages.append(Stage("env", [py, me, "--worker", "env"], TIMEOUTS["env"],
+                                env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
+        elif name == "smoke":
+            kernels = list(REHEARSAL_SMOKE if rehearse else args.smoke_kernels or _smoke_names())
+            kernels += [f"gemm[{c}]" for c in args.gemm_config]
+            kernels += [f"grouped[{c}]" for c in args.grouped_config]
+            root_env, root_note = ({}, "rehearsal: no dumps") if rehearse else cuda_root_for_dumps()
+            env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **root_env}
+            if not rehearse:
+                env.update(SMOKE_DUMP_ENV)
+            stage = Stage("smoke", [py, smoke, "--kernel", "<each>"] + (["--interpret"] if rehearse else []),
+                          TIMEOUTS["smoke"], skip=no_gpu, env=env, kind="smoke")
+            stage.summary = {"kernels": kernels, "cuda_root": root_note}
+            stages.append(stage)
+        elif name == "pytest_gpu":
+            argv = [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE",
+                    "--continue-on-collection-errors", f"--junitxml={work / 'pytest.xml'}",
+                    "-o", f"faulthandler_timeout={PYTEST_TEST_TIMEOUT - 10}"]
+            if _pytest_timeout_available():
+                argv.append(f"--timeout={PYTEST_TEST_TIMEOUT}")
+            argv.append(str(REPO / "tests" / ("test_quantize_kernels.py" if rehearse else "")))
+            stages.append(Stage("pytest_gpu", argv, TIMEOUTS["pytest_gpu"], skip=no_gpu))
+        elif name == "bench_gemm":
+            stages.append(bench(name, "bench_gemm.py", args.gemm_shapes, configs("--config", args.gemm_config)))
+        elif name == "bench_grouped":
+            stages.append(bench(name, "bench_grouped.py", args.grouped_shapes,
+                                configs("--config", args.grouped_config)))
+        elif name == "bench_quantize":
+            stages.append(bench(name, "bench_quantize.py", args.quantize_shapes,
+                                configs("--config", args.quantize_config)))
+        elif name == "bench_linear":
+            stages.append(bench(name, "bench_linear.py", args.linear_shapes))
+        elif name == "bisect_gemm":
+            # Its own folder: the record is bench_gemm's, and call 2 writes one too.
+            extra = configs("--config", [*BISECT_CONFIGS, *args.gemm_config])
+            stages.append(bench(name, "bench_gemm.py", BISECT_SHAPES, extra, out_dir=out / "bisect"))
+        elif name == "ncu":
+            stages.append(Stage("ncu", [py, me, "--worker", "ncu"], TIMEOUTS["ncu"], skip=gpu_only))
+        elif name == "profile":
+            argv = [py, smoke, "--launch", PROFILE_SHAPE, "--repeats", "2", "--profile-dir",
+                    str(work / "profile")]
+            stages.append(Stage("profile", argv, TIMEOUTS["profile"], skip=gpu_only,
+                                env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
+        elif name in SANITIZED:
+            tool, kernel = SANITIZED[name]
+            stages.append(Stage(name, [py, me, "--worker", "sanitizer", "--tool", tool, "--kernel", kernel],
+                                TIMEOUTS[name], skip=gpu_only))
+        elif name in ("tune_gemm", "tune_grouped"):
+            argv = [py, str(EXPERIMENTS / "tune_gemm.py"), *(["--grouped"] if name == "tune_grouped" else []),
+                    "--out", str(out), "--max-seconds", "2", "--repeats", "7"]
+            stages.append(Stage(name, argv, TIMEOUTS[name], skip=gpu_only, kind="bench"))
+    if args.stages:
+        for s in stages:
+            if s.name not in args.stages:
+                s.skip = "not selected (--stages)"
     return stages
 
 
-def run_stage(stage: Stage, env: dict[str, str]) -> None:
-    """Runs the stage's command in its own process group; kills the group at the timeout."""
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as log:
-        try:
-            proc = subprocess.Popen(stage.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                    env={**env, **stage.env}, start_new_session=True)
-        except OSError as e:
-            stage.status, stage.output = "failed", f"could not start: {e}"
-            return
-        try:
-            stage.rc = proc.wait(timeout=stage.timeout)
-            stage.status = "ok" if stage.rc == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(timeout=10)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
-            stage.status = "timeout"
-        log.seek(0)
-        stage.output = log.read()
-    stage.seconds = time.perf_counter() - t0
+def _smoke_names() -> list[str]:
+    spec = importlib.util.spec_from_file_location("gpu_smoke_names", EXPERIMENTS / "gpu_smoke.py")
+    # The names without importing jax here: read them from the registry's source.
+    text = pathlib.Path(spec.origin).read_text()
+    block = text[text.index("KERNELS = {"):text.index("\n}\n", text.index("KERNELS = {"))]
+    return re.findall(r'^    "([a-z0-9_]+)": \(', block, re.MULTILINE)
 
 
-# ------------------------------------------------------------------------------ stage summaries
+# ------------------------------------------------------------------------------ running
 
 
-def summarize_pytest(work: pathlib.Path, output: str) -> dict:
-    xml = work / "pytest.xml"
-    if xml.exists():
-        import xml.etree.ElementTree as ET
+class Log:
+    """The call's log: stage headers written here, subprocess output appended by the OS as it
+    comes (the child's stdout/stderr are this file), read back by offset to summarise."""
 
-        root = ET.parse(xml).getroot()
-        suite = root if root.tag == "testsuite" else root.find("testsuite")
-        if suite is not None:
-            return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    tail = output.strip().splitlines()[-1:] or [""]
-    return {"last_line": tail[0]}
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
+    def write(self, text: str) -> None:
+        os.write(self.fd, text.encode())
 
-def _timed_script(stage: str) -> bool:
-    """The stages that run a benchmark-style script (shapes, --budget-s, one JSON record)."""
-    return stage.startswith("bench_") or stage in TUNING_STAGES
+    def offset(self) -> int:
+        return os.fstat(self.fd).st_size
 
+    def since(self, offset: int) -> str:
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", "replace")
 
-def summarize_bench(out: pathlib.Path, name: str, since: float) -> dict:
-    paths = [p for p in out.glob(f"{name}-*.json") if p.stat().st_mtime >= since - 1]
-    if not paths:
-        return {"record": None}
-    path = max(paths, key=lambda p: p.stat().st_mtime)
-    record = json.loads(path.read_text())
-    return {"record": path.name, "rows": len(record.get("rows", [])),
-            "failed": len(record.get("failed", [])), "skipped": len(record.get("skipped", []))}
+    def close(self) -> None:
+        os.close(self.fd)
 
 
-def count_sass(text: str) -> dict[str, int]:
-    """Occurrences of each matrix instruction of `SASS_OPS` in disassembly text (as opcodes)."""
-    return {op: len(re.findall(rf"\b{op}(?:\.[A-Z0-9_]+)*\b", text)) for op in SASS_OPS}
-
-
-def _ptx_to_sass(ptx: pathlib.Path) -> str | None:
-    ptxas, cuobjdump = find_tool("ptxas"), find_tool("cuobjdump")
-    if not (ptxas and cuobjdump):
-        return None
-    cubin = ptx.with_suffix(".cubin")
+def run_process(argv, env, timeout, stdout, stderr) -> tuple[str, int | None]:
+    """Runs argv in its own process group; kills the group at the timeout. -> (status, rc)."""
     try:
-        subprocess.run([ptxas, "-arch=sm_90a", "-o", str(cubin), str(ptx)], check=True,
+        proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, cwd=REPO, env=env,
+                                start_new_session=True, stdin=subprocess.DEVNULL)
+    except OSError as e:
+        os.write(stderr if isinstance(stderr, int) else stderr.fileno(), f"could not start: {e}\n".encode())
+        return "failed", None
+    try:
+        rc = proc.wait(timeout=max(timeout, 1))
+        return ("ok" if rc == 0 else "failed"), rc
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=10)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        return "timeout", None
+
+
+def run_smoke(stage: Stage, env: dict, log: Log, ctx: Session) -> None:
+    """Each kernel form in its own subprocess: stderr (the worker's messages) into the log,
+    stdout (the compiler's dumps) into a file per kernel, parsed into the kernel's row."""
+    dumps = ctx.work / "smoke"
+    dumps.mkdir(exist_ok=True)
+    rows = stage.summary.setdefault("rows", [])
+    deadline = time.perf_counter() + stage.timeout
+    for i, kernel in enumerate(stage.summary["kernels"]):
+        left = deadline - time.perf_counter()
+        row = {"kernel": kernel}
+        rows.append(row)
+        if left < 5:
+            row.update(status="skipped", failure=f"smoke stage budget spent ({left:.0f} s left)")
+            continue
+        limit = REHEARSAL_SMOKE_TIMEOUT if ctx.rehearse else (SMOKE_FIRST_TIMEOUT if i == 0 else SMOKE_KERNEL_TIMEOUT)
+        if kernel == "_hang":
+            limit = REHEARSAL_HANG_TIMEOUT
+        argv = [a if a != "<each>" else kernel for a in stage.argv]
+        dump_path = dumps / f"{slug(kernel)}.txt"
+        log.write(f"--- smoke {kernel} (timeout {min(limit, left):.0f} s)\n")
+        offset, t0 = log.offset(), time.perf_counter()
+        with open(dump_path, "wb") as dump:
+            status, rc = run_process(argv, {**env, **stage.env}, min(limit, left), dump, log.fd)
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        result = _smoke_result(log.since(offset))
+        row.update({k: result[k] for k in ("seed", "metric", "error", "bound", "failure") if k in result})
+        if status == "timeout":
+            row["status"] = "timeout"
+            row["failure"] = f"no result within {min(limit, left):.0f} s (hang or slow compile)"
+        elif not result:
+            row["status"] = "failed"
+            row["failure"] = f"exit status {rc}, no SMOKE result (crash before the check: see the log)"
+        else:
+            row["status"] = "ok" if result.get("ok") else ("WRONG" if "failure" not in result else "failed")
+        text = dump_path.read_text(errors="replace")
+        row.update(gpu_reports.summarize_dump(text))
+        row["sass_source"] = "mosaic dump" if row["sass"] else None
+        if not row["sass"] and gpu_reports.ptx_modules(text) and not ctx.rehearse:
+            sass = "".join(filter(None, (_ptx_to_sass(ptx, dumps / slug(kernel)) for ptx in gpu_reports.ptx_modules(text))))
+            if sass:
+                row["sass"] = gpu_reports.count_sass(sass)
+                row["sass_functions"] = gpu_reports.sass_functions(sass)
+                row["sass_source"] = "ptxas -arch=sm_90a + cuobjdump on the dumped PTX"
+                with open(dump_path, "a") as f:
+                    f.write("\n// ---- SASS from ptxas + cuobjdump ----\n" + sass)
+        log.write(f"--- smoke {kernel}: {row['status']} in {row['seconds']} s (registers {row['registers']}, "
+                  f"spill bytes {row['spill_bytes']}, SASS {row['sass'] or 'none'})\n")
+        ctx.pack_dumps(dumps)
+        ctx.save()
+    bad = [r["kernel"] for r in rows if r["status"] != "ok" and not r["kernel"].startswith("_")]
+    stage.status = "ok" if not bad else "failed"
+    stage.summary["failed"] = bad
+
+
+def _smoke_result(text: str) -> dict:
+    found = [line for line in text.splitlines() if line.startswith("SMOKE result ")]
+    if not found:
+        return {}
+    try:
+        return json.loads(found[-1][len("SMOKE result "):])
+    except ValueError:
+        return {}
+
+
+def _ptx_to_sass(ptx: str, stem: pathlib.Path) -> str | None:
+    """SASS for dumped PTX when Mosaic GPU could not disassemble it itself."""
+    ptxas, disasm = find_tool("ptxas"), find_tool("cuobjdump")
+    if not (ptxas and disasm):
+        return None
+    src, cubin = stem.with_suffix(".ptx"), stem.with_suffix(".cubin")
+    src.write_text(ptx)
+    try:
+        subprocess.run([ptxas, "-arch=sm_90a", "-o", str(cubin), str(src)], check=True,
                        capture_output=True, timeout=120)
-        out = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], check=True,
-                             capture_output=True, text=True, timeout=60).stdout
+        return subprocess.run([disasm, "--dump-sass", str(cubin)], check=True, capture_output=True,
+                              text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    ptx.with_suffix(".cuobjdump.sass").write_text(out)
-    return out
 
 
-def summarize_sass(dump: pathlib.Path, tarball: pathlib.Path) -> dict:
-    """Matrix-instruction counts per dumped Mosaic module, and a tarball of the dumps."""
-    modules = {}
-    sass_files = sorted(p for p in dump.glob("*.sass")) if dump.exists() else []
-    source = "nvdisasm (MOSAIC_GPU_DUMP_TO)"
-    if not sass_files and dump.exists():
-        source = "ptxas -arch=sm_90a + cuobjdump --dump-sass on the dumped PTX"
-        for ptx in sorted(dump.glob("*.ptx")):
-            if _ptx_to_sass(ptx) is not None:
-                sass_files.append(ptx.with_suffix(".cuobjdump.sass"))
-    for path in sass_files:
-        modules[path.name.split(".")[0]] = count_sass(path.read_text(errors="replace"))
-    for ptx in sorted(dump.glob("*.ptx")) if dump.exists() else []:
-        text = ptx.read_text(errors="replace")
-        entry = modules.setdefault(ptx.name.split(".")[0], {})
-        entry["ptx_wgmma_e4m3"] = len(re.findall(r"wgmma\.mma_async[^\n;]*e4m3", text))
-        entry["ptx_wgmma"] = len(re.findall(r"wgmma\.mma_async", text))
-    if dump.exists() and any(dump.iterdir()):
-        keep = [p for p in dump.iterdir() if p.suffix in (".sass", ".ptx", ".ptxas", ".sass_ctrl")]
-        big = sum(p.stat().st_size for p in dump.iterdir()) > 64 << 20
-        with tarfile.open(tarball, "w:gz") as tar:
-            for p in sorted(keep if big else dump.iterdir()):
-                tar.add(p, arcname=f"sass/{p.name}")
-    totals = {op: sum(m.get(op, 0) for m in modules.values()) for op in SASS_OPS}
-    return {"source": source if sass_files else "no SASS produced", "modules": modules,
-            "totals": totals, "tarball": tarball.name if tarball.exists() else None}
-
-
-def kernel_lines(output: str) -> list[str]:
-    """The run-each-kernel-once script's verdicts ('KERNEL <name>: ok (<error>)')."""
-    return [line for line in output.splitlines() if line.startswith("KERNEL")]
-
-
-def summarize_sanitizer(output: str) -> dict:
-    summary = {"kernels": kernel_lines(output)}
-    for key, pattern in (("errors", r"ERROR SUMMARY:\s*(\d+)"),
-                         ("hazards", r"RACECHECK SUMMARY:\s*(\d+)")):
-        found = re.findall(pattern, output)
-        if found:
-            summary[key] = int(found[-1])
-    summary["kernels_checked"] = "KERNELS OK" in output
-    return summary
-
-
-def summarize_env(output: str) -> dict:
-    for line in output.splitlines():
-        if line.startswith("GPU_SESSION_ENV "):
-            return json.loads(line[len("GPU_SESSION_ENV "):])
+def summarize(stage: Stage, text: str, ctx: Session, since: float) -> dict:
+    """A finished stage's summary, from its output (`text`) and the files it wrote."""
+    if stage.name == "env":
+        for line in text.splitlines():
+            if line.startswith("GPU_SESSION_ENV "):
+                return json.loads(line[len("GPU_SESSION_ENV "):])
+        return {}
+    if stage.name == "pytest_gpu":
+        xml = ctx.work / "pytest.xml"
+        if xml.exists():
+            return gpu_reports.parse_junit(xml.read_text())
+        tail = text.strip().splitlines()[-1:] or [""]
+        return {"last_line": tail[0]}
+    if stage.kind == "bench":
+        out = ctx.args.out / "bisect" if stage.name == "bisect_gemm" else ctx.args.out
+        name = "bench_gemm" if stage.name == "bisect_gemm" else stage.name
+        paths = [p for p in out.glob(f"{name}-*.json") if p.stat().st_mtime >= since - 1]
+        if not paths:
+            return {"record": None}
+        path = max(paths, key=lambda p: p.stat().st_mtime)
+        record = json.loads(path.read_text())
+        return {"record": str(path.relative_to(ctx.args.out)), "rows": len(record.get("rows", [])),
+                "failed": len(record.get("failed", [])), "skipped": len(record.get("skipped", []))}
+    if stage.name == "ncu":
+        launches = gpu_reports.parse_ncu_csv(text)
+        note = next((line for line in text.splitlines() if line.startswith("NCU ")), None)
+        return {"launches": launches, "note": note}
+    if stage.name == "profile":
+        traces = sorted((ctx.work / "profile").glob("*.json")) if (ctx.work / "profile").exists() else []
+        regions = {}
+        for path in traces[-1:]:  # the last launch: after the warm-up
+            regions = gpu_reports.summarize_profile(json.loads(path.read_text()))
+        return {"traces": len(traces), "regions": regions}
+    if stage.name in SANITIZED:
+        summary = gpu_reports.parse_sanitizer(text)
+        summary["kernel_result"] = _smoke_result(text).get("ok")
+        summary["filter"] = next((line for line in text.splitlines() if line.startswith("SANITIZER ")), None)
+        return summary
     return {}
 
 
-# ------------------------------------------------------------------------------ the table
+@dataclasses.dataclass
+class Session:
+    """One call's context: what it writes where, and the summary it keeps rewriting."""
+
+    args: argparse.Namespace
+    command: str
+    gpu: Gpu
+    work: pathlib.Path
+    stages: list[Stage]
+    rehearse: bool
+
+    @property
+    def stem(self) -> str:
+        return f"gpu_session-{slug(self.gpu.name or 'cpu')}-{datetime.date.today().isoformat()}-{self.command}"
+
+    @property
+    def summary_path(self) -> pathlib.Path:
+        return self.args.out / f"{self.stem}.json"
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self.args.out / f"{self.stem}.log"
+
+    def records(self) -> dict[str, dict]:
+        records = {}
+        for s in self.stages:
+            name = s.summary.get("record") if s.kind == "bench" else None
+            if name:
+                try:
+                    records[s.name] = json.loads((self.args.out / name).read_text())
+                except (OSError, ValueError):
+                    pass
+        return records
+
+    def save(self) -> None:
+        """The summary JSON, written whole to a temporary file and renamed over the old one."""
+        record = dict(
+            date=datetime.date.today().isoformat(), gpu=self.gpu.name, compute_capability=self.gpu.compute_cap,
+            hopper=self.gpu.hopper, command=self.command, rehearsal=self.rehearse, commit=_commit(),
+            budget_s=self.args.budget_s, dry_run=self.args.dry_run, argv=self.args.argv,
+            stages=[dataclasses.asdict(s) for s in self.stages],
+        )
+        smoke = next((s for s in self.stages if s.name == "smoke"), None)
+        if smoke is not None:
+            record["smoke"] = smoke.summary.get("rows", [])
+        pytest_stage = next((s for s in self.stages if s.name == "pytest_gpu"), None)
+        if pytest_stage is not None and pytest_stage.status not in ("planned", "dry-run", "skipped"):
+            record["pytest_gpu"] = pytest_stage.summary
+        try:
+            record["targets"] = gpu_tables.target_verdicts(
+                {k: v for k, v in self.records().items() if k != "bisect_gemm"})
+        except (KeyError, ValueError, TypeError) as e:  # a malformed record must not lose the rest
+            record["targets"] = f"could not evaluate: {type(e).__name__}: {e}"
+        tmp = self.summary_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        os.replace(tmp, self.summary_path)
+
+    def pack_dumps(self, dumps: pathlib.Path) -> None:
+        tarball = self.args.out / f"smoke-dumps-{slug(self.gpu.name or 'cpu')}-{datetime.date.today().isoformat()}.tar.gz"
+        tmp = tarball.with_suffix(".tmp")
+        with tarfile.open(tmp, "w:gz") as tar:
+            for p in sorted(dumps.glob("*.txt")):
+                tar.add(p, arcname=f"smoke-dumps/{p.name}")
+        os.replace(tmp, tarball)
 
 
-def _grouped_label(groups: int, rows: int, n: int, k: int) -> str:
-    """GxRxNxK (R rows per group) for a grouped problem recorded with all groups' rows."""
-    return f"{groups}x{rows // groups}x{n}x{k}"
-
-
-def _fmt(x, spec=".1f") -> str:
-    return "-" if x is None else format(x, spec)
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def stage_line(s: Stage) -> str:
-    status = s.status
     note = s.skip if s.status == "skipped" else ""
     sm = s.summary
     if s.name == "env" and sm:
         note = f"{sm.get('device')} | jax {sm.get('jax')} | torch {sm.get('torch')}"
+    elif s.name == "smoke" and sm.get("rows"):
+        rows = sm["rows"]
+        counts = {st: sum(r["status"] == st for r in rows) for st in ("ok", "WRONG", "failed", "timeout", "skipped")}
+        note = ", ".join(f"{v} {k}" for k, v in counts.items() if v) + f" of {len(rows)} kernels"
     elif s.name == "pytest_gpu" and "tests" in sm:
         note = f"{sm['tests']} tests, {sm['failures']} failures, {sm['errors']} errors, {sm['skipped']} skipped"
-    elif _timed_script(s.name) and sm.get("record"):
-        note = f"{sm['rows']} rows, {sm['failed']} failed, {sm['skipped']} skipped"
-    elif s.name == "sass" and "totals" in sm:
-        note = " ".join(f"{k} {v}" for k, v in sm["totals"].items()) + f" in {len(sm['modules'])} modules"
-    elif s.name in ("memcheck", "racecheck") and s.status != "skipped":
+    elif s.kind == "bench" and sm.get("record"):
+        note = f"{sm['rows']} rows, {sm['failed']} failed, {sm['skipped']} skipped ({sm['record']})"
+    elif s.name in SANITIZED and s.status != "skipped":
         note = f"errors {sm.get('errors', '?')}" + (f", hazards {sm['hazards']}" if "hazards" in sm else "")
-    return f"{s.name:15s} {status:8s} {s.seconds:7.1f}  {note}"
+    elif s.name == "profile" and sm.get("regions"):
+        note = " ".join(f"{k} {v['per_warpgroup_us']:.0f} us/wg" for k, v in sm["regions"].items())
+    elif s.name == "ncu" and sm.get("launches") is not None:
+        note = f"{len(sm['launches'])} launch(es) profiled" + (f"; {sm['note']}" if sm.get("note") else "")
+    return f"{s.name:17s} {s.status:8s} {s.seconds:7.1f}  {note}"
 
 
-def gemm_table(record: dict) -> list[str]:
-    rows = record.get("rows", [])
-    base = {"xla-bf16": "bf16", "xla-fp8-per-tensor": "fp8/t", "torch-fp8-blockwise": "torch-bw"}
-    lines = [f"dense GEMM, TFLOP/s      {'bf16':>7} {'fp8/t':>7} {'torch-bw':>8} | "
-             f"{'jfp8 impl':28s} {'TFLOP/s':>7} {'x bf16':>6} {'x t-bw':>6} {'%fp8pk':>6}"]
-    shapes = list(dict.fromkeys((r["m"], r["n"], r["k"]) for r in rows))
-    for shape in shapes:
-        at = {r["impl"]: r for r in rows if (r["m"], r["n"], r["k"]) == shape}
-        b = {v: at.get(k, {}).get("tflops") for k, v in base.items()}
-        left = f"{'x'.join(map(str, shape)):24s} {_fmt(b['bf16'], '.4g'):>7} {_fmt(b['fp8/t'], '.4g'):>7} {_fmt(b['torch-bw'], '.4g'):>8}"
-        mine = [r for name, r in at.items() if name.startswith("jfp8")]
-        for i, r in enumerate(mine or [None]):
-            if r is None:
-                lines.append(f"{left} | (no jfp8 row)")
-                continue
-            ratios = r.get("ratio_vs", {})
-            lines.append(f"{left if i == 0 else ' ' * len(left)} | {r['impl']:28s} {_fmt(r['tflops'], '.4g'):>7} "
-                         f"{_fmt(r.get('ratio_vs_bf16'), '.2f'):>6} {_fmt(ratios.get('torch-fp8-blockwise'), '.2f'):>6} "
-                         f"{_fmt(r.get('frac_fp8_peak') and 100 * r['frac_fp8_peak']):>6}")
-    return lines
-
-
-def grouped_table(record: dict) -> list[str]:
-    rows = record.get("rows", [])
-    lines = [f"grouped GEMM, TFLOP/s    {'einsum':>7} {'ragged':>7} {'mgpu':>7} | {'jfp8':>7} "
-             f"{'x einsum':>8} {'x ragged':>8} {'x mgpu':>6} {'%fp8pk':>6}"]
-    for key in dict.fromkeys((r["groups"], r["m"], r["n"], r["k"]) for r in rows):
-        at = {r["impl"]: r for r in rows if (r["groups"], r["m"], r["n"], r["k"]) == key}
-        g, m, n, k = key
-        t = lambda name: at.get(name, {}).get("tflops")  # noqa: E731
-        for name, r in at.items():
-            if not name.startswith("jfp8"):
-                continue
-            rv = r.get("ratio_vs", {})
-            lines.append(
-                f"{_grouped_label(g, m, n, k):24s} {_fmt(t('xla-bf16-einsum'), '.4g'):>7} {_fmt(t('xla-ragged-dot-bf16'), '.4g'):>7} "
-                f"{_fmt(t('mgpu-ragged-dot-bf16'), '.4g'):>7} | {_fmt(r['tflops'], '.4g'):>7} "
-                f"{_fmt(rv.get('xla-bf16-einsum'), '.2f'):>8} {_fmt(rv.get('xla-ragged-dot-bf16'), '.2f'):>8} "
-                f"{_fmt(rv.get('mgpu-ragged-dot-bf16'), '.2f'):>6} {_fmt(r.get('frac_fp8_peak') and 100 * r['frac_fp8_peak']):>6}")
-    return lines
-
-
-def linear_table(record: dict) -> list[str]:
-    """fp8_linear forward + backward against the bf16 layer, per shape."""
-    rows = record.get("rows", [])
-    lines = [f"linear fwd+bwd, ms       {'bf16':>8} | {'fp8 impl':14s} {'ms':>8} {'x bf16':>6} "
-             f"{'err/f32':>8}"]
-    for key in dict.fromkeys((r["m"], r["n"], r["k"]) for r in rows):
-        at = {r["impl"]: r for r in rows if (r["m"], r["n"], r["k"]) == key}
-        base = at.get("bf16", {}).get("ms")
-        for name, r in at.items():
-            if name == "bf16":
-                continue
-            lines.append(f"{'x'.join(map(str, key)):24s} {_fmt(base, '.3f'):>8} | {name:14s} "
-                         f"{_fmt(r['ms'], '.3f'):>8} {_fmt(r.get('ratio_vs_bf16'), '.2f'):>6} "
-                         f"{_fmt(r.get('err_vs_f32'), '.1e'):>8}")
-    return lines
-
-
-def quantize_table(record: dict) -> list[str]:
-    lines = [f"quantize, GB/s (copy {_fmt(record.get('copy_gbps'), '.4g')} GB/s)   {'GB/s':>7} {'of copy':>7}"]
-    for r in record.get("rows", []):
-        if r["kernel"] == "copy":
-            continue
-        frac = r.get("frac_of_copy")
-        config = r["impl"][r["impl"].index("["):] if "[" in r["impl"] else ""
-        lines.append(f"{r['kernel'] + config:24s} {'%dx%d:%s' % (r['m'], r['k'], r['dtype']):25s} {_fmt(r['gbps'], '.4g'):>7} "
-                     f"{_fmt(frac and 100 * frac, '.1f'):>6}%")
-    return lines
-
-
-def tune_table(record: dict) -> list[str]:
-    """Per problem: the fastest config tune_gemm measured (its record's `entries`), and its
-    speed-up over the default config and over the rule's pick."""
-    kind = "grouped" if record.get("kind") == "grouped" else "GEMM"
-    lines = [f"{kind} tuning ({record.get('out_dtype')} out)  {'best config':>40s} {'TFLOP/s':>7} "
-             f"{'x dflt':>6} {'x rule':>6}"]
-    for e in record.get("entries", []):
-        problem = (_grouped_label(e["groups"], e["m"], e["n"], e["kp"]) if "groups" in e
-                   else f"{e['m']}x{e['n']}x{e['kp']}")
-        lines.append(f"{problem:24s} {e['impl']:>40s} {_fmt(e['tflops'], '.4g'):>7} "
-                     f"{_fmt(e['speedup_vs_default'], '.2f'):>6} {_fmt(e['speedup_vs_rule'], '.2f'):>6}")
-    return lines
-
-
-# Issue #4's speed targets: (benchmark, what, baseline impl or None, bound). Dense: 8192^3 and
-# DeepSeek-V3's M=4096 shapes with K >= 7168; grouped: every MoE shape; quantizers: every
-# kernel's default row against the copy bandwidth.
-DENSE_TARGET_SHAPES = ((8192, 8192, 8192), (4096, 2112, 7168), (4096, 7168, 16384),
-                       (4096, 4096, 7168))
-TARGETS = (
-    ("bench_gemm", "x XLA bf16", "xla-bf16", 1.6),
-    ("bench_gemm", "x torch blockwise FP8", "torch-fp8-blockwise", 1.0),
-    ("bench_grouped", "x bf16 einsum", "xla-bf16-einsum", 1.4),
-    ("bench_grouped", "x bf16 ragged_dot_mgpu", "mgpu-ragged-dot-bf16", 1.4),
-    ("bench_quantize", "of copy bandwidth", None, 0.7),
-)
-
-
-def target_verdicts(records: dict[str, dict]) -> list[dict]:
-    """Each of issue #4's targets at each problem, from the benchmark records (name -> record):
-    the measured value, the bound, and "pass", "FAIL" or "not measured" (no jfp8 row on the
-    Mosaic kernels, or no baseline row)."""
-    verdicts = []
-    for bench, what, baseline, bound in TARGETS:
-        rows = records.get(bench, {}).get("rows", [])
-        if bench == "bench_quantize":
-            mine = [r for r in rows if r["impl"].startswith("jfp8-mosaic-") and "[" not in r["impl"]]
-            wanted = [(f"{r['kernel']} {r['m']}x{r['k']}:{r['dtype']}", r.get("frac_of_copy"))
-                      for r in mine]
-        else:
-            if bench == "bench_gemm":
-                keys = DENSE_TARGET_SHAPES
-                key_of = lambda r: (r["m"], r["n"], r["k"])  # noqa: E731
-            else:
-                keys = list(dict.fromkeys((r["groups"], r["m"], r["n"], r["k"]) for r in rows))
-                key_of = lambda r: (r["groups"], r["m"], r["n"], r["k"])  # noqa: E731
-            mine = {key_of(r): r for r in rows if r["impl"] == "jfp8-mosaic"}
-            wanted = []
-            for key in keys:
-                label = "x".join(map(str, key)) if bench == "bench_gemm" else _grouped_label(*key)
-                wanted.append((label, mine.get(key, {}).get("ratio_vs", {}).get(baseline)))
-        if not wanted:
-            wanted = [("(no jfp8-mosaic row)", None)]
-        for problem, value in wanted:
-            verdict = "not measured" if value is None else ("pass" if value >= bound else "FAIL")
-            verdicts.append(dict(benchmark=bench, problem=problem, target=what, bound=bound,
-                                 value=value, verdict=verdict))
-    return verdicts
-
-
-def targets_table(verdicts: list[dict]) -> list[str]:
-    lines = [f"issue #4 targets          {'problem':28s} {'target':24s} {'value':>6} {'bound':>5}"]
-    for v in verdicts:
-        lines.append(f"{v['benchmark']:25s} {v['problem']:28s} {v['target']:24s} "
-                     f"{_fmt(v['value'], '.2f'):>6} {v['bound']:5.2f}  {v['verdict']}")
-    return lines
-
-
-def _records(stages: list[Stage], out: pathlib.Path) -> dict[str, dict]:
-    """The benchmark and tuning records this session wrote, by stage name (unreadable ones
-    left out)."""
-    records = {}
-    for s in stages:
-        name = s.summary.get("record")
-        if name:
-            try:
-                records[s.name] = json.loads((out / name).read_text())
-            except (OSError, ValueError):
-                pass
-    return records
-
-
-def final_table(stages: list[Stage], out: pathlib.Path, header: str) -> str:
-    lines = [f"== gpu_session: {header} ==", f"{'stage':15s} {'status':8s} {'secs':>7}  summary"]
-    lines += [stage_line(s) for s in stages]
-    records = _records(stages, out)
-    for name, table in (("bench_gemm", gemm_table), ("bench_grouped", grouped_table),
-                        ("bench_quantize", quantize_table), ("bench_linear", linear_table),
-                        ("tune_gemm", tune_table),
-                        ("tune_grouped", tune_table)):
+def final_table(ctx: Session, header: str) -> str:
+    lines = [f"== gpu_session {ctx.command}: {header} ==", f"{'stage':17s} {'status':8s} {'secs':>7}  summary"]
+    lines += [stage_line(s) for s in ctx.stages]
+    smoke = next((s for s in ctx.stages if s.name == "smoke"), None)
+    if smoke is not None and smoke.summary.get("rows"):
+        lines += ["", *gpu_tables.smoke_table(smoke.summary["rows"])]
+    records = ctx.records()
+    for name, table in (("bench_gemm", gpu_tables.gemm_table), ("bench_grouped", gpu_tables.grouped_table),
+                        ("bench_quantize", gpu_tables.quantize_table), ("bench_linear", gpu_tables.linear_table),
+                        ("bisect_gemm", gpu_tables.gemm_table), ("tune_gemm", gpu_tables.tune_table),
+                        ("tune_grouped", gpu_tables.tune_table)):
         if name in records:
             lines.append("")
             try:
@@ -549,18 +609,78 @@ def final_table(stages: list[Stage], out: pathlib.Path, header: str) -> str:
     if any(name in records for name in ("bench_gemm", "bench_grouped", "bench_quantize")):
         lines.append("")
         try:
-            lines += targets_table(target_verdicts(records))
+            lines += gpu_tables.targets_table(gpu_tables.target_verdicts(
+                {k: v for k, v in records.items() if k != "bisect_gemm"}))
         except (KeyError, ValueError, TypeError) as e:
             lines.append(f"targets: could not evaluate: {type(e).__name__}: {e}")
-    lines.append(f"\nresults in {out}")
+    lines.append(f"\nresults in {ctx.args.out}")
     return "\n".join(lines)
+
+
+def run_command(command: str, args, gpu: Gpu) -> int:
+    work = pathlib.Path(tempfile.mkdtemp(prefix="gpu_session-"))
+    stages = plan(command, args, gpu, work)
+    ctx = Session(args, command, gpu, work, stages, args.rehearse)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    print(f"gpu_session {command}: {gpu.name or 'no GPU'} ({gpu.why_not or 'Hopper'})"
+          f"{' -- rehearsal on the CPU' if args.rehearse else ''}; budget {args.budget_s:.0f} s; "
+          f"log {ctx.log_path}", flush=True)
+    log = Log(ctx.log_path)
+    start = time.perf_counter()
+    try:
+        for s in stages:
+            left = args.budget_s - (time.perf_counter() - start)
+            if s.skip is None and left < MIN_STAGE_SECONDS:
+                s.skip = f"call budget spent ({left:.0f} s left of {args.budget_s:.0f})"
+            log.write(f"\n===== {s.name} ({time.strftime('%H:%M:%S')}) =====\n$ {' '.join(s.argv)}\n")
+            if s.skip is not None:
+                s.status = "skipped"
+                log.write(f"skipped: {s.skip}\n")
+            elif args.dry_run:
+                s.status = "dry-run"
+            else:
+                s.timeout = min(s.timeout, left)
+                if s.kind == "bench":  # it stops starting problems in time
+                    share = 0.8 if s.name.startswith("tune") else 0.6
+                    s.argv += ["--budget-s", f"{max(s.timeout * share, 5):.0f}"]
+                t0, offset, since = time.perf_counter(), log.offset(), time.time()
+                if s.kind == "smoke":
+                    run_smoke(s, env, log, ctx)
+                else:
+                    s.status, s.rc = run_process(s.argv, {**env, **s.env}, s.timeout, log.fd, log.fd)
+                    s.summary = summarize(s, log.since(offset), ctx, since)
+                s.seconds = time.perf_counter() - t0
+                log.write(f"===== {s.name}: {s.status} in {s.seconds:.1f} s\n")
+            extra = ""
+            if args.dry_run:
+                extra = f"\n    $ {' '.join(s.argv)}"
+                if s.kind == "smoke":
+                    extra += f"\n    kernels, in order: {', '.join(s.summary['kernels'])}"
+            print(stage_line(s) + extra, flush=True)
+            ctx.save()
+    finally:
+        log.close()
+        shutil.rmtree(work, ignore_errors=True)
+    header = f"{gpu.name or 'no GPU'} | {datetime.date.today().isoformat()}"
+    env_summary = next((s.summary for s in stages if s.name == "env"), None)
+    if env_summary:
+        header += f" | jax {env_summary.get('jax')} | torch {env_summary.get('torch')}"
+    table = final_table(ctx, header)
+    print("\n" + table, flush=True)
+    with open(ctx.log_path, "a") as f:
+        f.write("\n" + table + "\n")
+    failed = [s.name for s in stages if s.status in ("failed", "timeout")]
+    if failed:
+        print(f"stages failed or timed out: {', '.join(failed)} (see {ctx.log_path.name})")
+    return 1 if failed else 0
 
 
 # ------------------------------------------------------------------------------ workers
 
 
 def worker_env() -> int:
-    """Prints the software and hardware this session ran on, as one JSON line."""
+    """Prints the software and hardware this call runs on, as one JSON line."""
     import platform
 
     import jax
@@ -588,7 +708,16 @@ def worker_env() -> int:
         info["torch_sees_gpu"] = torch.cuda.is_available()
     except Exception:  # noqa: BLE001
         pass
-    info["tools"] = {t: find_tool(t) for t in ("nvcc", "ptxas", "nvdisasm", "cuobjdump", "compute-sanitizer")}
+    try:
+        from jax._src import lib as jax_lib
+
+        info["jax_cuda_root"] = jax_lib.cuda_path
+    except Exception:  # noqa: BLE001
+        pass
+    info["smoke_cuda_root"] = cuda_root_for_dumps()[1]
+    info["pytest_timeout"] = _pytest_timeout_available()
+    info["tools"] = {t: find_tool(t) for t in ("nvcc", "ptxas", "nvdisasm", "cuobjdump", "ncu",
+                                                "compute-sanitizer")}
     smi = shutil.which("nvidia-smi")
     if smi:
         q = "name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit"
@@ -599,95 +728,58 @@ def worker_env() -> int:
     return 0
 
 
-def worker_kernels() -> int:
-    """Every jfp8 Mosaic GPU kernel once at a small shape, each checked against its reference.
+def _kernel_filter(help_text: str, flag_style: str) -> list[str]:
+    """The option that restricts a tool to the Mosaic kernels, as this tool version spells it
+    (read off its --help), or [] when it has none."""
+    if "--kernel-name" in help_text:
+        value = f"kns={MOSAIC_KERNEL_SUBSTRING}" if flag_style == "sanitizer" else f"regex:{MOSAIC_KERNEL_SUBSTRING}"
+        return ["--kernel-name", value]
+    if flag_style == "sanitizer" and "--filter" in help_text:
+        return ["--filter", f"kns={MOSAIC_KERNEL_SUBSTRING}"]
+    return []
 
-    The script the SASS dump and compute-sanitizer run: inputs come from numpy (few XLA kernels
-    besides ours), and a wrong result is an error too.
-    """
-    import jax.numpy as jnp
-    import numpy as np
 
-    import jfp8
+def worker_sanitizer(tool: str, kernel: str) -> int:
+    """compute-sanitizer on one smoke kernel, restricted to the Mosaic kernels where it can be."""
+    exe = find_tool("compute-sanitizer")
+    if exe is None:
+        print("SANITIZER not found", flush=True)
+        return 2
+    help_text = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=30).stdout
+    flt = _kernel_filter(help_text, "sanitizer")
+    print(f"SANITIZER {tool} on {kernel}, filter {' '.join(flt) or 'none (not in --help)'}", flush=True)
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
+           "XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="}
+    argv = [exe, "--tool", tool, "--print-limit", "50", *flt, _python(),
+            str(EXPERIMENTS / "gpu_smoke.py"), "--kernel", kernel, "--seed", "0"]
+    return subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
 
-    rng = np.random.default_rng(0)
-    m, n, k, tile = 256, 256, 512, jfp8.TILE
-    x = jnp.asarray(rng.standard_normal((m, k), np.float32))
-    w = jnp.asarray(rng.standard_normal((n, k), np.float32) / np.sqrt(k))
-    dy = jnp.asarray(rng.standard_normal((m, n), np.float32))
-    sizes = jnp.asarray([100, 0, 156], jnp.int32)
-    wg = jnp.asarray(rng.standard_normal((3, n, k), np.float32) / np.sqrt(k))
-    a = jfp8.quantize(x, (1, tile))
-    a_small = jfp8.quantize(x[:48], (1, tile))  # small M: the one-warpgroup form (tuning rule)
-    x_tails = x[:250, :500].astype(jnp.bfloat16)  # unswizzled quantizers, tails on both axes
 
-    def default_config_gemm():
-        """The 128 x 128 warp-specialized persistent form, which the rule does not pick at
-        this size."""
-        from jfp8.reference import chunk_operand
-        from pallas_kernels import gemm
-
-        b = jfp8.quantize(w, (tile, tile))
-        a_data, a_scale = chunk_operand(a, k)
-        return gemm.scaled_matmul(a_data, a_scale, b.data, b.scale, n=n, b_block_rows=tile,
-                                  out_dtype=jnp.float32, config=gemm.GemmConfig())
-
-    def err(out, ref):
-        out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-        return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-
-    def bits_differ(t, ref):
-        return sum(int(np.sum(np.asarray(u).view(np.uint8) != np.asarray(v).view(np.uint8)))
-                   for u, v in ((t.data, ref.data), (t.scale, ref.scale)))
-
-    checks = {
-        "gemm_tile_x_block": lambda: err(
-            jfp8.scaled_matmul(a, jfp8.quantize(w, (tile, tile)), out_dtype=jnp.float32, impl="mosaic"),
-            jfp8.scaled_matmul_reference(a, jfp8.quantize(w, (tile, tile)), jnp.float32)),
-        "gemm_default_config": lambda: err(
-            default_config_gemm(), jfp8.scaled_matmul_reference(a, jfp8.quantize(w, (tile, tile)), jnp.float32)),
-        "gemm_small_m": lambda: err(
-            jfp8.scaled_matmul(a_small, jfp8.quantize(w, (tile, tile)), out_dtype=jnp.float32, impl="mosaic"),
-            jfp8.scaled_matmul_reference(a_small, jfp8.quantize(w, (tile, tile)), jnp.float32)),
-        "gemm_tile_x_tile": lambda: err(
-            jfp8.scaled_matmul(a, jfp8.quantize(w, (1, tile)), out_dtype=jnp.float32, impl="mosaic"),
-            jfp8.scaled_matmul_reference(a, jfp8.quantize(w, (1, tile)), jnp.float32)),
-        "grouped_matmul": lambda: err(
-            jfp8.grouped_scaled_matmul(a, jfp8.quantize(wg, (tile, tile)), sizes, out_dtype=jnp.float32,
-                                       impl="mosaic"),
-            jfp8.grouped_scaled_matmul_reference(a, jfp8.quantize(wg, (tile, tile)), sizes, jnp.float32)),
-        "grouped_wgrad": lambda: err(
-            jfp8.grouped_wgrad_matmul(jfp8.quantize(x, (tile, 1)).mT, jfp8.quantize(dy, (tile, 1)).mT, sizes,
-                                      impl="mosaic"),
-            jfp8.grouped_wgrad_reference(jfp8.quantize(x, (tile, 1)).mT, jfp8.quantize(dy, (tile, 1)).mT,
-                                         sizes, jnp.float32)),
-        "quantize_tile": lambda: bits_differ(jfp8.quantize(x, (1, tile), impl="mosaic"), a),
-        "quantize_tile_unswizzled": lambda: bits_differ(jfp8.quantize(x_tails, (1, tile), impl="mosaic"),
-                                                        jfp8.quantize(x_tails, (1, tile))),
-        "quantize_block": lambda: bits_differ(jfp8.quantize(w, (tile, tile), impl="mosaic"),
-                                              jfp8.quantize(w, (tile, tile))),
-        "quantize_weight_both": lambda: sum(
-            bits_differ(t, ref) for t, ref in zip(
-                jfp8.quantize_weight(wg, impl="mosaic"), jfp8.quantize_weight(wg))),
-        "quantize_grad_both": lambda: sum(
-            bits_differ(t, ref) for t, ref in zip(
-                jfp8.quantize_grad(dy, impl="mosaic"), jfp8.quantize_grad(dy))),
-        "quantize_column_t": lambda: bits_differ(jfp8.quantize_wgrad_operand(x, impl="mosaic"),
-                                                 jfp8.quantize_wgrad_operand(x)),
-        "retile": lambda: bits_differ(jfp8.retile_wgrad_operand(a, impl="mosaic"), jfp8.retile_wgrad_operand(a)),
-    }
-    bad = 0
-    for name, check in checks.items():
-        try:
-            e = check()
-            ok = e <= 1e-5 if isinstance(e, float) else e == 0
-            print(f"KERNEL {name}: {'ok' if ok else 'WRONG'} ({e})", flush=True)
-        except Exception as ex:  # noqa: BLE001 - every kernel gets its turn
-            ok = False
-            print(f"KERNEL {name}: FAILED {type(ex).__name__}: {str(ex)[:500]}", flush=True)
-        bad += not ok
-    print("KERNELS OK" if bad == 0 else f"KERNELS: {bad} failed", flush=True)
-    return 1 if bad else 0
+def worker_ncu() -> int:
+    """Nsight Compute on the default dense kernel at PROFILE_SHAPE, the launch after a warm-up."""
+    exe = find_tool("ncu")
+    if exe is None:
+        print("NCU not found", flush=True)
+        return 2
+    help_text = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60).stdout
+    metrics = []
+    try:  # the tensor-pipe counters this ncu knows for Hopper (names differ between versions)
+        query = subprocess.run([exe, "--query-metrics", "--chip", "gh100"], capture_output=True,
+                               text=True, timeout=60).stdout
+        names = re.findall(r"^(sm__pipe_tensor_op_\w*cycles_active)\b", query, re.MULTILINE)
+        metrics = [f"{n}.avg.pct_of_peak_sustained_active" for n in dict.fromkeys(names)]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    flt = _kernel_filter(help_text, "ncu")
+    print(f"NCU filter {' '.join(flt) or 'none'}; tensor metrics {metrics or 'none found'}", flush=True)
+    argv = [exe, "--clock-control", "none", *flt, "--launch-skip", "1", "--launch-count", "1",
+            "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis",
+            "--section", "MemoryWorkloadAnalysis", "--csv", "--page", "details"]
+    if metrics:
+        argv += ["--metrics", ",".join(metrics)]
+    argv += [_python(), str(EXPERIMENTS / "gpu_smoke.py"), "--launch", PROFILE_SHAPE, "--repeats", "2"]
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    return subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
 
 
 # ------------------------------------------------------------------------------ main
@@ -699,107 +791,63 @@ def default_out() -> pathlib.Path:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--command", choices=tuple(COMMANDS), default=None,
+                   help="which call to run (default: smoke; with --dry-run: all three, in order)")
     p.add_argument("--out", type=pathlib.Path, default=None, help="results dir ($OUT, else benchmarks/results)")
-    p.add_argument("--budget-s", type=float, default=540, help="the whole session's wall-clock budget")
-    p.add_argument("--stages", type=lambda s: [x for x in s.split(",") if x], default=list(DEFAULT_STAGES),
-                   help=f"comma-separated subset of {','.join(STAGES)} (default: all but the tuning stages)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the call's wall-clock budget")
+    p.add_argument("--stages", type=lambda s: [x for x in s.split(",") if x], default=None,
+                   help="run only these stages of the command (comma-separated)")
+    p.add_argument("--smoke-kernels", type=lambda s: [x for x in s.split(",") if x], default=None,
+                   help="smoke only these kernel forms (gpu_smoke.py --list)")
     p.add_argument("--gemm-config", action="append", default=[], metavar="FIELD=VALUE,...",
-                   help="a GemmConfig benched as its own row (repeatable; passed to bench_gemm --config)")
+                   help="a GemmConfig as its own smoke form and bench/bisect row (repeatable)")
     p.add_argument("--grouped-config", action="append", default=[], metavar="FIELD=VALUE,...",
-                   help="a GroupedGemmConfig benched as its own row (repeatable; bench_grouped --config)")
+                   help="a GroupedGemmConfig as its own smoke form and bench row (repeatable)")
     p.add_argument("--quantize-config", action="append", default=[], metavar="FIELD=VALUE,...",
-                   help="a QuantizeConfig benched as its own rows (repeatable; bench_quantize --config)")
+                   help="a QuantizeConfig benched as its own rows (repeatable)")
     p.add_argument("--gemm-shapes", nargs="+", default=list(GEMM_SHAPES))
     p.add_argument("--grouped-shapes", nargs="+", default=list(GROUPED_SHAPES))
     p.add_argument("--quantize-shapes", nargs="+", default=list(QUANTIZE_SHAPES))
     p.add_argument("--linear-shapes", nargs="+", default=list(LINEAR_SHAPES))
-    p.add_argument("--quick", action="store_true", help="tiny benchmark shapes (implied without a Hopper GPU)")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and the table; run nothing")
+    p.add_argument("--rehearse", action="store_true",
+                   help="CPU: the same stages and plumbing, kernels in the interpreter, tiny shapes")
+    p.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
     p.add_argument("--assume-hopper", action="store_true",
                    help="with --dry-run: plan as on an H100 (to read the GPU commands anywhere)")
-    p.add_argument("--worker", choices=("env", "kernels"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("env", "ncu", "sanitizer"), help=argparse.SUPPRESS)
+    p.add_argument("--tool", help=argparse.SUPPRESS)
+    p.add_argument("--kernel", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.worker == "env":
         return worker_env()
-    if args.worker == "kernels":
-        return worker_kernels()
-    unknown = set(args.stages) - set(STAGES)
-    if unknown:
-        p.error(f"unknown stages {sorted(unknown)}; choose from {','.join(STAGES)}")
-    args.out = (args.out or default_out()).resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
-
-    start = time.perf_counter()
+    if args.worker == "ncu":
+        return worker_ncu()
+    if args.worker == "sanitizer":
+        return worker_sanitizer(args.tool, args.kernel)
     if args.assume_hopper and not args.dry_run:
         p.error("--assume-hopper only plans: use it with --dry-run")
+    if args.stages:
+        known = {s for c in COMMANDS.values() for s in c}
+        if set(args.stages) - known:
+            p.error(f"unknown stages {sorted(set(args.stages) - known)}; known: {','.join(sorted(known))}")
+    args.out = (args.out or default_out()).resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
     gpu = Gpu("NVIDIA H100 80GB HBM3 (assumed)", "9.0", None) if args.assume_hopper else detect_gpu()
-    today = datetime.date.today().isoformat()
-    device = slug(gpu.name or "cpu")
-    work = pathlib.Path(tempfile.mkdtemp(prefix="gpu_session-"))
-    stages = plan(args, gpu, work)
-    summary_path = args.out / f"gpu_session-{device}-{today}.json"
-    log_path = args.out / f"gpu_session-{device}-{today}.log"
-    tarball = args.out / f"sass-{device}-{today}.tar.gz"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1"}
-    print(f"gpu_session: {gpu.name or 'no GPU'} ({gpu.why_not or 'Hopper'}); budget {args.budget_s:.0f} s; "
-          f"results in {args.out}", flush=True)
-
-    def save():
-        record = dict(date=today, gpu=gpu.name, compute_capability=gpu.compute_cap, hopper=gpu.hopper,
-                      budget_s=args.budget_s, dry_run=args.dry_run, argv=sys.argv[1:] if argv is None else argv,
-                      stages=[{k: v for k, v in dataclasses.asdict(s).items() if k not in ("output", "env")}
-                              | {"env": s.env} for s in stages])
-        try:
-            record["targets"] = target_verdicts(_records(stages, args.out))
-        except (KeyError, ValueError, TypeError) as e:  # a malformed record must not lose the rest
-            record["targets"] = f"could not evaluate: {type(e).__name__}: {e}"
-        summary_path.write_text(json.dumps(record, indent=1) + "\n")
-
-    with open(log_path, "w", encoding="utf-8") as log:
-        for s in stages:
-            left = args.budget_s - (time.perf_counter() - start)
-            if s.skip is None and left < MIN_STAGE_SECONDS:
-                s.skip = f"session budget spent ({left:.0f} s left of {args.budget_s:.0f})"
-            if s.skip is not None:
-                s.status = "skipped"
-            elif args.dry_run:
-                s.status = "dry-run"
-            else:
-                s.timeout = min(s.timeout, left)
-                if _timed_script(s.name):  # it stops starting shapes in time
-                    share = 0.8 if s.name in TUNING_STAGES else 0.6
-                    s.argv += ["--budget-s", f"{max(s.timeout * share, 5):.0f}"]
-                stage_start = time.time()
-                run_stage(s, env)
-                if s.name == "env":
-                    s.summary = summarize_env(s.output)
-                elif s.name == "pytest_gpu":
-                    s.summary = summarize_pytest(work, s.output)
-                elif _timed_script(s.name):
-                    s.summary = summarize_bench(args.out, s.name, stage_start)
-                elif s.name == "sass":
-                    s.summary = summarize_sass(work / "sass", tarball) | {"kernels": kernel_lines(s.output)}
-                else:
-                    s.summary = summarize_sanitizer(s.output)
-            command = " ".join(s.argv)
-            log.write(f"\n===== {s.name}: {s.status} ({s.seconds:.1f} s) =====\n$ {command}\n")
-            if s.skip:
-                log.write(f"skipped: {s.skip}\n")
-            log.write(s.output[-400_000:])
-            log.flush()
-            print(stage_line(s) + ("" if not args.dry_run else f"\n    $ {command}"), flush=True)
-            save()
-    shutil.rmtree(work, ignore_errors=True)
-    header = f"{gpu.name or 'no GPU'} | {today}"
-    env_summary = stages[0].summary
-    if env_summary:
-        header += f" | jax {env_summary.get('jax')} | torch {env_summary.get('torch')}"
-    print("\n" + final_table(stages, args.out, header), flush=True)
-    failed = [s.name for s in stages if s.status in ("failed", "timeout")]
-    if failed:
-        print(f"stages failed or timed out: {', '.join(failed)} (see {log_path.name})")
-    return 1 if failed else 0
+    if args.command is None and args.dry_run:
+        commands = PLAN
+    else:
+        commands = (args.command or "smoke",)
+    if not gpu.hopper and not (args.rehearse or args.dry_run):
+        print(f"gpu_session: {gpu.why_not}. On a CPU, --rehearse runs the same plan in the Mosaic GPU "
+              f"interpreter and --dry-run prints it.", file=sys.stderr)
+    rc = 0
+    for i, command in enumerate(commands):
+        if args.dry_run and len(commands) > 1:
+            print(f"\n# device call {i + 1} of {len(commands)}: "
+                  f"bash scripts/gpu_session.sh{'' if command == 'smoke' else ' --command ' + command}")
+        rc = max(rc, run_command(command, args, gpu))
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One command for a GPU session (issue #4), run from anywhere on the GPU machine:
-#   bash scripts/gpu_session.sh [--gemm-config tile_m=128,...] [--budget-s 540] [--stages env,...]
-# Environment, `pytest -m gpu`, the dense / grouped / quantize benchmarks, the jfp8 kernels' SASS
-# (QGMMA/HGMMA counts), compute-sanitizer memcheck + racecheck and the fp8_linear layer benchmark,
-# each with its own timeout; results under $OUT (else benchmarks/results), a short table at the
-# end. `--stages tune_gemm` / `--stages tune_grouped` (each a call of its own) tune the GEMMs'
-# configs.
-# See experiments/gpu_session.py. Uses the machine's python3 (its image has jax with CUDA, torch,
-# triton); JFP8_PYTHON overrides it.
+# A GPU session, one device call per command (each under 8 minutes), run from the repository root
+# on the GPU machine with its preinstalled jax:
+#   bash scripts/gpu_session.sh                      # call 1: env, smoke (each kernel alone), pytest -m gpu
+#   bash scripts/gpu_session.sh --command bench      # call 2: the benchmarks against their baselines
+#   bash scripts/gpu_session.sh --command bisect     # call 3: config bisection, ncu, Mosaic profile, sanitizers
+#   bash scripts/gpu_session.sh --command tune_gemm  # optional: the tuning tables (tune_grouped likewise)
+# Results under $OUT (else benchmarks/results); the log streams as it runs. Anywhere:
+#   python experiments/gpu_session.py --dry-run      # the three calls' plans
+#   python experiments/gpu_session.py --rehearse     # CPU: the same plumbing, kernels in the interpreter
+# See experiments/gpu_session.py. Uses the machine's python3; JFP8_PYTHON overrides it.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"

@@ -200,45 +200,14 @@ def test_parse_config_converts_like_the_defaults():
         parse_config("fast=maybe", Config)
 
 
-def test_gpu_session_runs_on_cpu(tmp_path, records):
-    session = _load("gpu_session")
-    # The dry run plans everything (the GPU stages are skipped with a reason) and runs nothing.
-    assert session.main(["--dry-run", "--out", str(tmp_path / "dry")]) == 0
-    (summary,) = (tmp_path / "dry").glob("gpu_session-*.json")
-    stages = {s["name"]: s for s in json.loads(summary.read_text())["stages"]}
-    assert list(stages) == list(session.STAGES)
-    for name in ("pytest_gpu", "sass", "memcheck", "racecheck"):
-        assert stages[name]["status"] == "skipped" and stages[name]["skip"]
-    # Planned as on an H100: the issue's shapes, 8192^3 first, and the kernel configs as rows.
-    argv = ["--dry-run", "--assume-hopper", "--gemm-config", "tile_m=128", "--grouped-config", GROUPED_SIMPLE,
-            "--quantize-config", "swizzle=false", "--out", str(tmp_path / "plan")]
-    assert session.main(argv) == 0
-    stages = json.loads(next((tmp_path / "plan").glob("gpu_session-*.json")).read_text())["stages"]
-    gemm = next(s for s in stages if s["name"] == "bench_gemm")["argv"]
-    assert gemm[gemm.index("--shapes") + 1] == "8192x8192x8192" and "tile_m=128" in gemm
-    grouped = next(s for s in stages if s["name"] == "bench_grouped")["argv"]
-    assert grouped[grouped.index("--config") + 1] == GROUPED_SIMPLE
-    linear = next(s for s in stages if s["name"] == "bench_linear")["argv"]
-    assert linear[linear.index("--shapes") + 1] == session.LINEAR_SHAPES[0]
-    for name in session.TUNING_STAGES:  # each a device call of its own, when asked for
-        tune = next(s for s in stages if s["name"] == name)
-        assert tune["skip"].startswith("not selected")
-        assert ("--grouped" in tune["argv"]) == (name == "tune_grouped")
-    quantize = next(s for s in stages if s["name"] == "bench_quantize")["argv"]
-    assert quantize[quantize.index("--config") + 1] == "swizzle=false"
-    # A real run of the env stage, the GPU stages skipped, and the table over the benchmark records.
-    out = tmp_path / "run"
-    out.mkdir()
-    for path in records.glob("*.json"):
-        (out / path.name).write_text(path.read_text())
-    assert session.main(["--stages", "env,pytest_gpu,sass,memcheck,racecheck", "--out", str(out)]) == 0
-    summary = json.loads(next(out.glob("gpu_session-*.json")).read_text())
-    env = next(s for s in summary["stages"] if s["name"] == "env")
-    assert env["status"] == "ok" and env["summary"]["jax"]
-    table = session.gemm_table(json.loads(next(out.glob("bench_gemm-*.json")).read_text()))
+def test_session_tables_read_the_records(records):
+    """The GPU session's tables over the records the benchmarks write (tiny CPU runs)."""
+    tables = _load("gpu_tables")
+    table = tables.gemm_table(json.loads(next(records.glob("bench_gemm-*.json")).read_text()))
     assert any("jfp8-xla" in line for line in table)
-    assert session.quantize_table(json.loads(next(out.glob("bench_quantize-*.json")).read_text()))[1:]
-    assert session.linear_table(json.loads(next(out.glob("bench_linear-*.json")).read_text()))[1:]
+    assert tables.grouped_table(json.loads(next(records.glob("bench_grouped-*.json")).read_text()))[0]
+    assert tables.quantize_table(json.loads(next(records.glob("bench_quantize-*.json")).read_text()))[1:]
+    assert tables.linear_table(json.loads(next(records.glob("bench_linear-*.json")).read_text()))[1:]
 
 
 def _row(impl, m, n, k, **kw):
@@ -246,9 +215,9 @@ def _row(impl, m, n, k, **kw):
 
 
 def test_targets_are_judged_from_the_records():
-    """Issue #4's targets, from records as the benchmarks write them: pass, FAIL, and "not
+    """The speed targets, from records as the benchmarks write them: pass, FAIL, and "not
     measured" where the kernels did not run (CPU records) or a baseline is missing."""
-    session = _load("gpu_session")
+    tables = _load("gpu_tables")
     gemm = {"rows": [
         _row("jfp8-mosaic", 8192, 8192, 8192, ratio_vs={"xla-bf16": 1.7, "torch-fp8-blockwise": 0.9}),
         _row("jfp8-mosaic", 4096, 4096, 7168, ratio_vs={"xla-bf16": 1.5}),
@@ -261,7 +230,7 @@ def test_targets_are_judged_from_the_records():
         dict(impl="jfp8-mosaic-grad[swizzle=false]", kernel="grad", m=8192, k=8192,
              dtype="bfloat16", frac_of_copy=0.1),
     ]}
-    verdicts = session.target_verdicts(
+    verdicts = tables.target_verdicts(
         {"bench_gemm": gemm, "bench_grouped": grouped, "bench_quantize": quantize})
     got = {(v["benchmark"], v["problem"], v["target"]): v["verdict"] for v in verdicts}
     assert got[("bench_gemm", "8192x8192x8192", "x XLA bf16")] == "pass"
@@ -273,19 +242,9 @@ def test_targets_are_judged_from_the_records():
     assert got[("bench_quantize", "tile 8192x8192:bfloat16", "of copy bandwidth")] == "pass"
     assert not any("grad" in problem for _, problem, _ in got)  # config rows are not the target
     # CPU records: the kernels never ran, so nothing is judged.
-    cpu = session.target_verdicts({"bench_gemm": {"rows": [_row("jfp8-xla", 8192, 8192, 8192)]}})
+    cpu = tables.target_verdicts({"bench_gemm": {"rows": [_row("jfp8-xla", 8192, 8192, 8192)]}})
     assert {v["verdict"] for v in cpu} == {"not measured"}
-    assert session.targets_table(verdicts)[1:]
-
-
-def test_sass_counting():
-    sass = """
-        /*0a50*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24, gsb0 ;
-        /*0a60*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], R88 ;
-        /*0a70*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
-        /*0a80*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24, gsb0 ;
-    """
-    assert _load("gpu_session").count_sass(sass) == {"QGMMA": 2, "HGMMA": 1, "HMMA": 1, "IMMA": 0}
+    assert tables.targets_table(verdicts)[1:]
 
 
 def test_tune_table_reads_a_tune_record():
@@ -296,26 +255,12 @@ def test_tune_table_reads_a_tune_record():
                                        ("1wg-64x64-s8-g1", 1.0, 2.0, ["rule"]),
                                        ("1wg-64x64-s6-g1", 0.5, 4.0, [])]]
     record = dict(out_dtype="bfloat16", entries=_load("tune_gemm").best_entries(rows))
-    (header, line) = _load("gpu_session").tune_table(record)
+    (header, line) = _load("gpu_tables").tune_table(record)
     assert "1wg-64x64-s6-g1" in line and line.split()[-2:] == ["4.00", "2.00"]
     grouped = [dict(r, groups=8, m=256) for r in rows]
     record = dict(kind="grouped", out_dtype="bfloat16", entries=_load("tune_gemm").best_entries(grouped))
-    (header, line) = _load("gpu_session").tune_table(record)
+    (header, line) = _load("gpu_tables").tune_table(record)
     assert header.startswith("grouped tuning") and line.startswith("8x32x7168x2048")
-
-
-def test_gpu_session_kernel_worker_in_the_interpreter(monkeypatch, capsys):
-    """The script the SASS dump and compute-sanitizer stages run, with every kernel in the Mosaic
-    GPU interpreter (as if on Hopper): each kernel is reached and matches its reference."""
-    import jfp8.backend
-    from pallas_kernels import _mgpu
-
-    monkeypatch.setattr(jfp8.backend, "is_hopper", lambda device=None: True)
-    with _mgpu.interpret_mode(True):
-        rc = _load("gpu_session").worker_kernels()
-    out = capsys.readouterr().out
-    assert rc == 0 and "KERNELS OK" in out, out
-    assert out.count(": ok (") == 13, out  # every kernel ran and matched
 
 
 def test_a_spent_budget_skips_the_remaining_shapes(tmp_path, benches):

@@ -1,0 +1,343 @@
+"""One Mosaic GPU kernel form, run once at a small shape and checked: the GPU session's smoke stage.
+
+    python experiments/gpu_smoke.py --list
+    python experiments/gpu_smoke.py --kernel gemm_default [--seed N] [--interpret]
+    python experiments/gpu_smoke.py --kernel "gemm[tile_n=64,max_concurrent_steps=6]"
+    python experiments/gpu_smoke.py --launch 8192x8192x8192 --repeats 2 [--profile-dir DIR]
+
+`experiments/gpu_session.py` runs each form in a subprocess of its own with a short timeout, so a
+kernel that hangs or fails to compile is named at once, and nothing after it is held up.
+
+Output protocol. Everything this script says goes to **stderr**, which the session streams into
+its log as it comes:
+    SMOKE start <kernel> seed=<seed>
+    SMOKE result {"kernel": ..., "ok": ..., "metric": ..., "error": ..., "bound": ..., ...}
+**stdout** is left to the Mosaic GPU compiler: with `MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1
+MOSAIC_GPU_DUMP_SASS=1` it prints each module's PTX, ptxas report and SASS there (jaxlib's
+mosaic/gpu dump code; `MOSAIC_GPU_DUMP_TO` would send them to files and ignore the three), and the
+session keeps that text per kernel and parses it (`gpu_reports.py`).
+
+Checks. Inputs are fresh random draws (the seed is printed); operands are quantized and the
+reference computed **on the CPU** (on a GPU XLA may give an FP8 dot to the tensor cores, which
+is what the check is about). GEMMs must be within `jfp8.accumulation`'s hardware bound of the
+reference (relative Frobenius error; bit-exactness is a claim about the interpreter only, where
+wgmma is an exact matmul); quantizers must match `jfp8.quantize` bit for bit (no accumulation).
+`--interpret` runs the same forms in the Mosaic GPU interpreter on the CPU (the CI rehearsal).
+
+`--launch` runs the default dense kernel at one large shape a few times, unchecked (the benchmark
+stage checks that shape): the target of the session's ncu and Mosaic-profiler stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jfp8
+from jfp8 import accumulation
+from pallas_kernels import _mgpu, gemm, grouped_gemm, quantize as qk
+
+TILE = jfp8.TILE
+# The smoke shapes: two tiles on every axis and a K tail (300 = 2 chunks + 44), small enough
+# for the interpreter; empty and chunk-straddling groups for the grouped kernels.
+M, N, K = 256, 256, 300
+SMALL_M = 48
+GROUP_SIZES = (100, 0, 156)
+QUANT_SHAPE = (256, 384)  # TMA tiles it whole: the swizzled kernels
+QUANT_TAILS = (250, 500)  # it does not: the unswizzled ones
+
+
+def say(*parts) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def _cpu():
+    return jax.devices("cpu")[0]
+
+
+def _on_cpu(fn, *args, **kwargs):
+    with jax.default_device(_cpu()):
+        return fn(*jax.tree.map(lambda x: jax.device_put(x, _cpu()) if isinstance(x, jax.Array) else x,
+                                args), **kwargs)
+
+
+def _to_device(tree):
+    return jax.device_put(tree, jax.devices()[0])
+
+
+def _gaussian(rng, shape, row_spread=True):
+    x = rng.standard_normal(shape)
+    if row_spread:  # per-row magnitudes, so the scales differ
+        x = x * np.exp(rng.normal(size=shape[:-1] + (1,)))
+    return jnp.asarray(x, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    metric: str  # "rel_fro" (GEMMs, against the hardware bound) or "bits_differ" (quantizers)
+    error: float
+    bound: float  # the largest passing error
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.error <= self.bound)  # NaN fails
+
+
+# ------------------------------------------------------------------------------ GEMM forms
+
+
+def _dense(rng, interpret: bool, config: gemm.GemmConfig | None, *, m=M, b_block=(TILE, TILE)) -> Check:
+    x, w = _gaussian(rng, (m, K)), _gaussian(rng, (N, K))
+    a = _on_cpu(jfp8.quantize, x, (1, TILE))
+    b = _on_cpu(jfp8.quantize, w, b_block)
+    b_rows = b_block[0]
+    if config is None:  # the library's own choice (`tuning.dense_config`), through the front door
+        out = jfp8.scaled_matmul(_to_device(a), _to_device(b), out_dtype=jnp.float32, impl="mosaic",
+                                 interpret=interpret)
+    else:
+        da, db = _to_device(a), _to_device(b)
+        out = gemm.scaled_matmul(da.data, da.scale, db.data, db.scale, n=N, b_block_rows=b_rows,
+                                 out_dtype=jnp.float32, config=config)
+    ref = _on_cpu(jfp8.scaled_matmul_reference, a, b, jnp.float32)
+    return Check("rel_fro", accumulation.relative_fro_error(out, ref),
+                 accumulation.hardware_error_bound(a, b))
+
+
+def _grouped(rng, config: grouped_gemm.GroupedGemmConfig | None) -> Check:
+    rows = sum(GROUP_SIZES) + 20  # rows past the groups must come out as zeros
+    x, w = _gaussian(rng, (rows, K)), _gaussian(rng, (len(GROUP_SIZES), N, K))
+    a = _on_cpu(jfp8.quantize, x, (1, TILE))
+    b = _on_cpu(jfp8.quantize, w, (TILE, TILE))
+    sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
+    da, db, ds = _to_device((a, b, sizes))
+    out = grouped_gemm.grouped_scaled_matmul(da.data, da.scale, db.data, db.scale, ds, n=N,
+                                             out_dtype=jnp.float32, config=config)
+    ref = _on_cpu(jfp8.grouped_scaled_matmul_reference, a, b, sizes, jnp.float32)
+    return Check("rel_fro", accumulation.relative_fro_error(out, ref),
+                 accumulation.grouped_hardware_error_bound(a, b, GROUP_SIZES))
+
+
+def _grouped_wgrad(rng, config: grouped_gemm.GroupedGemmConfig | None) -> Check:
+    tokens = sum(GROUP_SIZES) + 20
+    x, dy = _gaussian(rng, (tokens, K), False), _gaussian(rng, (tokens, N), False)
+    xt = _on_cpu(jfp8.quantize, x, (TILE, 1)).mT
+    dyt = _on_cpu(jfp8.quantize, dy, (TILE, 1)).mT
+    sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
+    dx, ddy, ds = _to_device((xt, dyt, sizes))
+    out = grouped_gemm.grouped_wgrad(dx.data, dx.scale, ddy.data, ddy.scale, ds, t=tokens,
+                                     out_dtype=jnp.float32, config=config)
+    ref = _on_cpu(jfp8.grouped_wgrad_reference, xt, dyt, sizes, jnp.float32)
+    return Check("rel_fro", accumulation.relative_fro_error(out, ref),
+                 accumulation.grouped_wgrad_hardware_error_bound(xt, dyt, GROUP_SIZES))
+
+
+# ------------------------------------------------------------------------------ quantizer forms
+
+
+def _bits_differ(got, want) -> int:
+    """Differing bytes of data and scales over matching Fp8Tensors (or tuples of them)."""
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    if len(got) != len(want):
+        return -1
+    total = 0
+    for g, w in zip(got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return -1
+        total += int(np.sum(g.view(np.uint8) != w.view(np.uint8)))
+    return total
+
+
+def _quantizer(kernel_fn, reference_fn, shape=QUANT_SHAPE, dtype=jnp.bfloat16, prepare=None):
+    """`prepare(x)`, on the CPU, makes the kernel's input when it is not x itself."""
+    def run(rng, interpret: bool) -> Check:
+        x = _gaussian(rng, shape).astype(dtype)
+        if prepare is not None:
+            x = _on_cpu(prepare, x)
+        got = kernel_fn(_to_device(x), interpret)
+        want = _on_cpu(reference_fn, x)
+        differ = _bits_differ(got, want)
+        return Check("bits_differ", float(differ if differ >= 0 else np.inf), 0.0)
+
+    return run
+
+
+def _ring_tile(x, interpret):
+    """quantize_tile streaming 8 chunks per CTA through a 2-slot ring (`QuantizeConfig.stages`)."""
+    cfg = qk.QuantizeConfig(chunks=8, stages=2)
+    data, scale = qk.quantize_tile(x, config=cfg)
+    return jfp8.Fp8Tensor(data, scale, (1, TILE), x.shape)
+
+
+def _mosaic(fn, **kw):
+    return lambda x, interpret: fn(x, impl="mosaic", interpret=interpret, **kw)
+
+
+
+
+# ------------------------------------------------------------------------------ the registry
+
+# name -> (what it is, run(rng, interpret) -> Check). Ordered by how much a failure would block:
+# the session runs them in this order and a budget cut drops the tail.
+KERNELS = {
+    "gemm_simple": ("dense tile x block, GemmConfig.simple() (one warpgroup, 64x128 tiles)",
+                    lambda rng, i: _dense(rng, i, gemm.GemmConfig.simple())),
+    "quantize_tile": ("1x128 activation tiles, swizzled SMEM", _quantizer(_mosaic(jfp8.quantize, block=(1, TILE)),
+                                                                    lambda x: jfp8.quantize(x, (1, TILE)))),
+    "gemm_default": ("dense tile x block, GemmConfig() (warp-specialized, persistent, 128x128)",
+                     lambda rng, i: _dense(rng, i, gemm.GemmConfig())),
+    "gemm_tile_x_tile": ("dense tile x tile (Wgrad operands), GemmConfig()",
+                         lambda rng, i: _dense(rng, i, gemm.GemmConfig(), b_block=(1, TILE))),
+    "grouped_fprop": ("grouped Fprop/Dgrad, GroupedGemmConfig()",
+                      lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig())),
+    "grouped_wgrad": ("grouped Wgrad (K grouped along tokens), GroupedGemmConfig()",
+                      lambda rng, i: _grouped_wgrad(rng, grouped_gemm.GroupedGemmConfig())),
+    "quantize_block": ("128x128 weight blocks", _quantizer(_mosaic(jfp8.quantize, block=(TILE, TILE)),
+                                                          lambda x: jfp8.quantize(x, (TILE, TILE)),
+                                                          dtype=jnp.float32)),
+    "quantize_weight": ("fused weight quantizer: blocks and their transpose",
+                        _quantizer(_mosaic(jfp8.quantize_weight), jfp8.quantize_weight, dtype=jnp.float32)),
+    "quantize_grad": ("fused gradient quantizer: dy tiles and dy^T per 128 tokens",
+                      _quantizer(_mosaic(jfp8.quantize_grad), jfp8.quantize_grad)),
+    "quantize_column_t": ("x^T per 128 tokens (Wgrad operand)",
+                          _quantizer(_mosaic(jfp8.quantize_wgrad_operand), jfp8.quantize_wgrad_operand)),
+    "retile": ("saved FP8 x re-tiled for Wgrad", _quantizer(
+        _mosaic(jfp8.retile_wgrad_operand), jfp8.retile_wgrad_operand,
+        prepare=lambda x: jfp8.quantize(x, (1, TILE)))),
+    "gemm_small_m": ("dense at M=48: the tuning rule's pick (one warpgroup, narrowed tiles)",
+                     lambda rng, i: _dense(rng, i, None, m=SMALL_M)),
+    "quantize_tile_unswizzled": ("1x128 tiles, a shape TMA cannot tile (unswizzled kernel)",
+                                 _quantizer(_mosaic(jfp8.quantize, block=(1, TILE)),
+                                            lambda x: jfp8.quantize(x, (1, TILE)), shape=QUANT_TAILS)),
+    "quantize_tile_ring": ("1x128 tiles through a 2-slot SMEM ring", _quantizer(
+        _ring_tile, lambda x: jfp8.quantize(x, (1, TILE)), shape=(128, 1024))),
+    "grouped_fprop_simple": ("grouped Fprop/Dgrad, GroupedGemmConfig.simple()",
+                             lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig.simple())),
+    "grouped_wgrad_simple": ("grouped Wgrad, GroupedGemmConfig.simple()",
+                             lambda rng, i: _grouped_wgrad(rng, grouped_gemm.GroupedGemmConfig.simple())),
+}
+
+
+# Forms that test the session's own plumbing in the CPU rehearsal, never run on a GPU: a compiler
+# dump from the committed samples (the parsers end to end), a hang (the per-kernel timeout and
+# kill) and a crash before any result.
+FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "gpu"
+
+
+def _sample_dump(rng, interpret: bool) -> Check:
+    sys.stdout.write((FIXTURES / "smoke_dump_ws_gemm.txt").read_text())
+    sys.stdout.flush()
+    return Check("rel_fro", 0.0, accumulation.F32_ORDER_FLOOR)
+
+
+def _hang(rng, interpret: bool) -> Check:
+    time.sleep(3600)
+    raise AssertionError("unreachable")
+
+
+def _crash(rng, interpret: bool) -> Check:
+    os.abort()
+
+
+SELFTESTS = {"_sample_dump": ("rehearsal: a committed compiler dump on stdout", _sample_dump),
+             "_hang": ("rehearsal: never returns", _hang),
+             "_crash": ("rehearsal: dies without a result", _crash)}
+
+
+def _config_form(name: str):
+    """`gemm[field=value,...]` / `grouped[...]`: a config given on the command line (bisection)."""
+    from jfp8.benchmarking import parse_config  # the --config parser the benchmarks use
+
+    kind, _, rest = name.partition("[")
+    fields = rest.rstrip("]")
+    if kind == "gemm":
+        cfg = parse_config(fields, gemm.GemmConfig)
+        return f"dense tile x block, {cfg}", lambda rng, i: _dense(rng, i, cfg)
+    if kind == "grouped":
+        cfg = parse_config(fields, grouped_gemm.GroupedGemmConfig)
+        return f"grouped Fprop, {cfg}", lambda rng, i: _grouped(rng, cfg)
+    raise KeyError(name)
+
+
+def lookup(name: str):
+    if name in KERNELS:
+        return KERNELS[name]
+    if name in SELFTESTS:
+        return SELFTESTS[name]
+    if "[" in name:
+        return _config_form(name)
+    raise SystemExit(f"unknown kernel {name!r}; --list shows the forms (or gemm[...] / grouped[...])")
+
+
+def run(name: str, seed: int, interpret: bool) -> dict:
+    what, fn = lookup(name)
+    say(f"SMOKE start {name} seed={seed}")
+    t0 = time.perf_counter()
+    result = {"kernel": name, "what": what, "seed": seed, "interpret": interpret}
+    try:
+        context = _mgpu.interpret_mode(True) if interpret else contextlib.nullcontext()
+        with context:
+            check = fn(np.random.default_rng(seed), interpret)
+        result.update(ok=check.ok, metric=check.metric, error=check.error, bound=check.bound)
+    except Exception as e:  # noqa: BLE001 - reported as the kernel's result
+        result.update(ok=False, failure=f"{type(e).__name__}: {str(e)[:2000]}")
+    result["seconds"] = round(time.perf_counter() - t0, 3)
+    say("SMOKE result " + json.dumps(result))
+    return result
+
+
+def launch(shape: str, repeats: int, profile_dir: str | None) -> int:
+    """The default dense kernel (`GemmConfig()`, bf16 out) at `shape` (MxNxK), `repeats` times on
+    the same operands, synchronised after each; with `profile_dir`, Mosaic GPU profiler traces."""
+    m, n, k = (int(v) for v in shape.lower().split("x"))
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = jax.random.normal(kw, (n, k), jnp.bfloat16) / np.sqrt(k)
+    a, b = jfp8.quantize(x, (1, TILE)), jfp8.quantize(w, (TILE, TILE))
+    context = _mgpu.profile(profile_dir) if profile_dir else contextlib.nullcontext()
+    if profile_dir:
+        pathlib.Path(profile_dir).mkdir(parents=True, exist_ok=True)
+    with context:
+        f = jax.jit(lambda a, b: gemm.scaled_matmul(a.data, a.scale, b.data, b.scale, n=n, b_block_rows=TILE,
+                                                    out_dtype=jnp.bfloat16, config=gemm.GemmConfig()))
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(a, b))
+            say(f"LAUNCH {shape} call {i + 1}/{repeats}: {time.perf_counter() - t0:.3f} s (wall, unchecked)")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", help="a name from --list, or gemm[field=value,...] / grouped[...]")
+    p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
+    p.add_argument("--interpret", action="store_true", help="run in the Mosaic GPU interpreter (CPU)")
+    p.add_argument("--list", action="store_true", help="print the kernel forms, in run order")
+    p.add_argument("--launch", metavar="MxNxK", help="run the default dense kernel at this shape (no check)")
+    p.add_argument("--repeats", type=int, default=2, help="with --launch: calls")
+    p.add_argument("--profile-dir", help="with --launch: write Mosaic GPU profiler traces here")
+    args = p.parse_args(argv)
+    if args.launch:
+        return launch(args.launch, args.repeats, args.profile_dir)
+    if args.list:
+        for name, (what, _) in KERNELS.items():
+            print(f"{name:26s} {what}")
+        return 0
+    if not args.kernel:
+        p.error("--kernel is required (or --list)")
+    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
+    return 0 if run(args.kernel, seed, args.interpret)["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
