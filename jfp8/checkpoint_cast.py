@@ -38,10 +38,11 @@ from jfp8.safetensors_io import (
     SCALE_SUFFIX,
     WEIGHT_BLOCK,
     checkpoint_files,
-    pair_fp8,
+    dequantize_numpy,
     plan_shards,
     read_safetensors_file,
     shard_name,
+    stored_pairs,
     to_stored_arrays,
     write_safetensors_file,
     write_safetensors_shards,
@@ -109,8 +110,8 @@ def dequantize_arrays(arrays: dict[str, np.ndarray], dtype) -> dict[str, np.ndar
     """Stored FP8 arrays -> arrays with every `<name>` + `<name>_scale_inv` pair as one `dtype`
     tensor: `data * scale_inv` in FP32, then rounded (DeepSeek's `weight_dequant`)."""
     return {
-        name: np.asarray(v.dequantize(jnp.float32)).astype(dtype) if isinstance(v, Fp8Tensor) else v
-        for name, v in pair_fp8(arrays).items()
+        name: arr if scale is None else dequantize_numpy(arr, scale).astype(dtype)
+        for name, (arr, scale) in stored_pairs(arrays).items()
     }
 
 
@@ -145,9 +146,11 @@ def _write(src, dst, convert: Callable, *, partner_scales: bool, max_shard_bytes
     """Converts `src` file by file into `dst` (a file or a directory); returns the files written."""
     dst = Path(dst)
     src_dir = Path(src) if Path(src).is_dir() else Path(src).parent
-    if dst.resolve() == Path(src).resolve() or (dst.suffix != FILE_SUFFIX and dst.resolve() == src_dir.resolve()):
+    same_dir = dst.suffix != FILE_SUFFIX and dst.resolve() == src_dir.resolve()
+    if dst.resolve() == Path(src).resolve() or same_dir:
         raise ValueError(f"write the converted checkpoint to a new path, not over its source {src}")
-    converted = ((name, convert(arrays)) for name, arrays in _file_arrays(src, with_partner_scales=partner_scales))
+    files = _file_arrays(src, with_partner_scales=partner_scales)
+    converted = ((name, convert(arrays)) for name, arrays in files)
     if dst.suffix == FILE_SUFFIX or max_shard_bytes is not None:
         merged: dict[str, np.ndarray] = {}
         for _, arrays in converted:
@@ -174,12 +177,15 @@ def _copy_side_files(src, dst, edit_config: Callable[[dict], dict]) -> None:
         if not f.is_file() or f.name.startswith(".") or f.suffix == FILE_SUFFIX or f.name == INDEX_NAME:
             continue
         if f.name == CONFIG_NAME:
-            (dst / CONFIG_NAME).write_text(json.dumps(edit_config(json.loads(f.read_text())), indent=2) + "\n")
+            config = edit_config(json.loads(f.read_text()))
+            (dst / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         else:
             shutil.copyfile(f, dst / f.name)
 
 
-def cast_to_fp8(src, dst, *, policy: CastPolicy = CastPolicy(), max_shard_bytes: int | None = None) -> list[str]:
+def cast_to_fp8(
+    src, dst, *, policy: CastPolicy = CastPolicy(), max_shard_bytes: int | None = None
+) -> list[str]:
     """A BF16/FP32 safetensors checkpoint -> DeepSeek-V3's FP8 layout.
 
     Args:
@@ -203,7 +209,9 @@ def cast_to_fp8(src, dst, *, policy: CastPolicy = CastPolicy(), max_shard_bytes:
     return quantized
 
 
-def cast_to_high_precision(src, dst, *, dtype=ml_dtypes.bfloat16, max_shard_bytes: int | None = None) -> list[str]:
+def cast_to_high_precision(
+    src, dst, *, dtype=ml_dtypes.bfloat16, max_shard_bytes: int | None = None
+) -> list[str]:
     """An FP8 checkpoint in DeepSeek-V3's layout -> plain `dtype` weights (DeepSeek's
     `fp8_cast_bf16.py`); the `_scale_inv` tensors are dropped, everything else is copied.
 

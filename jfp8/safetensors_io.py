@@ -119,9 +119,9 @@ def to_deepseek_layout(name: str, t: Fp8Tensor) -> tuple[np.ndarray, np.ndarray]
     return data, scale
 
 
-def from_deepseek_layout(name: str, data: np.ndarray, scale_inv: np.ndarray) -> Fp8Tensor:
-    """(E4M3 `[..., out, in]`, F32 `[..., ceil(out/128), ceil(in/128)]`) -> `Fp8Tensor` with
-    128x128 blocks, its data zero-padded to whole blocks as `quantize` pads it."""
+def check_fp8_pair(name: str, data: np.ndarray, scale_inv: np.ndarray) -> None:
+    """Raises ValueError unless `<name>` is E4M3 `[..., out, in]` and `<name>_scale_inv` F32
+    `[..., ceil(out/128), ceil(in/128)]`."""
     if data.dtype != np.dtype(FP8_DTYPE):
         raise ValueError(
             f"{name + SCALE_SUFFIX!r} is a scale, but {name!r} is {data.dtype}, not float8_e4m3fn; "
@@ -139,6 +139,12 @@ def from_deepseek_layout(name: str, data: np.ndarray, scale_inv: np.ndarray) -> 
             f"{name + SCALE_SUFFIX!r} has shape {scale_inv.shape}, but {name!r} of shape "
             f"{data.shape} needs {scale_shape(data.shape)} (one scale per {WEIGHT_BLOCK} block)"
         )
+
+
+def from_deepseek_layout(name: str, data: np.ndarray, scale_inv: np.ndarray) -> Fp8Tensor:
+    """(E4M3 `[..., out, in]`, F32 `[..., ceil(out/128), ceil(in/128)]`) -> `Fp8Tensor` with
+    128x128 blocks, its data zero-padded to whole blocks as `quantize` pads it."""
+    check_fp8_pair(name, data, scale_inv)
     *batch, m, k = data.shape
     mp, kp = (s * TILE for s in scale_inv.shape[-2:])
     padded = np.zeros((*batch, mp, kp), data.dtype)
@@ -170,21 +176,31 @@ def to_stored_arrays(tensors: Tensors) -> dict[str, np.ndarray]:
     return out
 
 
-def pair_fp8(arrays: Mapping[str, np.ndarray]) -> dict[str, Fp8Tensor | np.ndarray]:
-    """Stored names -> arrays, with each `<name>` + `<name>_scale_inv` pair joined into an
-    `Fp8Tensor`. An E4M3 tensor without a scale stays a plain array."""
-    out: dict[str, Fp8Tensor | np.ndarray] = {}
+def stored_pairs(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+    """Stored names -> `(array, its _scale_inv or None)`, each pair checked (`check_fp8_pair`)."""
+    out: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
     for name, arr in arrays.items():
         if name.endswith(SCALE_SUFFIX):
-            if name[: -len(SCALE_SUFFIX)] not in arrays:
+            if name.removesuffix(SCALE_SUFFIX) not in arrays:
                 raise ValueError(
-                    f"{name!r} is a scale without its data tensor {name[: -len(SCALE_SUFFIX)]!r}; "
+                    f"{name!r} is a scale without its data tensor {name.removesuffix(SCALE_SUFFIX)!r}; "
                     "the checkpoint is incomplete (check the files and the index's weight_map)"
                 )
             continue
         scale = arrays.get(name + SCALE_SUFFIX)
-        out[name] = arr if scale is None else from_deepseek_layout(name, arr, scale)
+        if scale is not None:
+            check_fp8_pair(name, arr, scale)
+        out[name] = (arr, scale)
     return out
+
+
+def pair_fp8(arrays: Mapping[str, np.ndarray]) -> dict[str, Fp8Tensor | np.ndarray]:
+    """Stored names -> arrays, with each `<name>` + `<name>_scale_inv` pair joined into an
+    `Fp8Tensor`. An E4M3 tensor without a scale stays a plain array."""
+    return {
+        name: arr if scale is None else from_deepseek_layout(name, arr, scale)
+        for name, (arr, scale) in stored_pairs(arrays).items()
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -481,6 +497,7 @@ __all__ = [
     "QUANTIZATION_CONFIG",
     "SCALE_SUFFIX",
     "WEIGHT_BLOCK",
+    "check_fp8_pair",
     "checkpoint_files",
     "dequantize_numpy",
     "from_deepseek_layout",
@@ -492,6 +509,7 @@ __all__ = [
     "save_safetensors",
     "scale_shape",
     "shard_name",
+    "stored_pairs",
     "to_deepseek_layout",
     "to_stored_arrays",
     "write_safetensors_file",

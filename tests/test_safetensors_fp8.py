@@ -5,8 +5,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,7 @@ import safetensors.numpy as st_numpy
 
 import jfp8
 from jfp8 import safetensors_io
-from jfp8.checkpoint_cast import CastPolicy, cast_to_fp8
+from jfp8.checkpoint_cast import CastPolicy, cast_to_fp8, cast_to_high_precision
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BLOCK = jfp8.TILE  # DeepSeek-V3's weight_block_size
@@ -26,6 +24,7 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # Jitted: one compile per shape instead of one per op (keeps this file fast).
 _quantize = jax.jit(jfp8.quantize, static_argnums=1, static_argnames="pow2_scale")
+_dequantize = jax.jit(lambda t: t.dequantize(jnp.float32))
 
 
 def _bits(x) -> np.ndarray:
@@ -61,7 +60,7 @@ def test_fp8_tensor_round_trip_is_bit_exact(tmp_path, shape, pow2):
     got = jfp8.load_safetensors(tmp_path / "w.safetensors")
     assert list(got) == ["layer.weight"]
     _assert_same_fp8(got["layer.weight"], t)  # padding included: zeros, as quantize writes them
-    np.testing.assert_array_equal(got["layer.weight"].dequantize(), t.dequantize())
+    np.testing.assert_array_equal(_dequantize(got["layer.weight"]), _dequantize(t))
 
 
 def test_plain_arrays_round_trip(tmp_path):
@@ -189,16 +188,27 @@ def test_loads_a_checkpoint_written_like_deepseeks(tmp_path):
         assert isinstance(t, jfp8.Fp8Tensor) and t.block == (BLOCK, BLOCK) and t.logical == w.shape
         np.testing.assert_array_equal(_bits(np.asarray(t.data)[: w.shape[0], : w.shape[1]]), _bits(w))
         np.testing.assert_array_equal(np.asarray(t.scale), s)
-        np.testing.assert_array_equal(np.asarray(t.dequantize(jnp.float32)), _weight_dequant(w, s))
+        np.testing.assert_array_equal(np.asarray(_dequantize(t)), _weight_dequant(w, s))
     for name, v in plain.items():
         np.testing.assert_array_equal(_bits(got[name]), _bits(v))
+
+    # Back to BF16 the way DeepSeek's fp8_cast_bf16.py does it, the cross-file scale included.
+    names = cast_to_high_precision(tmp_path, tmp_path / "bf16")
+    assert sorted(names) == sorted(quantized)
+    bf16_map = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert bf16_map == {n: f for n, f in weight_map.items() if not n.endswith("_scale_inv")}
+    back = jfp8.load_safetensors(tmp_path / "bf16")
+    for name, (w, s) in quantized.items():
+        assert back[name].dtype == BF16
+        np.testing.assert_array_equal(_bits(back[name]), _bits(_weight_dequant(w, s).astype(BF16)))
 
     # [out, in] is scaled_matmul's NT operand b: y = x @ W.T.
     w, s = quantized["model.layers.0.self_attn.o_proj.weight"]
     x = rng.standard_normal((5, 300)).astype(np.float32)
     qx = _quantize(jnp.asarray(x), (1, BLOCK))
-    y = jfp8.scaled_matmul(qx, got["model.layers.0.self_attn.o_proj.weight"], out_dtype=jnp.float32, impl="xla")
-    want = np.asarray(qx.dequantize(), np.float64) @ _weight_dequant(w, s).astype(np.float64).T
+    matmul = jax.jit(lambda a, b: jfp8.scaled_matmul(a, b, out_dtype=jnp.float32, impl="xla"))
+    y = matmul(qx, got["model.layers.0.self_attn.o_proj.weight"])
+    want = np.asarray(_dequantize(qx), np.float64) @ _weight_dequant(w, s).astype(np.float64).T
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
@@ -221,7 +231,7 @@ def test_writer_output_matches_deepseeks_names_dtypes_and_shapes(tmp_path):
     scale = np.frombuffer(raw["model.layers.0.mlp.down_proj.weight_scale_inv"][2], np.float32).reshape(3, 2)
     np.testing.assert_array_equal(_bits(data), _bits(np.asarray(t.data)[:300, :200]))
     np.testing.assert_array_equal(scale, np.asarray(t.scale))
-    np.testing.assert_array_equal(_weight_dequant(data, scale), np.asarray(t.dequantize()))
+    np.testing.assert_array_equal(_weight_dequant(data, scale), np.asarray(_dequantize(t)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,17 +297,15 @@ def test_cli_casts_to_fp8_and_back(tmp_path):
         else:
             np.testing.assert_array_equal(_bits(got[name]), _bits(w), err_msg=name)
 
-    # Back to BF16 (a subprocess: the script as a user runs it), and re-sharded on the way.
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    subprocess.run([sys.executable, str(REPO / "scripts" / "fp8_cast.py"), "to-bf16", str(out),
-                    str(tmp_path / "back"), "--max-shard-size", "200KB"], check=True, env=env, capture_output=True)
+    # Back to BF16, re-sharded on the way.
+    assert cli.main(["to-bf16", str(out), str(tmp_path / "back"), "--max-shard-size", "200KB"]) == 0
     back_dir = tmp_path / "back"
     assert "quantization_config" not in json.loads((back_dir / "config.json").read_text())
     assert len(list(back_dir.glob("model-*.safetensors"))) >= 2
     back = jfp8.load_safetensors(back_dir)
     assert set(back) == set(ckpt)
     for name, w in ckpt.items():
-        want = got[name].dequantize(jnp.float32).astype(jnp.bfloat16) if name in fp8_names else w
+        want = np.asarray(_dequantize(got[name])).astype(BF16) if name in fp8_names else w
         np.testing.assert_array_equal(_bits(back[name]), _bits(want), err_msg=name)
 
     # The keep patterns are configurable: an empty one quantizes the head and router too.
@@ -345,7 +353,7 @@ def test_failed_write_leaves_the_previous_file(tmp_path, monkeypatch):
 def test_failed_sharded_write_never_mixes_checkpoints(tmp_path, monkeypatch):
     d = tmp_path / "ckpt"
     old = {f"l{i}.weight": _quantize(jnp.full((128, 128), i + 1.0), (BLOCK, BLOCK)) for i in range(3)}
-    new = {k: _quantize(-t.dequantize(), (BLOCK, BLOCK)) for k, t in old.items()}
+    new = {k: _quantize(-_dequantize(t), (BLOCK, BLOCK)) for k, t in old.items()}
     jfp8.save_safetensors(d, old, max_shard_bytes=1)  # one weight per shard
     real_save, real_replace = safetensors_io.st_numpy.save_file, os.replace
 
