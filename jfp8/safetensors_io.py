@@ -288,8 +288,10 @@ def write_safetensors_shards(
     total = 0
     try:
         for file_name, arrays in shards:
-            if "/" in file_name or not file_name.endswith(FILE_SUFFIX):
+            if "/" in file_name or not file_name.endswith(FILE_SUFFIX) or file_name == INDEX_NAME:
                 raise ValueError(f"shard names are plain '*{FILE_SUFFIX}' file names, got {file_name!r}")
+            if any(file_name == f for _, f in staged):
+                raise ValueError(f"two shards are both named {file_name!r}; give each its own file name")
             for name, arr in arrays.items():
                 if name in weight_map:
                     raise ValueError(f"{name!r} appears in two shards ({weight_map[name]}, {file_name})")
@@ -300,9 +302,9 @@ def write_safetensors_shards(
         # a mix of old and new shards. The old index is kept aside so that the next save (after a
         # crash, too) still knows which old shards to delete.
         previous = directory / PREVIOUS_INDEX_NAME
+        old_files = _indexed_files(index_path) | _indexed_files(previous)
         if index_path.exists():
             os.replace(index_path, previous)
-        old_files = _indexed_files(previous)
         for tmp, file_name in staged:
             os.replace(tmp, directory / file_name)
         _fsync_dir(directory)
@@ -335,7 +337,7 @@ def shard_name(i: int, n: int) -> str:
 def plan_shards(
     arrays: Mapping[str, np.ndarray], max_shard_bytes: int | None
 ) -> list[dict[str, np.ndarray]]:
-    """Greedy shards of at most `max_shard_bytes` (in name order; a larger tensor gets its own
+    """Greedy shards of at most `max_shard_bytes` (in the given order; a larger tensor gets its own
     shard). A weight and its `_scale_inv` always share a shard."""
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes}")
