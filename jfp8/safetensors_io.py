@@ -215,6 +215,17 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _new_file_mode() -> int:
+    """The mode `open()` gives a new file under the process umask (safetensors 0.8 writes 0600)."""
+    try:
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)  # no /proc: read it by setting it, then put it back
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _temp_name(directory: Path, final_name: str) -> Path:
     return directory / f".{final_name}.tmp-{uuid.uuid4().hex}"
 
@@ -226,6 +237,7 @@ def _write_temp_safetensors(
     tmp = _temp_name(directory, final_name)
     try:
         st_numpy.save_file(dict(arrays), tmp, metadata=metadata)
+        os.chmod(tmp, _new_file_mode())  # like the index json beside it
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
     except BaseException:

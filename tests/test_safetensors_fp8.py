@@ -106,6 +106,8 @@ def test_sharded_save_writes_index_and_loads_back(tmp_path):
     n = len(files) - 1
     assert n >= 3 and files == sorted([*(f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)),
                                        "model.safetensors.index.json"])
+    modes = {(d / f).stat().st_mode & 0o777 for f in files}
+    assert modes == {(d / "model.safetensors.index.json").stat().st_mode & 0o777}  # the umask's
     weight_map = index["weight_map"]
     stored = {name: v for f in set(weight_map.values()) for name, v in _stored(d / f).items()}
     assert set(weight_map) == set(stored)
