@@ -194,7 +194,7 @@ def cast_to_fp8(
       policy: which weights become FP8.
       max_shard_bytes: re-shard the output directory into files of at most this many bytes.
 
-    Returns the names of the quantized weights. `config.json` beside `src` is copied with
+    Returns the names of the quantized weights. A directory `src`'s `config.json` is copied with
     DeepSeek's `quantization_config` added; every file header records it too.
     """
     quantized: list[str] = []

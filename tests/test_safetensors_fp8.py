@@ -63,6 +63,13 @@ def test_fp8_tensor_round_trip_is_bit_exact(tmp_path, shape, pow2):
     np.testing.assert_array_equal(_dequantize(got["layer.weight"]), _dequantize(t))
 
 
+def test_block_scaling_commutes_with_transpose():
+    """Why the cast's choice of weights needs no layout: [out, in] and Flax's (in, out) give the
+    same 128x128 blocks, transposed."""
+    w = jnp.asarray(np.random.default_rng().standard_normal((300, 200)), jnp.float32)
+    _assert_same_fp8(_quantize(w.T, (BLOCK, BLOCK)), _quantize(w, (BLOCK, BLOCK)).mT)
+
+
 def test_plain_arrays_round_trip(tmp_path):
     rng = np.random.default_rng()
     tensors = {
