@@ -317,7 +317,7 @@ def test_cli_casts_to_fp8_and_back(tmp_path):
         want = np.asarray(_dequantize(got[name])).astype(BF16) if name in fp8_names else w
         np.testing.assert_array_equal(_bits(back[name]), _bits(want), err_msg=name)
 
-    # The keep patterns are configurable: an empty one quantizes the head and router too.
+    # The keep patterns are configurable: keeping only norms quantizes the embedding, head and router too.
     assert cli.main(["to-fp8", str(tmp_path / "bf16"), str(tmp_path / "all.safetensors"), "--keep", "norm"]) == 0
     all_fp8 = {n for n, v in jfp8.load_safetensors(tmp_path / "all.safetensors").items() if isinstance(v, jfp8.Fp8Tensor)}
     assert all_fp8 == fp8_names | {"model.embed_tokens.weight", "model.layers.0.mlp.gate.weight", "lm_head.weight"}
