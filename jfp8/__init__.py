@@ -3,7 +3,7 @@
 Numerics core: `quantize` -> `Fp8Tensor`, the reference GEMM `scaled_matmul_reference` (chunked FP32
 accumulation, the numerics every kernel reproduces) and the float64 oracle. GEMMs:
 `scaled_matmul`, `grouped_scaled_matmul`, `grouped_wgrad_matmul`, each with `impl="xla" | "mosaic" |
-"auto"`.
+"auto"`. Checkpoints in DeepSeek-V3's FP8 safetensors layout: `save_safetensors`, `load_safetensors`.
 """
 
 from jfp8.backend import Impl, is_hopper
@@ -30,6 +30,7 @@ from jfp8.reference import (
 from jfp8.ops import fp8_dot_general, fp8_linear, grouped_fp8_linear, make_fp8_dot_general
 from jfp8.recipe import Fp8Recipe
 from jfp8.matmul import grouped_scaled_matmul, grouped_wgrad_matmul, scaled_matmul
+from jfp8.safetensors_io import load_safetensors, save_safetensors
 
 __all__ = [
     "Fp8Recipe",
@@ -58,6 +59,8 @@ __all__ = [
     "retile_wgrad_operand",
     "scaled_matmul_oracle",
     "scaled_matmul_reference",
+    "load_safetensors",
+    "save_safetensors",
 ]
 
 __version__ = "0.1.0"
