@@ -12,7 +12,11 @@ registers:
         out = out + partial * (sa[:, c, None] * sb[None, :, c])
 
 which is exactly `jfp8.reference.scaled_matmul_reference`, operation for operation. Because the
-K tile equals the scaling block (`TILE` = 128), every K step is one promotion.
+K tile equals the scaling block (`TILE` = 128), every K step is one promotion. Bit-exactness is a
+claim about the Mosaic GPU interpreter, whose wgmma is an exact matmul (the tests check it there):
+on a Hopper GPU the tensor core sums each chunk's products in its own limited-precision
+accumulator, the very reason for the promotion, and the outputs are held to
+`jfp8.accumulation.hardware_error_bound` instead.
 
 Launch structure, two forms selected by `GemmConfig`:
 

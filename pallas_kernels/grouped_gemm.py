@@ -10,9 +10,11 @@
 Both contract 128 elements at a time (DeepSeek-V3 §3.3, N_C = 128): per chunk, one wgmma into a
 zeroed f32 accumulator, then `out = out + partial * (s_a[:, None] * s_b[None, :])` in registers,
 chunk after chunk from the first: the reference's promotion, operation for operation. Only the
-order in which a 128-term chunk product is summed can differ (inside the tensor core, or in the
-interpreter's matmul versus XLA's dot), so the outputs are bit-identical whenever those sums are
-exact in f32, and within a few f32 ulps of a chunk product otherwise.
+order in which a 128-term chunk product is summed can differ (the interpreter's matmul versus
+XLA's dot), so in the interpreter the outputs are bit-identical whenever those sums are exact in
+f32, and within a few f32 ulps of a chunk product otherwise. On a Hopper GPU the tensor core sums
+a chunk in its own limited-precision accumulator: there the outputs are held to
+`jfp8.accumulation.grouped_hardware_error_bound` / `grouped_wgrad_hardware_error_bound`.
 
 Two forms, selected by the frozen `GroupedGemmConfig`:
 
