@@ -45,7 +45,7 @@ import numpy as np
 
 import jfp8
 from jfp8 import accumulation
-from pallas_kernels import _mgpu, gemm, grouped_gemm, quantize as qk
+from pallas_kernels import _mgpu, gemm, grouped_gemm, grouped_wgrad, quantize as qk
 
 TILE = jfp8.TILE
 # The smoke shapes: two tiles on every axis and a K tail (300 = 2 chunks + 44), small enough
@@ -134,7 +134,7 @@ def _grouped_wgrad(rng, config: grouped_gemm.GroupedGemmConfig | None) -> Check:
     dyt = _on_cpu(jfp8.quantize, dy, (TILE, 1)).mT
     sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
     dx, ddy, ds = _to_device((xt, dyt, sizes))
-    out = grouped_gemm.grouped_wgrad(dx.data, dx.scale, ddy.data, ddy.scale, ds, t=tokens,
+    out = grouped_wgrad.grouped_wgrad(dx.data, dx.scale, ddy.data, ddy.scale, ds, t=tokens,
                                      out_dtype=jnp.float32, config=config)
     ref = _on_cpu(jfp8.grouped_wgrad_reference, xt, dyt, sizes, jnp.float32)
     return Check("rel_fro", accumulation.relative_fro_error(out, ref),

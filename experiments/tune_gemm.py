@@ -64,7 +64,7 @@ from jfp8.benchmarking import (
 from jfp8.reference import chunk_operand
 from pallas_kernels import tuning
 from pallas_kernels._mgpu import H100_NUM_SMS
-from pallas_kernels.gemm import SMEM_BYTES, GemmConfig, smem_bytes
+from pallas_kernels.configs import SMEM_BYTES, GemmConfig, smem_bytes
 from pallas_kernels.shapes import (
     DENSE_SHAPES,
     GROUPED_SHAPES,
@@ -101,7 +101,7 @@ def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmCon
 def grouped_candidates(rows: int, n: int, kp: int, out_dtype, num_sms: int) -> list:
     """The `GroupedGemmConfig`s tried at one grouped problem (`rows` token rows in all), the
     rule's pick and the default first, without repeats and without any over the SMEM budget."""
-    from pallas_kernels.grouped_gemm import GroupedGemmConfig
+    from pallas_kernels.configs import GroupedGemmConfig
 
     chunks = kp // jfp8.TILE
     found = [tuning.grouped_rule_config(rows, n, kp, out_dtype, num_sms), GroupedGemmConfig(),

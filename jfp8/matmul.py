@@ -144,13 +144,13 @@ def grouped_wgrad_matmul(
     check_nt_operands(a_t, b_t, out_dtype)
     if resolve_impl(impl, interpret) == "xla":
         return grouped_wgrad_reference(a_t, b_t, group_sizes, out_dtype)
-    from pallas_kernels import grouped_gemm
+    from pallas_kernels import grouped_wgrad
 
     tp = _padded_k(a_t)
     a_data, a_scale = chunk_operand(a_t, tp)
     b_data, b_scale = chunk_operand(b_t, tp)
     with interpret_mode(interpret):
-        return grouped_gemm.grouped_wgrad(
+        return grouped_wgrad.grouped_wgrad(
             a_data, a_scale, b_data, b_scale, jnp.asarray(group_sizes, jnp.int32),
             t=a_t.logical[1], out_dtype=out_dtype,
         )

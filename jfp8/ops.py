@@ -225,7 +225,7 @@ def _ragged(x, w, group_sizes):
     """The non-FP8 grouped GEMM: `jax.lax.ragged_dot(x, w, group_sizes)` in x's dtype with an FP32
     accumulator, computed one (row tile, group) work item at a time: about (T + G * tile) rows of
     work. (XLA lowers ragged_dot to a dense masked dot, G times the FLOPs, on CPU and GPU.)"""
-    from pallas_kernels.grouped_gemm import row_tile_work
+    from pallas_kernels.schedule import row_tile_work
 
     t, g, n = x.shape[0], w.shape[0], w.shape[2]
     tm = REF_TILE_M

@@ -178,7 +178,7 @@ def grouped_scaled_matmul_reference(
       (T, N): row t of group g is row t of `scaled_matmul_reference(lhs, rhs[g])`: the same
       per-row promotion, computed tile by tile (each row tile once per group it holds).
     """
-    from pallas_kernels.grouped_gemm import row_tile_work
+    from pallas_kernels.schedule import row_tile_work
 
     if rhs.ndim != 3:
         raise ValueError(f"rhs must be (G, N, K), got shape {rhs.shape}")

@@ -64,7 +64,8 @@ from pallas_kernels.fp8_math import (
     reciprocal,
     scale_from_amax,
 )
-from pallas_kernels.gemm import SWIZZLE_ROWS, _swizzle_elems, _swizzled
+from pallas_kernels._hopper import SWIZZLE_ROWS, swizzle_elems
+from pallas_kernels._hopper import swizzled as swizzled_layout
 
 # TMA: every GMEM stride but the innermost, and the innermost extent of a copy, must be a multiple
 # of 16 bytes.
@@ -147,15 +148,15 @@ class QuantizeConfig:
 
 def _smem(shape: tuple[int, ...], dtype, swizzled: bool):
     """An SMEM scratch buffer; with `swizzled`, in 8-row tiles with the widest swizzle that
-    divides its rows (`gemm._swizzled`: 128 bytes for a row of 128 bf16, 64 bytes for 64 fp8)."""
-    transforms = _swizzled(dtype, shape[-1]) if swizzled else ()
+    divides its rows (`_hopper.swizzled`: 128 bytes for a row of 128 bf16, 64 bytes for 64 fp8)."""
+    transforms = swizzled_layout(dtype, shape[-1]) if swizzled else ()
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
 def _swizzle_fits(x: jax.Array, box_cols: int) -> bool:
     """Whether TMA can copy `box_cols`-wide boxes of 2-D `x` into swizzled tiles: Mosaic views the
     GMEM array in whole tiles, so its rows must be a multiple of 8 and its columns of the span."""
-    return x.shape[0] % SWIZZLE_ROWS == 0 and x.shape[1] % _swizzle_elems(x.dtype, box_cols) == 0
+    return x.shape[0] % SWIZZLE_ROWS == 0 and x.shape[1] % swizzle_elems(x.dtype, box_cols) == 0
 
 
 def _load_f32(ref, swizzled: bool) -> jax.Array:
@@ -333,7 +334,7 @@ def _halves_smem(slots: int, swizzled: bool):
     """The E4M3 output slots [slots, 128, 128] of the column kernels, written in [128, 64] halves
     (64-byte swizzled tiles when `swizzled`)."""
     return plgpu.SMEM((slots, TILE, TILE), FP8_DTYPE,
-                      transforms=_swizzled(FP8_DTYPE, _HALF) if swizzled else ())
+                      transforms=swizzled_layout(FP8_DTYPE, _HALF) if swizzled else ())
 
 
 def _row_block_cta(x_gmem, x_smem, bars, chunks: int):
@@ -449,7 +450,7 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
     scale_cols = out_cols if per_column else grid[1] * chunks
     # The E4M3 output is staged in [128, 64] halves (`_column_chunk`): 64-byte swizzled tiles.
     swizzled = (
-        cfg.swizzle and _swizzle_fits(x, TILE) and out_cols % _swizzle_elems(FP8_DTYPE, _HALF) == 0
+        cfg.swizzle and _swizzle_fits(x, TILE) and out_cols % swizzle_elems(FP8_DTYPE, _HALF) == 0
     )
     out_type = [
         jax.ShapeDtypeStruct((row_blocks * TILE, out_cols), FP8_DTYPE),

@@ -30,13 +30,8 @@ import pathlib
 import jax.numpy as jnp
 
 from pallas_kernels import _mgpu
-from pallas_kernels.gemm import (
-    SMEM_BYTES,
-    TILE_K,
-    WGMMA_M,
-    GemmConfig,
-    smem_bytes,
-)
+from pallas_kernels._hopper import SMEM_BYTES, TILE_K, WGMMA_M
+from pallas_kernels.configs import GemmConfig, GroupedGemmConfig, smem_bytes
 
 TABLE_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
 TABLE_ENV = "JFP8_GEMM_TABLE"
@@ -97,7 +92,6 @@ def grouped_rule_config(rows: int, n: int, kp: int, out_dtype, num_sms: int):
     weights of `n` x `kp` (not measured): the dense rule's narrowing. Group boundaries only add
     row tiles, so cdiv(rows, tile_m) is the fewest there can be: `GroupedGemmConfig()` wherever
     that many fill the SMs (the MoE benchmark shapes), narrower column tiles below."""
-    from pallas_kernels.grouped_gemm import GroupedGemmConfig  # imports gemm, as this does
 
     base = GroupedGemmConfig()
     return _narrowed(base, -(-rows // base.tile_m), n, kp, out_dtype, num_sms, deepen=False)
@@ -134,7 +128,6 @@ def table_path(device_kind: str, kind: str = "gemm") -> pathlib.Path:
 
 def _config_class(kind: str):
     if kind == "grouped":
-        from pallas_kernels.grouped_gemm import GroupedGemmConfig
 
         return GroupedGemmConfig
     return GemmConfig

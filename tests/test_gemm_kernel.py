@@ -37,6 +37,9 @@ from jfp8.accumulation import hardware_error_bound, relative_fro_error
 from jfp8.fp8 import Fp8Tensor, quantize
 from jfp8.reference import scaled_matmul_reference
 from pallas_kernels import gemm
+from pallas_kernels._mainloop import tile_at
+from pallas_kernels import configs
+from pallas_kernels.configs import out_shape
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE
 from pallas_kernels.shapes import DENSE_SHAPES
 from helpers import assert_bitwise_equal as _assert_bitwise_equal
@@ -193,9 +196,9 @@ def test_persistent_ctas_walk_every_tile_without_races(config, m, n, num_sms):
     seed = _seed()
     a, b = _operands(seed, m, n, 3 * TILE, TILE, exact=True)
     operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, TILE)
-    out_shape = gemm._out_shape(m, n, jnp.float32, config)
+    shape = out_shape(m, n, jnp.float32, config)
     tiles = (-(-m // config.tile_m), -(-n // config.tile_n))
-    call = gemm._gemm_call(out_shape, jnp.float32, config, tiles, num_sms=num_sms)
+    call = gemm._gemm_call(shape, jnp.float32, config, tiles, num_sms=num_sms)
     out, races = _interpret_detecting_races(call, *operands)
     assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
     _assert_bitwise_equal(np.asarray(out)[:m, :n], _reference(a, b, jnp.float32), seed)
@@ -209,7 +212,7 @@ def test_tile_order_visits_every_tile_once(tiles, group):
     run together) stay within one group of `group` row tiles."""
     config = dataclasses.replace(FAST, grid_tile_group=group)
     lin = jnp.arange(tiles[0] * tiles[1], dtype=jnp.int32)
-    mi, ni = jax.jit(jax.vmap(lambda i: gemm._tile_at(i, tiles, config)))(lin)
+    mi, ni = jax.jit(jax.vmap(lambda i: tile_at(i, tiles, config)))(lin)
     order = list(zip(np.asarray(mi).tolist(), np.asarray(ni).tolist()))
     assert sorted(order) == [(i, j) for i in range(tiles[0]) for j in range(tiles[1])]
     g = min(group, tiles[0])
@@ -341,7 +344,7 @@ def test_smem_estimate_equals_mosaic_count(config, out_dtype, chunks, monkeypatc
         gemm.lower_scaled_matmul, 512, 512, chunks * TILE, b_block_rows=TILE,
         out_dtype=out_dtype, config=config,
     )
-    monkeypatch.setattr(gemm, "SMEM_BYTES", 2 * need)  # let `_check_smem` pass: test Mosaic's
+    monkeypatch.setattr(configs, "SMEM_BYTES", 2 * need)  # let `check_smem` pass: test Mosaic's
     monkeypatch.setattr(mosaic_core, "_SMEM_SIZE_BOUND", need)
     assert "mosaic_gpu" in lower()
     monkeypatch.setattr(mosaic_core, "_SMEM_SIZE_BOUND", need - 1)

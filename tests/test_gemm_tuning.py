@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from pallas_kernels import gemm, tuning
 from pallas_kernels._mgpu import H100_DEVICE_KIND, H100_NUM_SMS
 from pallas_kernels.fp8_math import TILE
-from pallas_kernels.grouped_gemm import GroupedGemmConfig
+from pallas_kernels.configs import SMEM_BYTES, GroupedGemmConfig
+from pallas_kernels._hopper import WGMMA_M
 from pallas_kernels.shapes import (
     DENSE_SHAPES,
     GROUPED_SHAPES,
@@ -56,8 +57,8 @@ def test_rule_keeps_the_fast_form_where_tiles_fill_the_gpu(shape, out_dtype):
 )
 def test_rule_is_valid_fits_smem_and_fills_the_sms(m, n, chunks, out_dtype, num_sms):
     config = tuning.rule_config(m, n, chunks * TILE, out_dtype, num_sms)  # validated on creation
-    assert gemm.smem_bytes(config, out_dtype, chunks) <= gemm.SMEM_BYTES
-    assert config.warp_specialized == (m > gemm.WGMMA_M)
+    assert gemm.smem_bytes(config, out_dtype, chunks) <= SMEM_BYTES
+    assert config.warp_specialized == (m > WGMMA_M)
     tiles = -(-m // config.tile_m) * -(-n // config.tile_n)
     # Tiles narrowed until the grid covers the SMs (or narrower ones would add none), and never
     # further than needed.
@@ -213,7 +214,7 @@ def test_tuner_candidates_start_with_the_rule_and_fit(tune, m, n, k):
     found = tune.candidates(m, n, kp, jnp.dtype(jnp.float32), H100_NUM_SMS)
     assert found[0] == tuning.rule_config(m, n, kp, jnp.float32, H100_NUM_SMS)
     assert FAST in found and len(set(found)) == len(found) > 4
-    assert all(gemm.smem_bytes(c, jnp.float32, kp // TILE) <= gemm.SMEM_BYTES for c in found)
+    assert all(gemm.smem_bytes(c, jnp.float32, kp // TILE) <= SMEM_BYTES for c in found)
 
 
 def test_tuner_cli_without_a_gpu(tune, capsys):
@@ -290,7 +291,7 @@ def test_grouped_tuner_candidates_start_with_the_rule_and_fit(tune, shape):
     assert found[0] == tuning.grouped_rule_config(g * r, n, kp, jnp.float32, H100_NUM_SMS)
     assert GroupedGemmConfig() in found and GroupedGemmConfig.simple() in found
     assert len(set(found)) == len(found) > 4
-    assert all(gemm.smem_bytes(c, jnp.float32, kp // TILE) <= gemm.SMEM_BYTES
+    assert all(gemm.smem_bytes(c, jnp.float32, kp // TILE) <= SMEM_BYTES
                for c in found if c.warp_specialized)
 
 
@@ -368,7 +369,7 @@ def test_grouped_rule_keeps_the_fast_form_at_the_moe_shapes(shape):
 def test_grouped_rule_is_valid_and_fits_smem(rows, n, chunks, out_dtype):
     config = tuning.grouped_rule_config(rows, n, chunks * TILE, out_dtype, H100_NUM_SMS)
     assert config.warp_specialized and config.tile_n in (64, 128)
-    assert gemm.smem_bytes(config, out_dtype, chunks) <= gemm.SMEM_BYTES
+    assert gemm.smem_bytes(config, out_dtype, chunks) <= SMEM_BYTES
 
 
 @pytest.mark.parametrize("shape", SMALL_GROUPED_SHAPES, ids=str)

@@ -44,14 +44,10 @@ from jfp8.reference import (
 )
 from pallas_kernels import _mgpu
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE
-from pallas_kernels.grouped_gemm import (
-    GroupedGemmConfig,
-    _grouped_matmul_call,
-    _grouped_wgrad_call,
-    grouped_scaled_matmul,
-    grouped_wgrad,
-    row_tile_work,
-)
+from pallas_kernels.configs import GroupedGemmConfig
+from pallas_kernels.grouped_gemm import _grouped_matmul_call, grouped_scaled_matmul
+from pallas_kernels.grouped_wgrad import _grouped_wgrad_call, grouped_wgrad
+from pallas_kernels.schedule import row_tile_work
 from pallas_kernels.shapes import GROUPED_SHAPES
 from helpers import assert_bitwise_equal as _assert_bitwise_equal
 from helpers import interpret as _interpret

@@ -1,0 +1,193 @@
+"""The GEMM main loop shared by the dense and the grouped kernels: one K chunk's wgmma and FP32
+promotion (`promote`), the TMA block specs of a K step, the persistent tile walk, the output
+tile's store, and the warp-specialized pipeline (`warp_specialized_tiles`) that runs them."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _mgpu
+from pallas_kernels._hopper import (
+    TILE_K,
+    WS_CONSUMER_WGS,
+    WS_PRODUCER_REGISTERS,
+    swizzled,
+    zeros,
+)
+from pallas_kernels.configs import GemmConfig
+from pallas_kernels.fp8_math import FP8_DTYPE
+
+
+def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array) -> jax.Array:
+    """One K chunk for one warpgroup: fresh FP32 wgmma, then `out + partial * (sa * sb)`.
+
+    a_smem [rows, TILE_K], b_smem [tile_n, TILE_K] (K-major), sa_smem [rows], sb_smem [tile_n];
+    out [rows, tile_n] f32 in registers, rows a multiple of 64.
+    """
+    rows, cols = out.shape
+    wgmma_layout = plgpu.Layout.WGMMA
+
+    def chunk_product(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))  # b is K-major: pass b.T
+        plgpu.wgmma_wait(0)  # the promotion needs the finished partial sum
+        return acc_ref[...]
+
+    # The named scopes are the regions `_mgpu.profile` times per warpgroup (nothing otherwise).
+    with jax.named_scope("wgmma"):
+        partial = pl.run_scoped(chunk_product, plgpu.ACC((rows, cols), jnp.float32))  # zeroed
+    with jax.named_scope("promote"):
+        sa = plgpu.load(sa_smem, layout=wgmma_layout.reduce(1))  # [rows] per output row
+        sb = plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [cols] per output column
+        sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
+        out = out + partial * (sa * sb)
+        # The pipeline hands this stage back to TMA next. The scale loads above are generic-proxy
+        # reads and TMA writes through the async proxy, which PTX orders only across a proxy
+        # fence (`fence.proxy.async`, here with a warpgroup barrier); without it the
+        # interpreter's race detector reports the stage's next TMA write as racing with them.
+        plgpu.commit_smem()
+    return out
+
+def in_specs(config, mi, ni, k_first=0) -> list[plgpu.BlockSpec]:
+    """K step k of output tile (mi, ni): a, b (128-byte swizzled fp8) and their scales, from K
+    chunk `k_first + k` on (a group's first chunk in the grouped Wgrad)."""
+    tm, tn = config.tile_m, config.tile_n
+    fp8_tile = swizzled(FP8_DTYPE, TILE_K)
+    return [
+        plgpu.BlockSpec((tm, TILE_K), lambda k: (mi, k_first + k), transforms=fp8_tile),
+        plgpu.BlockSpec((tn, TILE_K), lambda k: (ni, k_first + k), transforms=fp8_tile),
+        plgpu.BlockSpec((None, tm), lambda k: (k_first + k, mi)),
+        plgpu.BlockSpec((None, tn), lambda k: (k_first + k, ni)),
+    ]
+
+def tile_at(lin, tiles: tuple[int, int], config: GemmConfig) -> tuple[jax.Array, jax.Array]:
+    """(row tile, column tile) number `lin` of the tile order.
+
+    A grouped ("planar snake") order: `grid_tile_group` row tiles side by side, walked column
+    by column, the direction flipping from one group to the next, so that the tiles running at
+    the same time share few a and b panels.
+    """
+    group = min(config.grid_tile_group, tiles[0])
+    return plgpu.planar_snake(lin, tiles, 0, group)  # minor dim 0: groups of row tiles
+
+def for_each_tile(config: GemmConfig, tiles: tuple[int, int], tile_fn) -> None:
+    """Calls `tile_fn(mi, ni)` for this CTA's output tiles: non-persistent, CTA i computes tile
+    i of `tile_at`; persistent, CTA i computes tiles i, i + #CTAs, i + 2 #CTAs, ..."""
+    if not config.persistent:
+        tile_fn(*tile_at(lax.axis_index("sm"), tiles, config))
+        return
+
+    @plgpu.nd_loop((tiles[0] * tiles[1],), collective_axes="sm")
+    def _(loop_info):
+        tile_fn(*tile_at(loop_info.index[0], tiles, config))
+
+def store_tile(out: jax.Array, out_smem, out_gmem_tile) -> None:
+    """Registers -> swizzled SMEM -> TMA store, which drops rows/columns past the output's edge.
+
+    The store is left in flight (it overlaps the next tile's main loop); only before `out_smem`
+    is written again do we wait for the previous store to have read it.
+    """
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_smem[...] = out.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem_tile)
+
+def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transforms=(), dynamic_k=False):
+    """The warp-specialized main loop, shared by the dense and the grouped kernels.
+
+    Runs in a kernel of `WS_CONSUMER_WGS + 1` warpgroups (thread axis "wg"): warpgroup
+    `WS_CONSUMER_WGS` only issues TMA; consumer warpgroup w (0 <= w < WS_CONSUMER_WGS) owns rows
+    [w * wm, (w + 1) * wm) of each (tile_m, tile_n) tile, wm = tile_m / WS_CONSUMER_WGS. Each
+    consumer runs `promote` on its rows with its own FP32 registers and stores its rows itself,
+    so the consumers only meet at the pipeline's "consumed" barrier: while one promotes a chunk
+    (FMA units), the other's wgmma can occupy the tensor cores.
+
+    The SMEM stages and the output tile are allocated once, for every tile the CTA computes (a
+    scoped allocation per tile would synchronise the three warpgroups at every tile), and sized
+    by `operands` = (a [M', Kp], b [N', Kp], sa [C, M''], sb [C, N'']), GMEM refs as in
+    `_simple_kernel`. Then `schedule(run_tile, wg, out_rows)` runs on every warpgroup, with
+    `out_rows` this consumer's rows of the output tile, and calls, the same way on all of them,
+
+        run_tile(mi, ni, views, epilogue, *, k_first=0, k_steps=C, before_chunk=None)
+
+    for each output tile: the K loop of tile (mi, ni) over `views` (refs shaped like `operands`,
+    e.g. one group's weight), from chunk `k_first` for `k_steps` chunks (dynamic with
+    `dynamic_k`), with `before_chunk(step, a_rows)` run by each consumer on its rows of a chunk
+    before the wgmma; then `epilogue(out, out_rows)` on each consumer, out its [wm, tile_n] f32
+    result.
+    """
+    tm, tn = config.tile_m, config.tile_n
+    wm = tm // WS_CONSUMER_WGS
+    chunks = operands[0].shape[1] // TILE_K
+
+    def pipeline(mi, ni, k_first=0, k_steps=chunks, body=None, compute_context=None):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_steps,),
+            memory_registers=WS_PRODUCER_REGISTERS,
+            in_specs=in_specs(config, mi, ni, k_first),
+            wg_axis="wg",
+            num_compute_wgs=WS_CONSUMER_WGS,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    # A static grid shorter than the pipeline allocates fewer stages; a dynamic one allocates all.
+    alloc_steps = max(chunks, config.max_concurrent_steps) if dynamic_k else chunks
+    out_tile = plgpu.SMEM((tm, tn), out_dtype, transforms=out_transforms)
+
+    @functools.partial(
+        pl.run_scoped,
+        stages=pipeline(0, 0, k_steps=alloc_steps).get_allocations(*operands),
+        out_smem=out_tile,
+        collective_axes="wg",
+    )
+    def _(stages, out_smem):
+        wg = lax.axis_index("wg")
+        rows = pl.ds(wg * wm, wm)  # this consumer's rows of the tile
+
+        def run_tile(mi, ni, views, epilogue, *, k_first=0, k_steps=chunks, before_chunk=None):
+            def body(idx, a_smem, b_smem, sa_smem, sb_smem, out):
+                a_rows = a_smem.at[rows]
+                if before_chunk is not None:
+                    before_chunk(idx[0], a_rows)
+                return promote(a_rows, b_smem, sa_smem.at[rows], sb_smem, out)
+
+            def compute_context(run_pipeline):
+                epilogue(run_pipeline(zeros((wm, tn))), out_smem.at[rows])
+
+            pipeline(mi, ni, k_first, k_steps, body, compute_context)(*views, allocations=stages)
+
+        schedule(run_tile, wg, out_smem.at[rows])
+
+    plgpu.wait_smem_to_gmem(0)
+
+def launch_tiles(kernel, out_type, config, num_tiles: int, num_sms: int | None = None, **kwargs):
+    """`plgpu.kernel` over `num_tiles` output tiles: one CTA per tile, or with `config.persistent`
+    one per SM (`num_sms`, the device's when None; fewer CTAs for fewer tiles), on grid axis
+    "sm"; with `config.warp_specialized`, `WS_CONSUMER_WGS + 1` warpgroups on thread axis "wg"."""
+    num_sms = _mgpu.num_sms() if num_sms is None else num_sms
+    ctas = min(num_tiles, num_sms) if config.persistent else num_tiles
+    if config.warp_specialized:
+        kwargs.update(num_threads=WS_CONSUMER_WGS + 1, thread_name="wg")
+    kwargs.update(_mgpu.compiler_params())  # profiler events, inside `_mgpu.profile` only
+    return plgpu.kernel(kernel, out_type=out_type, grid=(ctas,), grid_names=("sm",), **kwargs)
+
+
+def chunk_product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
+    """`a @ b.T` of one 128-wide chunk: FP8 wgmma into a fresh (zeroed) f32 accumulator.
+
+    B is stored K-major (N, 128) and passed transposed: FP8 wgmma takes no other B layout. Reading
+    the accumulator waits for the wgmma, so the pipeline may refill both SMEM slots afterwards.
+    """
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem.T)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))

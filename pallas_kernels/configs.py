@@ -1,0 +1,190 @@
+"""The GEMM kernels' configurations (frozen dataclasses) and their shared-memory accounting.
+
+`GemmConfig` tiles the dense kernel, `GroupedGemmConfig` the grouped ones; `smem_bytes` counts
+what a config allocates so that an oversized one is rejected with the fields to change before
+lowering (in the interpreter too), and `out_shape` is the padded output the TMA store writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_kernels._hopper import (
+    BARRIER_BYTES,
+    LANE_SCALE_STEP,
+    MAX_TMA_BOX,
+    MIN_TILE_N,
+    SMEM_ALIGN,
+    SMEM_BYTES,
+    SWIZZLE_ROWS,
+    TILE_K,
+    TMA_ALIGN_BYTES,
+    WGMMA_M,
+    WGMMA_MAX_N,
+    WS_CONSUMER_WGS,
+    round_up,
+    swizzle_elems,
+    tma_extent,
+)
+from pallas_kernels.fp8_math import TILE
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tiling and launch structure of the kernel. The defaults are the fast form (see the module
+    docstring); `GemmConfig.simple()` is the correct-first one.
+
+    Attributes:
+      tile_m: output rows per CTA, a multiple of 64 (one warpgroup's wgmma M); with
+        `warp_specialized`, a multiple of 128, split evenly between the consumer warpgroups.
+      tile_n: output columns per CTA, a multiple of 16 and at most 256 (wgmma N, TMA box, and
+        a swizzled bf16 output row). A warpgroup computing r rows holds f32 register tiles of
+        r x tile_n (`partial`, the scale product, `out`), each 64 registers/thread at 64 x 128;
+        at tile_n = 256 they take 3 x 128, more than a thread has (232 for a warp-specialized
+        consumer, 255 otherwise), and spill.
+      max_concurrent_steps: SMEM stages: K steps whose TMA copies may be in flight at once.
+      warp_specialized: one producer warpgroup issues the TMA copies and `WS_CONSUMER_WGS`
+        consumer warpgroups run wgmma and the promotion on their rows of the tile; otherwise one
+        warpgroup does both.
+      persistent: launch one CTA per SM (at most one per tile), each looping over its tiles, so
+        that a tile's epilogue overlaps the next tile's loads; otherwise one CTA per tile.
+      grid_tile_group: row tiles walked together along the tile order (L2 reuse); 1 walks the
+        tiles row by row.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    max_concurrent_steps: int = 4
+    warp_specialized: bool = True
+    persistent: bool = True
+    grid_tile_group: int = 8
+
+    def __post_init__(self):
+        rows = WGMMA_M * (WS_CONSUMER_WGS if self.warp_specialized else 1)
+        if self.tile_m < rows or self.tile_m % rows or self.tile_m > MAX_TMA_BOX:
+            why = f" ({WS_CONSUMER_WGS} consumer warpgroups)" if self.warp_specialized else ""
+            raise ValueError(
+                f"tile_m={self.tile_m} must be a multiple of {rows}{why} and at most {MAX_TMA_BOX}"
+            )
+        if self.tile_n < MIN_TILE_N or self.tile_n % MIN_TILE_N or self.tile_n > MAX_TMA_BOX:
+            raise ValueError(
+                f"tile_n={self.tile_n} must be a multiple of {MIN_TILE_N} and at most {MAX_TMA_BOX}"
+            )
+        if self.max_concurrent_steps < 1:
+            raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
+        if self.grid_tile_group < 1:
+            raise ValueError(f"grid_tile_group={self.grid_tile_group} must be >= 1")
+
+    @classmethod
+    def simple(cls) -> GemmConfig:
+        """The correct-first form: one warpgroup per CTA on a 64 x 128 tile, 2 stages, one CTA
+        per tile in row order."""
+        return cls(
+            tile_m=64,
+            tile_n=128,
+            max_concurrent_steps=2,
+            warp_specialized=False,
+            persistent=False,
+            grid_tile_group=1,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmConfig:
+    """Tiling and launch structure of the grouped kernels; the contraction tile is always `TILE`
+    (the promotion step). The defaults are the fast form, `GroupedGemmConfig.simple()` the
+    correct-first one (see the module docstring).
+
+    Attributes:
+      tile_m: output rows per CTA (token rows for `grouped_scaled_matmul`, K rows for
+        `grouped_wgrad`). Simple form: a multiple of 64 up to 256 (one warpgroup holds the chunk
+        accumulator and the running sum, 2 * tile_m * tile_n / 128 f32 registers a thread).
+        Warp-specialized: a multiple of 128 up to 256, split between the consumer warpgroups.
+      tile_n: output columns per CTA, at most 256. Simple form: a multiple of 32 (the tile's
+        column-scale vector is TMA-loaded), and `grouped_scaled_matmul` needs `TILE` (one
+        weight-block scale per tile). Warp-specialized: a multiple of 16 (the weight-block scales
+        arrive expanded per column, as in the dense kernel).
+      max_concurrent_steps: chunks in flight in the TMA pipeline (SMEM slots per operand).
+      warp_specialized: one TMA warpgroup and two wgmma warpgroups per CTA
+        (`_mainloop.warp_specialized_tiles`); otherwise one warpgroup per CTA does both.
+      persistent: one CTA per SM walking its share of the (work item, column tile) pairs; needs
+        `warp_specialized` (the simple kernels launch one CTA per tile).
+      grid_tile_group: row tiles (work items) walked together along the tile order (L2 reuse of a
+        group's weight and of the token rows); 1 walks them row by row.
+    """
+
+    tile_m: int = 128
+    tile_n: int = TILE
+    max_concurrent_steps: int = 4
+    warp_specialized: bool = True
+    persistent: bool = True
+    grid_tile_group: int = 8
+
+    def __post_init__(self):
+        if self.warp_specialized:
+            # The dense kernel's rules: the same main loop runs both.
+            GemmConfig(self.tile_m, self.tile_n, self.max_concurrent_steps, True,
+                            self.persistent, self.grid_tile_group)
+            return
+        if not 0 < self.tile_m <= WGMMA_MAX_N or self.tile_m % WGMMA_M:
+            raise ValueError(f"tile_m={self.tile_m} must be a multiple of {WGMMA_M} up to 256")
+        if not 0 < self.tile_n <= WGMMA_MAX_N or self.tile_n % LANE_SCALE_STEP:
+            raise ValueError(f"tile_n={self.tile_n} must be a multiple of {LANE_SCALE_STEP} up to 256")
+        if self.max_concurrent_steps < 1:
+            raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
+        if self.persistent:
+            raise ValueError("persistent=True needs warp_specialized=True (the simple grouped "
+                             "kernels launch one CTA per tile)")
+
+    @classmethod
+    def simple(cls) -> GroupedGemmConfig:
+        """The correct-first form: one warpgroup per CTA on a 64 x 128 tile, 2 stages, one CTA
+        per tile (per work item and column tile for `grouped_scaled_matmul`)."""
+        return cls(tile_m=64, tile_n=TILE, max_concurrent_steps=2, warp_specialized=False,
+                   persistent=False, grid_tile_group=1)
+
+
+def smem_bytes(config: GemmConfig, out_dtype, chunks: int) -> int:
+    """Shared memory the kernel allocates, in bytes, for `chunks` = Kp // 128 K steps.
+
+    Per stage a [tile_m, 128] and b [tile_n, 128] fp8 tile and their f32 scales, plus the output
+    tile and the pipeline's mbarriers (one per stage, two with warp specialization: "produced"
+    and "consumed"); each buffer starts on a 1024-byte boundary. The pipelines allocate no more
+    stages than there are K steps. This reproduces Mosaic GPU's own count
+    (`tests/test_gemm_kernel.py` checks it), so a config is rejected before lowering, in the
+    interpreter too, with the fields to change.
+    """
+    stages = min(config.max_concurrent_steps, chunks)
+    tm, tn = config.tile_m, config.tile_n
+    f32 = jnp.dtype(jnp.float32).itemsize
+    buffers = (
+        stages * tm * TILE_K,  # a, fp8
+        stages * tn * TILE_K,  # b, fp8
+        stages * tm * f32,  # a's scales
+        stages * tn * f32,  # b's scales
+        tm * tn * jnp.dtype(out_dtype).itemsize,  # output tile
+    )
+    barriers = stages * (2 if config.warp_specialized else 1)
+    return sum(round_up(b, SMEM_ALIGN) for b in buffers) + barriers * BARRIER_BYTES
+
+def check_smem(config: GemmConfig, out_dtype, chunks: int) -> None:
+    need = smem_bytes(config, out_dtype, chunks)
+    if need > SMEM_BYTES:
+        raise ValueError(
+            f"{config} with {jnp.dtype(out_dtype)} output needs {need} bytes of shared memory, "
+            f"over the {SMEM_BYTES} a Hopper block can have: lower max_concurrent_steps, "
+            "tile_n or tile_m"
+        )
+
+def out_shape(m: int, n: int, out_dtype, config: GemmConfig) -> tuple[int, int]:
+    """The kernel's output array: (M, n), padded only where the swizzled TMA store cannot tile it.
+
+    Rows go to a multiple of 8 and columns to a multiple of the swizzle width (64 bf16 or 32 f32
+    at tile_n=128); a dimension within one swizzle tile only needs 16-byte rows. When padded, the
+    result is sliced afterwards (one extra pass over the output; none for aligned shapes).
+    """
+    cols = swizzle_elems(out_dtype, config.tile_n)
+    align = TMA_ALIGN_BYTES // jnp.dtype(out_dtype).itemsize
+    return tma_extent(m, SWIZZLE_ROWS), tma_extent(n, cols, align)
