@@ -37,7 +37,7 @@ import numpy as np
 
 import jfp8
 from jfp8.backend import is_hopper
-from jfp8.benchmarking import (
+from _bench import (
     PEAK_SOURCE,
     TIMING_METHOD,
     Case,

@@ -43,7 +43,7 @@ import numpy as np
 
 import jfp8
 from jfp8.backend import is_hopper
-from jfp8.benchmarking import (
+from _bench import (
     TIMING_METHOD,
     Case,
     add_common_args,

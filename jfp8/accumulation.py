@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8.fp8 import TILE, Fp8Tensor, quantize
-from jfp8.reference import check_nt_operands, chunk_operand, scaled_matmul_oracle
+from jfp8.reference import check_nt_operands, chunk_operand, rel_error, scaled_matmul_oracle
 
 Rounding = Literal["truncate", "nearest"]
 Alignment = Literal["group", "product"]
@@ -434,16 +434,6 @@ HARDWARE_MARGIN = 4.0
 F32_ORDER_FLOOR = 1e-6
 
 
-def relative_fro_error(out, ref) -> float:
-    """||out - ref||_F / ||ref||_F in float64 (0 when both are 0; inf when only ref is); NaN in
-    `out` gives NaN, which fails every `<=` check."""
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    num, den = float(np.linalg.norm(out - ref)), float(np.linalg.norm(ref))
-    if den == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return num / den
-
-
 def _squared_errors(pairs) -> tuple[float, float]:
     """(sum ||sim - exact||^2, sum ||exact||^2) over (a, b) problems, `sim` under
     HARDWARE_WORST_CASE and `exact` the float64 oracle."""
@@ -465,7 +455,7 @@ def hardware_error_bound(
     a: Fp8Tensor, b: Fp8Tensor, *, model: AccumulatorModel = HARDWARE_WORST_CASE,
     margin: float = HARDWARE_MARGIN,
 ) -> float:
-    """The largest `relative_fro_error(kernel(a, b), scaled_matmul_reference(a, b))` a correct
+    """The largest `rel_error(kernel(a, b), scaled_matmul_reference(a, b))` a correct
     Hopper kernel may show: `margin` x the simulated error of `model` against the f64 oracle on
     these very operands (never below F32_ORDER_FLOOR). A bug-free kernel that lands above it means
     the accumulator is worse than the model; the smoke stage and the GPU tests say so.

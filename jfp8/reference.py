@@ -124,6 +124,17 @@ def chunked_matmul(a_data, sa, b_data, sb) -> jax.Array:
     return acc
 
 
+def rel_error(x, ref) -> float:
+    """||x - ref||_F / ||ref||_F in float64: 0 when both are 0, inf when only ref is, NaN when x
+    holds a NaN (so every `<=` check fails). The one normwise error of the library, its tests and
+    experiments."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    num, den = float(np.linalg.norm(x - ref)), float(np.linalg.norm(ref))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
 def dequantize_f64(t: Fp8Tensor) -> np.ndarray:
     """The exact value an `Fp8Tensor` represents, in float64 on the host (logical shape)."""
     data = np.asarray(t.data).astype(np.float64)

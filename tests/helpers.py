@@ -7,7 +7,7 @@ from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
     reset_gpu_interpret_mode_state,
 )
 
-from jfp8.benchmarking import rel_error  # noqa: F401  re-exported: ||a - b|| / ||b|| in float64
+from jfp8.reference import rel_error  # noqa: F401  re-exported: ||a - b|| / ||b|| in float64
 from pallas_kernels import _mgpu
 
 

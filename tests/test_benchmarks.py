@@ -14,9 +14,10 @@ import jax
 import pytest
 
 import jfp8
-from jfp8.benchmarking import parse_config
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))  # the scripts' shared module, _bench, lives there
+from _bench import parse_config  # noqa: E402
 FAST = ["--warmup", "0", "--repeats", "1", "--max-seconds", "0.5"]
 GEMM_KEYS = {"impl", "m", "n", "k", "ms", "tflops", "ratio_vs_bf16", "rel_error"}
 

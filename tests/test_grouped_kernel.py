@@ -33,8 +33,8 @@ import pytest
 from jfp8.accumulation import (
     grouped_hardware_error_bound,
     grouped_wgrad_hardware_error_bound,
-    relative_fro_error,
 )
+from jfp8.reference import rel_error
 from jfp8.fp8 import Fp8Tensor, quantize
 from jfp8.reference import (
     dequantize_f64,
@@ -486,11 +486,11 @@ def test_on_gpu_matches_reference(config):
         lhs, rhs, sizes_j = _row_operands(seed, t, 1024, 700, sizes_i, exact=False)
         out = np.asarray(_matmul(lhs, rhs, sizes_j, jnp.float32, cfg))
         ref = _on_cpu(_matmul_reference, lhs, rhs, sizes_j, jnp.float32)
-        err, bound = relative_fro_error(out, ref), grouped_hardware_error_bound(lhs, rhs, sizes_i)
+        err, bound = rel_error(out, ref), grouped_hardware_error_bound(lhs, rhs, sizes_i)
         assert err <= bound, f"seed={seed} T={t}: Fprop error {err:.3e} > bound {bound:.3e}"
 
     lhs_t, rhs_t, sizes_j = _token_operands(seed, 4000, 512, 700, sizes, exact=False)
     out = np.asarray(_wgrad(lhs_t, rhs_t, sizes_j, jnp.float32, config))
     ref = _on_cpu(_wgrad_reference, lhs_t, rhs_t, sizes_j, jnp.float32)
-    err, bound = relative_fro_error(out, ref), grouped_wgrad_hardware_error_bound(lhs_t, rhs_t, sizes)
+    err, bound = rel_error(out, ref), grouped_wgrad_hardware_error_bound(lhs_t, rhs_t, sizes)
     assert err <= bound, f"seed={seed}: Wgrad error {err:.3e} > bound {bound:.3e}"

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jfp8.reference import rel_error
 from pallas_kernels.shapes import GemmShape, GroupedShape
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -147,12 +148,6 @@ def random_normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
     if jax.default_backend() == "cpu":
         return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
     return _jax_normal(seed, tuple(shape))
-
-
-def rel_error(x, ref) -> float:
-    """||x - ref||_F / ||ref||_F in float64 (NaN if x has NaN)."""
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 @jax.jit
@@ -446,6 +441,4 @@ def to_torch(torch, x):
 
 def torch_rel_error(out, ref) -> float:
     """`rel_error` of a torch output against a jax reference, in float32 on the host."""
-    got = out.float().cpu().numpy()
-    want = np.asarray(ref, np.float32)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    return rel_error(out.float().cpu().numpy(), np.asarray(ref, np.float32))
