@@ -7,7 +7,6 @@ and Inf blocks jfp8 deliberately differs: see tests/test_quantize.py).
 """
 
 import chex
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -127,10 +126,13 @@ def _assert_equal(q, want_data, want_scale, msg: str) -> None:
     )
 
 
-@pytest.mark.parametrize("block,pow2_scale", [((1, TILE), False), ((TILE, 1), True), ((TILE, TILE), False)], ids=str)
+@pytest.mark.parametrize(
+    "block,pow2_scale", [((1, TILE), False), ((TILE, 1), True), ((TILE, TILE), False)], ids=str
+)
 def test_kernels_match_deepgemm(block, pow2_scale):
     """The Mosaic GPU quantize kernels (interpreted) against the oracle directly."""
     rng, seed = fresh_rng()
     x = _hard_matrix(rng, (256, 384), jnp.bfloat16)
-    q = quantize(jnp.asarray(x, jnp.bfloat16), block, pow2_scale=pow2_scale, impl="mosaic", interpret=True)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    q = quantize(xb, block, pow2_scale=pow2_scale, impl="mosaic", interpret=True)
     _assert_equal(q, *ORACLES[block](x, pow2_scale), f"seed {seed}")
