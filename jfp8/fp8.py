@@ -117,8 +117,15 @@ class Fp8Tensor:
         return jnp.repeat(jnp.repeat(s, bm, axis=-2), bk, axis=-1)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """`data * scale` in `dtype`, cut back to the logical shape."""
-        x = self.data.astype(dtype) * self.expanded_scale(dtype)
+        """`data * scale` multiplied in f32 (f64 for f64), then rounded once to `dtype`, cut back
+        to the logical shape.
+
+        As DeepSeek-V3's FP8 -> BF16 conversion (`inference/kernel.py`, `weight_dequant`: E4M3 to
+        f32, times the f32 scale, stored as BF16); not in a 16-bit `dtype` itself, where both the
+        scale and the product would be rounded to 16 bits.
+        """
+        compute = jnp.promote_types(dtype, jnp.float32)
+        x = (self.data.astype(compute) * self.expanded_scale(compute)).astype(dtype)
         m, k = self.logical
         return x[..., :m, :k]
 

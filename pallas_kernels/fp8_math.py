@@ -2,6 +2,12 @@
 
 Kept in `pallas_kernels` (JAX only) so that both the XLA reference and the kernels call the very
 same functions: their results are bit-identical by construction, not by coincidence.
+
+They are also DeepGEMM's reference quantizers bit for bit: each step is one correctly rounded f32
+operation (the scale a product, its reciprocal an IEEE division, the encode a product) followed by
+a round-to-nearest-even cast, with no sum that a compiler could contract into an FMA, so XLA, the
+kernels (Mosaic GPU lowers `/` to `arith.divf` without fast-math flags) and PyTorch on CUDA round
+identically. tests/test_deepgemm_parity.py checks it against a numpy port of DeepGEMM's code.
 """
 
 import jax
@@ -14,9 +20,12 @@ AMAX_FLOOR = 1e-4
 # DeepSeek-V3's scaling tile and its promotion interval N_C: one FP32 scale per 128 contraction
 # elements, and partial sums are promoted to FP32 every 128 K-elements.
 TILE = 128
-# Scales are computed as amax * (1 / 448) with this f32 constant rather than amax / 448: XLA
-# rewrites division by a constant into this multiplication under jit but not eagerly, so writing
-# the multiplication ourselves keeps jit, eager and kernels bit-identical.
+# Scales are amax * f32(1 / 448), not amax / 448: bit for bit what DeepGEMM's reference quantizers
+# (`per_token_cast_to_fp8`, `per_block_cast_to_fp8`) compute on the GPU, where PyTorch evaluates
+# `amax / 448.0` as a product with the reciprocal rounded once on the host (its CUDA
+# `div_true_kernel`: "a * reciprocal(b)"; on the CPU PyTorch divides, one ulp off on ~half of the
+# amaxes). XLA:CPU does the same to `x / c` for any scalar c, under jit and eagerly, so writing
+# the product keeps jit, eager and the kernels identical too. tests/test_deepgemm_parity.py.
 INV_E4M3_MAX = float(1.0 / jnp.float32(E4M3_MAX))
 F32_MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -24,14 +33,18 @@ F32_MAX = float(jnp.finfo(jnp.float32).max)
 def scale_from_amax(amax: jax.Array, pow2_scale: bool) -> jax.Array:
     """The FP32 scale of a block from its amax (max |x|, +inf when the block holds a NaN or Inf).
 
-    scale = max(amax, AMAX_FLOOR) * (1 / E4M3_MAX), optionally rounded up to a power of two (UE8M0), and
-    NaN for a non-finite block so that the whole block dequantizes to NaN instead of to a silently
-    wrong finite number. Shared by `quantize` and the Pallas quantization kernels.
+    scale = max(amax, AMAX_FLOOR) * f32(1 / E4M3_MAX), one correctly rounded f32 product, as
+    DeepGEMM's `amax.clamp(1e-4) / 448.0` on CUDA; optionally rounded up to a power of two (UE8M0,
+    DeepGEMM's `ceil_to_ue8m0`); NaN for a non-finite block so that the whole block dequantizes to
+    NaN instead of to a silently wrong finite number (DeepGEMM gives an Inf block an Inf scale).
+    Shared by `quantize` and the Pallas quantization kernels.
     """
     scale = jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) * jnp.float32(INV_E4M3_MAX)
     if pow2_scale:
         # Round a positive normal float up to a power of two with integer arithmetic, which is
-        # exact everywhere (no log2/exp2): add all-ones to the mantissa, then clear it.
+        # exact everywhere (no log2/exp2): add all-ones to the mantissa, then clear it. Equal to
+        # `ceil_to_ue8m0` (exponent + (mantissa != 0), clamped to [1, 254]) for every scale here:
+        # 1e-4 / 448 <= scale <= f32 max / 448 < 2^120 is normal, so its clamp never acts.
         bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
         bits = (bits + jnp.int32(0x007FFFFF)) & jnp.int32(-0x00800000)  # 0xFF800000
         scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
@@ -46,10 +59,13 @@ def reciprocal(scale: jax.Array) -> jax.Array:
 def encode_scaled(x: jax.Array, inv_scale: jax.Array) -> jax.Array:
     """x * (1 / scale), clipped to ±E4M3_MAX and cast to E4M3 (XLA's cast does not saturate).
 
-    Multiplying by the per-block reciprocal rather than dividing is deliberate: XLA rewrites
-    `x / broadcast(scale)` into exactly this under jit, so writing it ourselves makes jit, eager
-    and the kernels agree bit for bit (a true division can move the quotient by one ulp and flip
-    an E4M3 rounding tie). `inv_scale` is broadcastable to `x`; NaN there gives NaN data.
+    DeepGEMM's `(x * (1.0 / sf)).to(torch.float8_e4m3fn)`: one f32 product with the per-block
+    reciprocal (PyTorch's `1.0 / sf` is `sf.reciprocal()`, an IEEE division), then round to nearest
+    even. PyTorch's cast does not saturate either (480 and up become NaN), but the quotient never
+    exceeds 448 by more than a few ulps and both round that to 448, so the clip changes nothing
+    there. Multiplying rather than dividing also matches XLA, which rewrites `x / broadcast(scale)`
+    into exactly this; jit, eager and the kernels agree bit for bit. `inv_scale` is broadcastable to
+    `x`; NaN there gives NaN data.
     """
     q = jnp.clip(x.astype(jnp.float32) * inv_scale, -E4M3_MAX, E4M3_MAX)
     q = jnp.where(jnp.isnan(inv_scale), jnp.float32(jnp.nan), q)

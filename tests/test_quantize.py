@@ -3,6 +3,7 @@
 import chex
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -117,6 +118,31 @@ class TestQuantizeVariants(chex.TestCase):
             assert np.isfinite(deq).sum() == deq.size - len(bad) * bm * bk
         q = self.variant(lambda v: quantize(v, None))(jnp.asarray(x))
         assert np.all(np.isnan(np.asarray(q.dequantize())))
+
+
+@pytest.mark.parametrize("block", [(1, TILE), (TILE, TILE)], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_dequantize_multiplies_in_f32_and_rounds_once(dtype, block):
+    """As DeepSeek-V3's FP8 -> BF16 `weight_dequant`: E4M3 widened to f32, times the f32 scale,
+    one rounding to `dtype` (numpy oracle), eagerly and under jit."""
+    rng, seed = _rng()
+    m, k = 130, 300
+    # rows over ten decades; data * scale stays inside f16's range (65504)
+    x = rng.standard_normal((m, k)) * 10.0 ** rng.uniform(-6, 4, (m, 1))
+    q = quantize(jnp.asarray(x, jnp.float32), block)
+    bm, bk = block
+    scale = np.repeat(np.repeat(np.asarray(q.scale), bm, 0), bk, 1)[:m, :k]
+    exact = np.asarray(q.data).astype(np.float32)[:m, :k] * scale  # one f32 rounding
+    want = exact.astype(ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float16)
+    for got in (q.dequantize(dtype), jax.jit(lambda t: t.dequantize(dtype))(q)):
+        chex.assert_type(got, dtype)
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint16), want.view(np.uint16), err_msg=f"seed {seed}"
+        )
+    if dtype == jnp.bfloat16:  # and within half a BF16 ulp (plus the f32 product's) of the f64 value
+        exact64 = np.asarray(q.data).astype(np.float64)[:m, :k] * scale.astype(np.float64)
+        err = np.abs(np.asarray(want, np.float64) - exact64)
+        assert np.all(err <= np.abs(exact64) * (2.0**-8 + 2.0**-23)), f"seed {seed}"  # u = 2^-8
 
 
 def test_batch_axes_are_independent():
