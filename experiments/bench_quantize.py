@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jfp8
-from jfp8.backend import is_hopper
+from jfp8.api import is_hopper
 from _bench import (
     TIMING_METHOD,
     Case,

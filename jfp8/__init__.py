@@ -3,23 +3,22 @@
 Numerics core: `quantize` -> `Fp8Tensor`, the reference GEMM `scaled_matmul_reference` (chunked FP32
 accumulation, the numerics every kernel reproduces) and the float64 oracle. GEMMs:
 `scaled_matmul`, `grouped_scaled_matmul`, `grouped_wgrad_matmul`, each with `impl="xla" | "mosaic" |
-"auto"`. Checkpoints in DeepSeek-V3's FP8 safetensors layout: `save_safetensors`, `load_safetensors`.
+"auto"` chosen in one place, `jfp8.api`. Checkpoints in DeepSeek-V3's FP8 safetensors layout: `save_safetensors`, `load_safetensors`.
 """
 
-from jfp8.backend import Impl, is_hopper
-from jfp8.fp8 import (
-    AMAX_FLOOR,
-    BLOCKS,
-    E4M3_MAX,
-    FP8_DTYPE,
-    TILE,
-    Fp8Tensor,
+from jfp8.api import (
+    Impl,
+    grouped_scaled_matmul,
+    grouped_wgrad_matmul,
+    is_hopper,
     quantize,
     quantize_grad,
     quantize_weight,
     quantize_wgrad_operand,
     retile_wgrad_operand,
+    scaled_matmul,
 )
+from jfp8.fp8 import AMAX_FLOOR, BLOCKS, E4M3_MAX, FP8_DTYPE, TILE, Fp8Tensor
 from jfp8.reference import (
     dequantize_f64,
     grouped_scaled_matmul_reference,
@@ -29,7 +28,6 @@ from jfp8.reference import (
 )
 from jfp8.ops import fp8_dot_general, fp8_linear, grouped_fp8_linear, make_fp8_dot_general
 from jfp8.recipe import Fp8Recipe
-from jfp8.matmul import grouped_scaled_matmul, grouped_wgrad_matmul, scaled_matmul
 from jfp8.safetensors_io import load_safetensors, save_safetensors
 
 __all__ = [

@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8.fp8 import TILE, Fp8Tensor, quantize
-from jfp8.reference import check_nt_operands, chunk_operand, rel_error, scaled_matmul_oracle
+from jfp8.reference import check_nt_operands, chunk_operand, scaled_matmul_oracle
 
 Rounding = Literal["truncate", "nearest"]
 Alignment = Literal["group", "product"]

@@ -16,18 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jfp8.fp8 import (
-    TILE,
-    Fp8Tensor,
+from jfp8.api import (
+    grouped_scaled_matmul,
+    grouped_wgrad_matmul,
     quantize,
     quantize_grad,
     quantize_weight,
     quantize_wgrad_operand,
     retile_wgrad_operand,
+    scaled_matmul,
 )
-from jfp8.matmul import grouped_scaled_matmul, grouped_wgrad_matmul, scaled_matmul
+from jfp8.fp8 import TILE, Fp8Tensor
 from jfp8.recipe import Fp8Recipe
-from jfp8.reference import REF_TILE_M, check_group_sizes
+from jfp8.reference import REF_TILE_M, check_group_sizes, row_tile_work
 
 DEFAULT_RECIPE = Fp8Recipe()
 _IO_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -225,8 +226,6 @@ def _ragged(x, w, group_sizes):
     """The non-FP8 grouped GEMM: `jax.lax.ragged_dot(x, w, group_sizes)` in x's dtype with an FP32
     accumulator, computed one (row tile, group) work item at a time: about (T + G * tile) rows of
     work. (XLA lowers ragged_dot to a dense masked dot, G times the FLOPs, on CPU and GPU.)"""
-    from pallas_kernels.schedule import row_tile_work
-
     t, g, n = x.shape[0], w.shape[0], w.shape[2]
     tm = REF_TILE_M
     tp = -(-t // tm) * tm

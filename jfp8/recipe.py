@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jfp8.backend import IMPLS, Impl
+from jfp8.api import IMPLS, Impl
 from jfp8.fp8 import TILE, Block, _check_block
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8.fp8 import TILE, Fp8Tensor
+from pallas_kernels.schedule import row_tile_work  # noqa: F401  shared with the kernels (and jfp8.ops)
 
 _OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 
@@ -189,8 +190,6 @@ def grouped_scaled_matmul_reference(
       (T, N): row t of group g is row t of `scaled_matmul_reference(lhs, rhs[g])`: the same
       per-row promotion, computed tile by tile (each row tile once per group it holds).
     """
-    from pallas_kernels.schedule import row_tile_work
-
     if rhs.ndim != 3:
         raise ValueError(f"rhs must be (G, N, K), got shape {rhs.shape}")
     g, n, k = rhs.shape

@@ -39,6 +39,14 @@ def interpret_mode(interpret: bool, *, detect_races: bool = False):
         yield
 
 
+def interpreting() -> bool:
+    """True inside `interpret_mode(True)` (or jax's `force_gpu_interpret_mode`): kernels traced
+    here run in the interpreter, whatever platform the computation is lowered for."""
+    from jax._src import config  # the flag force_gpu_interpret_mode sets (no public getter)
+
+    return config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
 def num_sms() -> int:
     """SM count for persistent grids: the abstract device's when lowering off-GPU, the real GPU's
     when there is one, else an H100's (interpreter runs on CPU)."""

@@ -40,35 +40,8 @@ gets the same chunk products promoted in the same order. Called without a config
 128 x 128 tiles fill the GPU (every DENSE_SHAPES entry), narrower or one-warpgroup forms for
 small M, or what `experiments/tune_gemm.py` measured best on this GPU model.
 
-Predicted effects, to be measured on a GPU (nothing here has been timed; `experiments/
-bench_gemm.py` times the picked config, and `--config` rows flip the fields one at a time from
-`GemmConfig.simple()`):
-1. Deeper pipeline (`max_concurrent_steps` 2 -> 4). With 2 stages only the next chunk's copies
-   are in flight while one is computed, so each step can wait a full TMA round trip from L2/HBM.
-   More stages hide that latency; expected to help most where per-tile compute is shortest
-   relative to load latency (tile_n small, or few CTAs per SM). Sweep 2..5 at fixed tiles.
-2. Warp specialization. In the simple form the tensor cores idle while the one warpgroup waits
-   for TMA, waits for its wgmma, and promotes (a multiply-add per accumulator element per 128 K).
-   With two consumers, one's promotion (FMA units) overlaps the other's wgmma (tensor cores), and
-   the 128-row tile halves the b traffic per FLOP compared with 64 rows. Expected to be the
-   largest gain at every DENSE_SHAPES entry; to separate the two causes, compare
-   `GemmConfig(warp_specialized=False, tile_m=128, ...)` with the default.
-3. Persistent grid. Removes a CTA launch, barrier setup and pipeline fill per tile, and lets the
-   producer fetch the next tile's first chunks while the consumers store the previous tile.
-   Expected to matter most at short K (4096x24576x1536, 4096x7168x2048), where fill and epilogue
-   are a larger share of a tile's time; it does not remove wave quantization (tiles % 132).
-4. Grouped tile order (`grid_tile_group` = 8 row tiles). A wave of 132 concurrent 128 x 128
-   tiles then spans 8 row tiles x about 17 column tiles, i.e. 25 distinct 128-row panels of a and
-   b (128 x K bytes each), instead of about 4 + 56 = 60 in row order at N = 7168 (1 + 132 at
-   N = 24576). Concurrent CTAs move through K at similar rates, so a panel shared within a wave
-   should come from HBM about once: per wave 2 * 132 * 128^2 * K FLOP over 25 * 128 * K bytes is
-   ~1350 FLOP/byte, against ~560 for 60 panels, and the H100 datasheet ratio (1979 TFLOP/s over
-   3.35 TB/s) is ~590. Expected: less DRAM read traffic (`ncu` dram bytes) at every shape, and
-   higher throughput where panels do not also survive in the 50 MB L2 between waves (large K:
-   4096x7168x16384, 8192^3).
-Also to check on the GPU: the SASS should show `QGMMA` for the wgmma and `SETMAXNREG` in the
-warp-specialized form; the per-chunk `commit_smem` (proxy fence + warpgroup barrier, see
-`promote`) is expected to cost little, since the other consumer's wgmma runs meanwhile.
+What each form is predicted to change on a GPU, and what to look for there (SASS, ncu), is in
+`docs/gpu.md`; nothing here has been timed.
 
 Tails: TMA zero-fills loads past the inputs' edges (zero data and zero scales add exact zeros)
 and drops stores past the output's edge, so partial tiles need no masking in the kernel. What

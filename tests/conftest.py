@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    from jfp8.backend import is_hopper
+    from jfp8.api import is_hopper
 
     if is_hopper():
         return

@@ -6,30 +6,60 @@ import numpy as np
 import pytest
 
 import jfp8
-from jfp8.backend import resolve_impl
 from jfp8.error_study import format_table, granularity_errors
 
 ON_HOPPER = jfp8.is_hopper()
 
 
-def test_auto_uses_the_reference_off_hopper():
-    assert resolve_impl("auto", interpret=False) == ("mosaic" if ON_HOPPER else "xla")
-    assert resolve_impl("auto", interpret=True) == "mosaic"
-    assert resolve_impl("xla", interpret=False) == "xla"
+def _x_w():
+    rng = np.random.default_rng()
+    return (jnp.asarray(rng.standard_normal((256, 512)), jnp.float32),
+            jnp.asarray(rng.standard_normal((512, 384)), jnp.float32))
+
+
+def _layer(impl):
+    return jax.jit(lambda x, w: jfp8.fp8_linear(x, w, jfp8.Fp8Recipe(impl=impl)))
+
+
+def _mosaic_calls(impl, platform):
+    return _layer(impl).trace(*_x_w()).lower(lowering_platforms=(platform,)).as_text().count(
+        "custom_call @mosaic_gpu")
+
+
+def test_auto_is_decided_by_the_platform_lowered_for():
+    """On any host (this one has no GPU), "auto" lowers the kernels for CUDA (an ahead-of-time
+    build, jax.export) and the reference for the CPU; forward and backward alike."""
+    assert _mosaic_calls("auto", "cuda") > 0
+    assert _mosaic_calls("auto", "cpu") == 0
+    assert _mosaic_calls("xla", "cuda") == 0
+    grad = jax.jit(jax.grad(lambda x, w: jfp8.fp8_linear(x, w).astype(jnp.float32).sum(), argnums=1))
+    text = grad.trace(*_x_w()).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") >= 6  # fwd: 2 quantizers + GEMM; bwd: 2 + 2 GEMMs
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="checks the reference path without a Hopper GPU")
+def test_auto_runs_the_reference_here():
+    x, w = _x_w()
+    for f in (_layer("auto"), lambda x, w: jfp8.fp8_linear(x, w)):  # jitted and eager
+        np.testing.assert_array_equal(np.asarray(f(x, w)), np.asarray(_layer("xla")(x, w)))
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="checks the error raised without a Hopper GPU")
-def test_explicit_mosaic_without_gpu_is_a_clear_error():
+def test_explicit_mosaic_lowers_for_cuda_and_raises_only_where_it_cannot_run():
+    assert _mosaic_calls("mosaic", "cuda") > 0  # a CPU host can build for an H100
+    x, w = _x_w()
+    with pytest.raises(RuntimeError, match="need a Hopper GPU.*lowered for cpu.*impl='xla'"):
+        _layer("mosaic")(x, w)  # jitted, run here: lowered for the CPU
     a = jfp8.quantize(jnp.ones((4, 128)))
     b = jfp8.quantize(jnp.ones((8, 128)), (128, 128))
-    with pytest.raises(RuntimeError, match="needs a Hopper GPU.*impl='xla'"):
-        jfp8.scaled_matmul(a, b, impl="mosaic")
+    with pytest.raises(RuntimeError, match="need a Hopper GPU.*inputs are on.*impl='xla'"):
+        jfp8.scaled_matmul(a, b, impl="mosaic")  # eager
 
 
 @pytest.mark.parametrize("impl,interpret,exc", [("cuda", False, ValueError), ("xla", True, ValueError)])
 def test_bad_impl_choices(impl, interpret, exc):
-    with pytest.raises(exc):
-        resolve_impl(impl, interpret)
+    with pytest.raises(exc, match="impl"):
+        jfp8.quantize(jnp.ones((4, 128)), impl=impl, interpret=interpret)
 
 
 def test_xla_front_door_is_the_reference():

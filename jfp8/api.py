@@ -1,0 +1,414 @@
+"""The one door between jfp8 and its Mosaic GPU kernels: every quantizer and GEMM chooses here.
+
+Each function takes `impl` and `interpret`, with one default, `impl="auto"`:
+
+- `"xla"`: the reference (`jfp8.fp8`, `jfp8.reference`), on any device.
+- `"mosaic"`: the Pallas Mosaic GPU kernels (`pallas_kernels`), bit-identical to the reference in
+  the interpreter. They lower for CUDA on any host, a CPU login node included (an ahead-of-time
+  build, `jax.export`); a computation that runs them on a device that cannot (a CPU, a GPU that is
+  not a Hopper) raises an error saying so, when it is lowered or run there.
+- `"auto"`: decided when the computation is lowered, per platform (`jax.lax.platform_dependent`):
+  the kernels where it is lowered for CUDA, the reference anywhere else; on a machine whose GPU is
+  not a Hopper, the reference. Called eagerly, it goes by the device the inputs are on.
+
+`interpret=True` runs the kernels in the Mosaic GPU interpreter on any machine (tests, slow).
+Inputs the kernels do not take (a scaling block or dtype they have no kernel for) run the
+reference under "auto", which has the same numerics, and raise NotImplementedError naming what is
+missing under "mosaic". Nothing falls back silently from an explicit choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Literal, TypeAlias
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jfp8 import fp8, reference
+from jfp8.fp8 import TILE, Block, Fp8Tensor, _check_block
+from jfp8.reference import check_nt_operands, chunk_operand
+from pallas_kernels import _mgpu, gemm, grouped_gemm, grouped_wgrad
+from pallas_kernels import quantize as qk
+
+Impl: TypeAlias = Literal["xla", "mosaic", "auto"]
+IMPLS = ("xla", "mosaic", "auto")
+_BLOCK = (TILE, TILE)
+
+
+def is_hopper(device: jax.Device | None = None) -> bool:
+    """True for an NVIDIA GPU of compute capability 9.x (H100, H200, H800)."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    return str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def _local_non_hopper_gpu() -> jax.Device | None:
+    """A GPU of this machine that cannot run the kernels, or None (Hopper GPUs, or none at all)."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend: a CPU host, which may still lower for CUDA
+        return None
+    return next((d for d in gpus if not is_hopper(d)), None)
+
+
+def _mosaic_unavailable(where: str) -> str:
+    return (f"impl='mosaic' runs the Mosaic GPU kernels, which need a Hopper GPU (sm_90), but {where}; "
+            "use impl='auto' (the kernels where they can run, the reference elsewhere), impl='xla' "
+            "(the reference, same numerics) or interpret=True (the kernels in the interpreter)")
+
+
+# A stand-in for the kernels' results on a platform that cannot run them: it traces like the
+# kernels (same output shapes) and raises, with `why`, only if it is lowered.
+_unavailable_p = Primitive("jfp8_mosaic_unavailable")
+_unavailable_p.multiple_results = True
+_unavailable_p.def_abstract_eval(lambda *args, out_avals, why: out_avals)
+
+
+def _raise_when_run(*args, out_avals, why):
+    raise RuntimeError(why.format(platforms=jax.devices()[0].platform))
+
+
+_unavailable_p.def_impl(_raise_when_run)
+
+
+def _raise_when_lowered(ctx, *args, out_avals, why):
+    raise RuntimeError(why.format(platforms=", ".join(ctx.module_context.platforms)))
+
+
+mlir.register_lowering(_unavailable_p, _raise_when_lowered)
+
+
+def _unavailable(like: Callable) -> Callable:
+    """A function with `like`'s signature and results that raises if lowered."""
+
+    def run(*args):
+        out_shape = jax.eval_shape(like, *args)
+        leaves, tree = jax.tree.flatten(out_shape)
+        avals = tuple(jax.core.ShapedArray(leaf.shape, leaf.dtype) for leaf in leaves)
+        why = _mosaic_unavailable("this computation is being lowered for {platforms}")
+        outs = _unavailable_p.bind(*jax.tree.leaves(args), out_avals=avals, why=why)
+        return jax.tree.unflatten(tree, outs)
+
+    return run
+
+
+def _device_of(args) -> jax.Device:
+    for leaf in jax.tree.leaves(args):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            return next(iter(leaf.devices()))
+    return jax.devices()[0]
+
+
+def _dispatch(impl: Impl, interpret: bool, kernel: Callable, xla: Callable, args: tuple,
+              unsupported: str | None = None):
+    """`kernel(*args)` or `xla(*args)` (same results), as `impl` and `interpret` say (module
+    docstring). `unsupported`: why the kernels cannot take these inputs, or None."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "xla":
+        if interpret:
+            raise ValueError("interpret=True runs the Mosaic GPU kernels: use impl='mosaic' or 'auto'")
+        return xla(*args)
+    if unsupported is not None:
+        if impl == "mosaic":
+            raise NotImplementedError(f"the Mosaic GPU kernels do not handle {unsupported}; use impl='xla' "
+                                      "or 'auto' (the reference, same numerics)")
+        return xla(*args)
+    if _mgpu.interpreting():  # inside an interpreter context (with its settings): kernels run there
+        return kernel(*args)
+    if interpret:
+        with _mgpu.interpret_mode(True):
+            return kernel(*args)
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
+        device = _device_of(args)  # eager: where it runs is known now
+        if is_hopper(device):
+            return kernel(*args)
+        if impl == "auto":
+            return xla(*args)
+        raise RuntimeError(_mosaic_unavailable(f"the inputs are on {device.device_kind!r} ({device.platform})"))
+    gpu = _local_non_hopper_gpu()
+    if gpu is not None:  # this machine's GPU cannot run them, whatever is lowered
+        if impl == "auto":
+            return xla(*args)
+        raise RuntimeError(_mosaic_unavailable(f"this machine's GPU is {gpu.device_kind!r}"))
+    default = xla if impl == "auto" else _unavailable(xla)
+    return jax.lax.platform_dependent(*args, cuda=kernel, default=default)
+
+
+# ------------------------------------------------------------------------------ quantizers
+
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_KERNEL_BLOCKS = ((1, TILE), (TILE, 1), (TILE, TILE))
+
+
+def _quantize_unsupported(x: jax.Array, block: Block) -> str | None:
+    """Why the quantization kernels cannot take this input, or None when they can."""
+    if block not in _KERNEL_BLOCKS:
+        return f"block {block} (the kernels do {_KERNEL_BLOCKS})"
+    if jnp.dtype(x.dtype) not in _KERNEL_DTYPES:
+        return f"dtype {x.dtype} (the kernels take bf16, f16, f32)"
+    if x.ndim > 2 and block != (1, TILE) and x.shape[-2] % TILE:
+        return f"batched input whose rows ({x.shape[-2]}) are not a multiple of {TILE}"
+    return None
+
+
+def _check_quantize_input(x: jax.Array, block: Block) -> jax.Array:
+    """The checks of `fp8.quantize`, done before choosing, so both paths fail the same way."""
+    _check_block(block)
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 2:
+        fp8.quantize(x, block)  # raises its clear error
+    return x
+
+
+def _quantize_kernel(x: jax.Array, block: Block, pow2_scale: bool) -> Fp8Tensor:
+    """`fp8.quantize` through the fused kernels (2-D; batch axes folded into rows)."""
+    *batch, m, k = x.shape
+    # Rows of different batch items never share a block (`_quantize_unsupported`). Not
+    # reshape(-1, k): that cannot infer the rows when k is 0.
+    x2 = x.reshape(math.prod(batch) * m, k)
+    fn = {(1, TILE): qk.quantize_tile, (TILE, 1): qk.quantize_column, (TILE, TILE): qk.quantize_block}[block]
+    data, scale = fn(x2, pow2_scale=pow2_scale)
+    rows = -(-m // block[0]) * block[0]
+    data = data.reshape(*batch, rows, data.shape[-1])
+    scale = scale.reshape(*batch, rows // block[0], scale.shape[-1])
+    return Fp8Tensor(data, scale, block, (m, k))
+
+
+def quantize(
+    x: jax.Array,
+    block: Block = (1, TILE),
+    *,
+    pow2_scale: bool = False,
+    impl: Impl = "auto",
+    interpret: bool = False,
+) -> Fp8Tensor:
+    """Online E4M3 quantization of the last two axes of `x`, one FP32 scale per block.
+
+    Args:
+      x: floating array of shape `(..., M, K)` (bf16, f16, f32 or f64); leading axes are batch.
+      block: `(1, 128)` tile-wise (activations), `(128, 1)` (the Wgrad layout, 128 rows per
+        scale), `(128, 128)` block-wise (weights), any other `(bm, bk)`, or None for one scale
+        per matrix (per tensor, the baseline).
+      pow2_scale: round every scale up to a power of two (UE8M0-compatible).
+      impl, interpret: the kernels or the reference (module docstring); bit-identical.
+
+    Returns:
+      An `Fp8Tensor` whose `data` is padded with zeros up to whole blocks and whose `logical`
+      holds `(M, K)`. A block that contains NaN or ±Inf gets a NaN scale and NaN data.
+    """
+    x = _check_quantize_input(x, block)
+    return _dispatch(impl, interpret, functools.partial(_quantize_kernel, block=block, pow2_scale=pow2_scale),
+                     functools.partial(fp8.quantize, block=block, pow2_scale=pow2_scale), (x,),
+                     _quantize_unsupported(x, block))
+
+
+def quantize_weight(
+    w: jax.Array,
+    block: Block = (TILE, TILE),
+    *,
+    pow2_scale: bool = False,
+    impl: Impl = "auto",
+    interpret: bool = False,
+) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """`(q, q.mT)` for `q = quantize(w, block)`: a weight in both orientations it is used in.
+
+    Fprop contracts W [K, N] over K and Dgrad over N, and FP8 wgmma needs the contracted axis
+    contiguous. On the kernels, one fused pass reads W once and writes both E4M3 copies
+    (`quantize_block_and_transpose`: 2-D weights and stacks of experts `(G, K, N)`); otherwise
+    `quantize` and `.mT`. Bit-identical either way.
+    """
+    w = _check_quantize_input(w, block)
+    fused = block == _BLOCK and w.ndim in (2, 3) and _quantize_unsupported(w, block) is None
+
+    def kernel(w):
+        data, scale, data_t = qk.quantize_block_and_transpose(w, pow2_scale=pow2_scale)
+        m, k = w.shape[-2:]
+        return Fp8Tensor(data, scale, block, (m, k)), Fp8Tensor(data_t, jnp.swapaxes(scale, -1, -2), block, (k, m))
+
+    if not fused:  # the two passes, each through its own door
+        q = quantize(w, block, pow2_scale=pow2_scale, impl=impl, interpret=interpret)
+        return q, q.mT
+    xla = functools.partial(fp8.quantize_weight, block=block, pow2_scale=pow2_scale)
+    return _dispatch(impl, interpret, kernel, xla, (w,))
+
+
+def quantize_wgrad_operand(
+    x: jax.Array, *, pow2_scale: bool = False, impl: Impl = "auto", interpret: bool = False
+) -> Fp8Tensor:
+    """x (T, C) -> its transpose (C, T) scaled per 128 tokens: `quantize(x, (128, 1)).mT`, which
+    the kernel writes transposed in the same pass (2-D inputs)."""
+    x = _check_quantize_input(x, (TILE, 1))
+
+    def kernel(x):
+        data, scale = qk.quantize_column(x, pow2_scale=pow2_scale, transpose=True)
+        return Fp8Tensor(data, scale, (1, TILE), (x.shape[1], x.shape[0]))
+
+    unsupported = _quantize_unsupported(x, (TILE, 1)) or (None if x.ndim == 2 else f"{x.ndim}-D input")
+    return _dispatch(impl, interpret, kernel, functools.partial(fp8.quantize_wgrad_operand, pow2_scale=pow2_scale),
+                     (x,), unsupported)
+
+
+def quantize_grad(
+    dy: jax.Array, *, pow2_scale: bool = False, impl: Impl = "auto", interpret: bool = False
+) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """dy (T, N) -> `(quantize(dy, (1, 128)), quantize_wgrad_operand(dy))`: its Dgrad operand in
+    1x128 tiles and its Wgrad operand (dyᵀ scaled per 128 tokens); on the kernels, one fused pass
+    reads dy once and writes both (2-D inputs). Bit-identical either way."""
+    dy = _check_quantize_input(dy, (1, TILE))
+
+    def kernel(dy):
+        t, n = dy.shape
+        data, scale, data_t, scale_t = qk.quantize_tile_and_column_t(dy, pow2_scale=pow2_scale)
+        return Fp8Tensor(data, scale, (1, TILE), (t, n)), Fp8Tensor(data_t, scale_t, (1, TILE), (n, t))
+
+    unsupported = _quantize_unsupported(dy, (TILE, 1)) or (None if dy.ndim == 2 else f"{dy.ndim}-D input")
+    return _dispatch(impl, interpret, kernel, functools.partial(fp8.quantize_grad, pow2_scale=pow2_scale),
+                     (dy,), unsupported)
+
+
+def retile_wgrad_operand(
+    t: Fp8Tensor, *, pow2_scale: bool = False, impl: Impl = "auto", interpret: bool = False
+) -> Fp8Tensor:
+    """The FP8 x saved by Fprop, (T, C) in (1, 128) tiles -> (C, T) scaled per 128 tokens:
+    `quantize(t.dequantize(jnp.float32), (128, 1)).mT` (DeepSeek-V3 §3.5.2), one fused pass on
+    the kernels."""
+
+    def kernel(t):
+        m, k = t.logical
+        data, scale = qk.retile_tile_to_column_t(t.data, t.scale, m=m, k=k, pow2_scale=pow2_scale)
+        return Fp8Tensor(data, scale, (1, TILE), (k, m))
+
+    unsupported = None if (t.ndim == 2 and t.block == (1, TILE)) else f"a {t.ndim}-D tensor in blocks {t.block}"
+    return _dispatch(impl, interpret, kernel, functools.partial(fp8.retile_wgrad_operand, pow2_scale=pow2_scale),
+                     (t,), unsupported)
+
+
+# ------------------------------------------------------------------------------ GEMMs
+
+
+def _padded_k(t: Fp8Tensor) -> int:
+    return -(-t.logical[1] // TILE) * TILE
+
+
+def _k_padded_data(t: Fp8Tensor, kp: int) -> jax.Array:
+    """`t.data` with exactly `kp` columns (per-tensor operands are stored unpadded)."""
+    if t.data.shape[-1] == kp:
+        return t.data
+    k = t.logical[1]
+    return jnp.pad(t.data[..., :k], [(0, 0)] * (t.data.ndim - 1) + [(0, kp - k)])
+
+
+def scaled_matmul(
+    a: Fp8Tensor,
+    b: Fp8Tensor,
+    *,
+    out_dtype=jnp.bfloat16,
+    impl: Impl = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """`a @ b.T` for FP8 operands with DeepSeek-V3's per-128-K promotion to FP32.
+
+    Args:
+      a: (M, K) `Fp8Tensor`, tile-scaled `(1, 128)` (also accepted: `(bm, 128)` blocks, per tensor).
+      b: (N, K) `Fp8Tensor`: `(128, 128)` blocks (Fprop/Dgrad), `(1, 128)` tiles (Wgrad) or per
+        tensor.
+      out_dtype: bfloat16 or float32.
+      impl, interpret: the kernels or the reference (module docstring).
+
+    Returns:
+      (M, N) in `out_dtype`: `scaled_matmul_reference(a, b, out_dtype)`, bit for bit in the
+      interpreter and within `jfp8.accumulation.hardware_error_bound` on a Hopper GPU.
+    """
+    check_nt_operands(a, b, out_dtype)
+
+    def kernel(a, b):
+        kp = _padded_k(a)
+        a_data, a_scale = chunk_operand(a, kp)
+        if b.block == _BLOCK:
+            b_data, b_scale, b_rows = _k_padded_data(b, kp), b.scale, TILE
+        else:  # per-row scales serve every other layout (tiles, per tensor, other block heights)
+            b_data, b_scale = chunk_operand(b, kp)
+            b_rows = 1
+        return gemm.scaled_matmul(a_data, a_scale, b_data, b_scale, n=b.logical[0], b_block_rows=b_rows,
+                                  out_dtype=out_dtype)
+
+    xla = functools.partial(reference.scaled_matmul_reference, out_dtype=out_dtype)
+    return _dispatch(impl, interpret, kernel, xla, (a, b))
+
+
+def _check_grouped_rhs(b: Fp8Tensor) -> None:
+    if not isinstance(b, Fp8Tensor) or b.ndim != 3:
+        raise ValueError(f"b must be a (G, N, K) Fp8Tensor, one weight per group; got {getattr(b, 'shape', b)}")
+
+
+def grouped_scaled_matmul(
+    a: Fp8Tensor,
+    b: Fp8Tensor,
+    group_sizes: jax.Array,
+    *,
+    out_dtype=jnp.bfloat16,
+    impl: Impl = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """MoE grouped GEMM mirroring `jax.lax.ragged_dot(a, b, group_sizes)` with B stored K-major.
+
+    Args:
+      a: (T, K) tile-scaled `Fp8Tensor`, rows sorted by group.
+      b: (G, N, K) `Fp8Tensor`, `(128, 128)`-block scaled, one weight per group.
+      group_sizes: (G,) int32, any sizes (0 too); rows past their sum come out as zeros.
+
+    Returns:
+      (T, N) in `out_dtype`, equal to `grouped_scaled_matmul_reference`.
+    """
+    _check_grouped_rhs(b)
+    check_nt_operands(a, Fp8Tensor(b.data[0], b.scale[0], b.block, b.logical), out_dtype)
+    group_sizes = jnp.asarray(group_sizes, jnp.int32)
+
+    def kernel(a, b, group_sizes):
+        kp = _padded_k(a)
+        a_data, a_scale = chunk_operand(a, kp)
+        return grouped_gemm.grouped_scaled_matmul(a_data, a_scale, _k_padded_data(b, kp), b.scale, group_sizes,
+                                                  n=b.logical[0], out_dtype=out_dtype)
+
+    xla = functools.partial(reference.grouped_scaled_matmul_reference, out_dtype=out_dtype)
+    unsupported = None if b.block == _BLOCK else f"block {b.block} weights (the grouped kernel takes {_BLOCK})"
+    return _dispatch(impl, interpret, kernel, xla, (a, b, group_sizes), unsupported)
+
+
+def grouped_wgrad_matmul(
+    a_t: Fp8Tensor,
+    b_t: Fp8Tensor,
+    group_sizes: jax.Array,
+    *,
+    out_dtype=jnp.float32,
+    impl: Impl = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """Per group g, `a_g^T @ b_g` contracted over the (token) rows: the MoE Wgrad -> (G, K, N).
+
+    Args:
+      a_t: (K, T) `Fp8Tensor` of x^T scaled per 128 tokens: `quantize(x, (128, 1)).mT`.
+      b_t: (N, T) `Fp8Tensor` of dy^T, likewise.
+      group_sizes: (G,) int32 token counts per group (tokens sorted by group).
+
+    Returns:
+      (G, K, N) in `out_dtype` (float32 by default), equal to `grouped_wgrad_reference`.
+    """
+    check_nt_operands(a_t, b_t, out_dtype)
+    group_sizes = jnp.asarray(group_sizes, jnp.int32)
+
+    def kernel(a_t, b_t, group_sizes):
+        tp = _padded_k(a_t)
+        a_data, a_scale = chunk_operand(a_t, tp)
+        b_data, b_scale = chunk_operand(b_t, tp)
+        return grouped_wgrad.grouped_wgrad(a_data, a_scale, b_data, b_scale, group_sizes,
+                                           t=a_t.logical[1], out_dtype=out_dtype)
+
+    xla = functools.partial(reference.grouped_wgrad_reference, out_dtype=out_dtype)
+    return _dispatch(impl, interpret, kernel, xla, (a_t, b_t, group_sizes))
