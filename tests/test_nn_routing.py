@@ -272,8 +272,8 @@ def test_update_bias_clipped_is_proportional_and_bounded():
 
 def test_bias_update_speed_follows_lr_and_freezes():
     total, f = 200, 0.03
+    assert ModelConfig().bias_lr_ratio == pytest.approx(1e-3 / 2.2e-4) == DEEPSEEK_V3_BIAS_LR_RATIO  # κ default
     lr_tied = ModelConfig.tiny(bias_schedule="lr", bias_freeze_frac=f)
-    assert lr_tied.bias_lr_ratio == pytest.approx(1e-3 / 2.2e-4) == DEEPSEEK_V3_BIAS_LR_RATIO
     assert bias_freeze_step(lr_tied, total) == 194  # the last 6 = 3 % of 200 steps are frozen
     for step, lr in ((0, 0.0), (10, 1.5e-3), (100, 3e-3), (193, 3e-4)):
         np.testing.assert_allclose(bias_update_speed(lr_tied, step, lr, total), lr_tied.bias_lr_ratio * lr, rtol=1e-6)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from typing import Literal
 
 import jax.numpy as jnp
@@ -19,6 +20,9 @@ BIAS_SCHEDULES: tuple[str, ...] = ("constant", "lr")
 DEEPSEEK_V3_BIAS_LR_RATIO = 1e-3 / 2.2e-4
 # DeepSeek-V3 (§4.2) initialises every learnable parameter with this standard deviation.
 DEEPSEEK_V3_INIT_STD = 0.006
+# The presets' router-bias update (clipped proportional, γ_t = 15·lr_t), chosen by measurement:
+# experiments/results/balancing-tiny/summary.md. The field defaults are DeepSeek-V3's sign rule.
+PRESET_BALANCING = MappingProxyType(dict(bias_rule="clipped", bias_schedule="lr", bias_lr_ratio=15.0))
 
 
 def check_expert_groups(n_experts: int, k: int, n_group: int, topk_group: int) -> None:
@@ -37,6 +41,9 @@ def check_expert_groups(n_experts: int, k: int, n_group: int, topk_group: int) -
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A DeepSeek-V3-style decoder (arXiv 2412.19437 §2) at research scale.
+
+    The field defaults follow DeepSeek-V3 where it gives a value; the presets (`tiny`, `small`,
+    `gpu`) change the router-bias update to the measured `PRESET_BALANCING`.
 
     Parameters are FP32 master weights; activations run in `dtype`. Every projection except the
     embedding, the output head and the MoE gate goes through the FP8 ops with `recipe`
@@ -189,8 +196,8 @@ class ModelConfig:
     @classmethod
     def tiny(cls, **overrides) -> ModelConfig:
         """For tests: a fraction of a second per step on a CPU. d_model 64, 2 layers (1 dense),
-        4 routed experts (top-2) + 1 shared."""
-        return dataclasses.replace(cls(), **overrides)
+        4 routed experts (top-2) + 1 shared. Like every preset, balances with `PRESET_BALANCING`."""
+        return dataclasses.replace(cls(**PRESET_BALANCING), **overrides)
 
     @classmethod
     def small(cls, **overrides) -> ModelConfig:
@@ -200,7 +207,7 @@ class ModelConfig:
             d_model=256, n_layers=6, n_dense_layers=1, n_heads=4,
             q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
             v_head_dim=64, n_routed=16, n_shared=1, top_k=2, moe_hidden=256, dense_hidden=768,
-            max_seq_len=256,
+            max_seq_len=256, **PRESET_BALANCING,
         )
         return dataclasses.replace(base, **overrides)
 
@@ -213,6 +220,6 @@ class ModelConfig:
             d_model=768, n_layers=12, n_dense_layers=1, n_heads=8,
             q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64,
             v_head_dim=128, n_routed=32, n_shared=1, top_k=4, moe_hidden=256, dense_hidden=2048,
-            max_seq_len=1024,
+            max_seq_len=1024, **PRESET_BALANCING,
         )
         return dataclasses.replace(base, **overrides)
