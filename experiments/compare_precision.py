@@ -4,9 +4,10 @@
 
 Trains the same model twice with the same seed, initialisation and data order, once with the
 DeepSeek-V3 FP8 recipe and once with it off (BF16 GEMMs), then writes DIR/fp8/, DIR/bf16/ (each a
-train_moe.py run), DIR/parity.png (loss curves and the relative difference per step) and
-DIR/summary.json: final train and validation loss of each, `relative_gap`
-((fp8 - bf16) / bf16 of the final validation loss), tokens, steps, wall time and tokens/s.
+train_moe.py run), DIR/parity.png (loss curves, the relative difference per step, and the worst MoE layer's
+max/mean expert load) and DIR/summary.json: final train and validation loss of each, `relative_gap`
+((fp8 - bf16) / bf16 of the final validation loss), tokens, steps, wall time, tokens/s, and each
+MoE layer's max/mean expert load averaged over the last quarter of training.
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ import sys
 
 import numpy as np
 
-from jfp8.train.loop import read_metrics, train
+from jfp8.train.loop import read_metrics, train, worst_load
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from train_moe import config_from_args, parser as train_parser  # noqa: E402
@@ -28,7 +29,7 @@ def plot(fp8: list[dict], bf16: list[dict], path: pathlib.Path, title: str) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    fig, (ax0, ax1, ax2) = plt.subplots(3, 1, figsize=(7, 8.5), sharex=True)
     for name, rows in (("BF16", bf16), ("FP8", fp8)):
         ax0.plot([r["step"] for r in rows], [r["ce"] for r in rows], label=f"{name} train CE")
         ev = [r for r in rows if "val_loss" in r]
@@ -48,11 +49,22 @@ def plot(fp8: list[dict], bf16: list[dict], path: pathlib.Path, title: str) -> N
     for y in (0.25, -0.25):
         ax1.axhline(y, color="gray", lw=0.8, ls=":")
     ax1.set_ylabel("(FP8 - BF16) / BF16 [%]")
-    ax1.set_xlabel("step")
     ax1.legend()
+    for name, rows in (("BF16", bf16), ("FP8", fp8)):
+        ax2.plot([r["step"] for r in rows], [worst_load(r) for r in rows], label=name)
+    ax2.axhline(1, color="gray", lw=0.8, ls=":")
+    ax2.set_ylabel("max/mean expert load\n(worst MoE layer)")
+    ax2.set_xlabel("step")
+    ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def last_quarter_loads(rows: list[dict], steps: int, names: list[str]) -> dict[str, float]:
+    """Each MoE layer's max/mean expert load averaged over the logged steps of the last quarter."""
+    tail = [r["load_max_over_mean"] for r in rows if r["step"] > 0.75 * steps]
+    return {name: float(np.mean([t[i] for t in tail])) for i, name in enumerate(names)} if tail else {}
 
 
 def train_seconds(rows: list[dict], tokens_per_step: int) -> float:
@@ -78,6 +90,7 @@ def main(argv=None) -> dict:
     fp8, bf16 = read_metrics(out / "fp8" / "metrics.jsonl"), read_metrics(out / "bf16" / "metrics.jsonl")
     val8, val16 = fp8[-1]["val_loss"], bf16[-1]["val_loss"]
     per_step = cfg.batch_size * cfg.seq_len
+    names = json.loads((out / "fp8" / "config.json").read_text())["moe_layer_names"]
     wall = {"fp8": train_seconds(fp8, per_step), "bf16": train_seconds(bf16, per_step)}
     summary = {
         "preset": args.preset,
@@ -95,6 +108,8 @@ def main(argv=None) -> dict:
         "wall_s_bf16": wall["bf16"],
         "tokens_per_s_fp8": results["fp8"]["steps"] * per_step / wall["fp8"],
         "tokens_per_s_bf16": results["bf16"]["steps"] * per_step / wall["bf16"],
+        "last_quarter_load_max_over_mean_fp8": last_quarter_loads(fp8, results["fp8"]["steps"], names),
+        "last_quarter_load_max_over_mean_bf16": last_quarter_loads(bf16, results["fp8"]["steps"], names),
         "note": "losses are byte-level cross-entropy in nats; train CE excludes the MTP and balance "
                 "terms; wall time is the sum of the logged intervals (compilation included)",
     }

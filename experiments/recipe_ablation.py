@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from jfp8.recipe import Fp8Recipe
-from jfp8.train.loop import build, read_metrics, train
+from jfp8.train.loop import build, read_metrics, train, worst_load
 from jfp8.train.probes import gradient_errors, load_run, val_batches
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -131,7 +131,7 @@ def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: 
                "loss_scale": cfg.loss_scale, "arms": {}}
     for arm, rows in metrics.items():
         f = final[arm]
-        loads = [r["max_over_mean_load"] for r in rows]
+        loads = [worst_load(r) for r in rows]  # the worst MoE layer's max/mean load
         summary["arms"][arm] = {
             "recipe_overrides": {k: v for k, v in ARMS[arm]},
             "final_train_ce": f["ce"],

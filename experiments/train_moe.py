@@ -3,15 +3,19 @@
     python experiments/train_moe.py --precision fp8 --preset tiny --steps 200 --out runs/tiny-fp8
     python experiments/train_moe.py ... --resume          # continue a stopped run from its checkpoint
     python experiments/train_moe.py ... --recipe grad_block=128x128,pow2_scale=true   # recipe ablation
+    python experiments/train_moe.py ... --model n_routed=16,bias_rule=clipped,bias_lr_ratio=15  # model fields
 
 Writes DIR/config.json, DIR/metrics.jsonl (one JSON object per logged step: step, loss, ce,
-mtp_ce, balance, lr, tokens_per_s; val_loss on evaluation steps) and DIR/checkpoints/.
+mtp_ce, balance, lr, tokens_per_s, bias_gamma, and per MoE layer (named by config.json's
+moe_layer_names) load_max_over_mean, dead_experts, bias_spread; val_loss on evaluation steps) and
+DIR/checkpoints/.
 """
 
 import argparse
 import dataclasses
 import json
 
+from jfp8.nn import ModelConfig
 from jfp8.recipe import Fp8Recipe
 from jfp8.train.loop import PRESETS, TrainConfig, train
 from jfp8.train.optim import OptimizerConfig
@@ -44,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default="", type=parse_recipe_overrides,
                    help="FP8 recipe changes, 'field=value,...' (Fp8Recipe fields; blocks as 1x128, "
                         "128x128 or none; booleans as true/false), e.g. grad_block=128x128")
+    p.add_argument("--model", default="", type=parse_model_overrides,
+                   help="ModelConfig changes to the preset, 'field=value,...' (numbers, strings, "
+                        "true/false), e.g. n_routed=16,bias_rule=clipped,bias_lr_ratio=15")
     p.add_argument("--loss-scale", type=float, default=1.0,
                    help="multiply the loss by this for the backward pass (a power of two; lifts small "
                         "activation gradients above the FP8 quantizer's amax floor of 1e-4)")
@@ -90,6 +97,35 @@ def parse_recipe_overrides(text: str) -> tuple[tuple[str, object], ...]:
     return tuple(out)
 
 
+def parse_model_overrides(text: str) -> tuple[tuple[str, object], ...]:
+    """'n_routed=16,bias_rule=clipped' -> (("n_routed", 16), ("bias_rule", "clipped")), typed by
+    the field's default; validated by building the tiny preset with them."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"recipe", "dtype"}
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = (x.strip() for x in item.partition("="))
+        if not sep or name not in fields:
+            raise argparse.ArgumentTypeError(f"--model {item!r}: expected field=value with a field among {sorted(fields)}")
+        default = getattr(ModelConfig(), name)
+        try:
+            if isinstance(default, bool):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                parsed = value.lower() in ("true", "1")
+            elif isinstance(default, (int, float)):
+                parsed = type(default)(value)
+            else:
+                parsed = value
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--model {item!r}: bad value for {name} ({type(default).__name__})") from None
+        out.append((name, parsed))
+    try:
+        ModelConfig.tiny(**dict(out))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--model {text!r}: {e}") from None
+    return tuple(out)
+
+
 def config_from_args(args) -> TrainConfig:
     d = PRESET_DEFAULTS[args.preset]
     pick = lambda name, key: d[key] if getattr(args, name) is None else getattr(args, name)  # noqa: E731
@@ -106,6 +142,7 @@ def config_from_args(args) -> TrainConfig:
         log_every=args.log_every,
         ckpt_every=args.ckpt_every,
         optimizer=OptimizerConfig(peak_lr=pick("lr", "peak_lr"), warmup_steps=pick("warmup", "warmup")),
+        model_overrides=args.model,
         recipe_overrides=args.recipe,
         loss_scale=args.loss_scale,
         out=args.out,

@@ -78,7 +78,7 @@ from jfp8.fp8 import TILE, Fp8Tensor
 from jfp8.nn.config import ModelConfig
 from jfp8.nn.layers import swiglu
 from jfp8.nn.model import Transformer, loss_from_outputs
-from jfp8.nn.moe import MoE, MoEStats, combine, expert_loads, router_scores, sequence_balance_loss, top_k_routing
+from jfp8.nn.moe import MoE, MoEStats, combine, expert_loads, route, router_scores, sequence_balance_loss
 from jfp8.ops import _gmm, _grouped_bwd, _q, _vary_like, grouped_fp8_linear
 from jfp8.recipe import Fp8Recipe
 
@@ -386,7 +386,7 @@ def expert_parallel_moe(
     b, t, d = x.shape
     tokens = x.reshape(b * t, d)  # [N, d]
     scores = router_scores(tokens, moe.gate[...])  # [N, E]
-    experts, weights = top_k_routing(scores, moe.router_bias[...], cfg.top_k)  # [N, K] x2
+    experts, weights = route(scores, moe.router_bias[...], cfg)  # [N, K] x2
     cap = capacity_for(b * t, cfg.top_k, ep, capacity_factor)
     sp = send_plan(experts, cfg.n_routed, ep, cap)
     rp = recv_plan(_exchange(sp.counts, axis), cap)  # [E_l] rows per local expert
@@ -406,7 +406,7 @@ def expert_parallel_moe(
     y = combine(y_sorted, sp.order, weights).reshape(b, t, d)
     if moe.shared is not None:
         y = y + moe.shared(x)
-    balance = sequence_balance_loss(scores.reshape(b, t, -1), experts.reshape(b, t, -1), cfg.balance_alpha)
+    balance = sequence_balance_loss(scores.reshape(b, t, -1), cfg.top_k, cfg.balance_alpha)
     return y, MoEStats(loads=expert_loads(experts, cfg.n_routed), balance_loss=balance), sp.dropped
 
 
@@ -478,13 +478,14 @@ def sharded_loss_fn(graphdef, mesh: Mesh, params, rest, options: ParallelOptions
 
 
 def make_sharded_train_step(graphdef, tx, mesh: Mesh, params, rest, options: ParallelOptions = ParallelOptions(),
-                            loss_scale: float = 1.0):
+                            loss_scale: float = 1.0, bias_gamma=None):
     """The jitted sharded counterpart of `jfp8.train.loop.build`'s `train_step`.
 
     `step(params, rest, opt_state, tokens) -> (params, rest, opt_state, metrics)`, tokens a global
     [B, T] batch (placed with `shard_batch`), params/rest placed with `shard_params`. Gradients of
     replicated parameters are summed over all devices by autodiff of the shard_map; the router
-    biases move by the global expert loads.
+    biases move by the global expert loads, with γ_t from `bias_gamma` (step -> γ_t,
+    `jfp8.train.loop.bias_gamma_schedule`; None: the config's constant γ).
     """
     loss_fn = sharded_loss_fn(graphdef, mesh, params, rest, options)
     p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
@@ -494,7 +495,7 @@ def make_sharded_train_step(graphdef, tx, mesh: Mesh, params, rest, options: Par
 
     def step(params, rest, opt_state, tokens):
         params, rest, opt_state, metrics = optimizer_step(
-            graphdef, tx, loss_fn, params, rest, opt_state, tokens, loss_scale
+            graphdef, tx, loss_fn, params, rest, opt_state, tokens, loss_scale, bias_gamma
         )
         params = jax.lax.with_sharding_constraint(params, p_shard)
         rest = jax.lax.with_sharding_constraint(rest, r_shard)
@@ -517,11 +518,12 @@ def build_sharded(config, mesh: Mesh, options: ParallelOptions = ParallelOptions
     """`jfp8.train.loop.build(config)` on a mesh: the same 8-tuple (model_cfg, graphdef, params,
     rest, tx, schedule, train_step, eval_step), with params/rest placed on `mesh` and sharded steps.
     Feed the steps batches placed with `shard_batch(tokens, mesh)`."""
-    from jfp8.train.loop import build  # the single-device build: same model, init, optimizer
+    from jfp8.train.loop import bias_gamma_schedule, build  # the single-device build: same model, init, optimizer
 
     model_cfg, graphdef, params, rest, tx, schedule, _, _ = build(config)
     params, rest = shard_params(params, mesh), shard_params(rest, mesh)
-    train_step = make_sharded_train_step(graphdef, tx, mesh, params, rest, options, config.loss_scale)
+    gamma = bias_gamma_schedule(model_cfg, config.optimizer, config.steps)
+    train_step = make_sharded_train_step(graphdef, tx, mesh, params, rest, options, config.loss_scale, gamma)
     loss_fn = sharded_loss_fn(graphdef, mesh, params, rest, options)
     eval_step = jax.jit(lambda params, rest, tokens: loss_fn(params, rest, tokens)[1]["ce"])
     return model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step

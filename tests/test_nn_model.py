@@ -138,11 +138,19 @@ def test_router_bias_is_state_not_param_and_updates(mtp_model):
     param_paths = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     assert not any("router_bias" in p for p in param_paths)  # ... but invisible to grads/optimizers
 
+    model.config = MTP_CFG.replace(bias_rule="sign")  # the config's rule: ±γ
     update_router_biases(model, jnp.array([[9, 1, 5, 5]], jnp.int32), gamma=0.5)
     np.testing.assert_allclose(layers[0].router_bias[...], [-0.5, 0.5, 0.0, 0.0])
+    assert MTP_CFG.bias_schedule == "lr"  # γ comes from the step's learning rate: no default
+    with pytest.raises(ValueError, match="ties γ to the learning rate"):
+        update_router_biases(model, jnp.array([[5, 5, 1, 9]], jnp.int32))
+    model.config = MTP_CFG.replace(bias_rule="sign", bias_schedule="constant")  # γ = config.bias_gamma
     update_router_biases(model, ModelAux(None, jnp.array([[5, 5, 1, 9]], jnp.int32), jnp.zeros(())))
     g = MTP_CFG.bias_gamma
     np.testing.assert_allclose(layers[0].router_bias[...], [-0.5, 0.5, g, -g], rtol=1e-6)
+    model.config = MTP_CFG.replace(bias_rule="clipped")  # the config's rule: γ·clip((5 − load)/5, ±1)
+    update_router_biases(model, jnp.array([[10, 5, 0, 5]], jnp.int32), gamma=0.5)
+    np.testing.assert_allclose(layers[0].router_bias[...], [-1.0, 0.5, g + 0.5, -g], rtol=1e-6)
     with pytest.raises(ValueError, match="one row per MoE layer"):
         update_router_biases(model, jnp.ones((2, MTP_CFG.n_routed), jnp.int32))
 

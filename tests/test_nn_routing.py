@@ -10,14 +10,19 @@ from flax import nnx
 from jfp8.nn import (
     ModelConfig,
     MoE,
+    balance_statistics,
+    bias_freeze_step,
+    bias_update_speed,
     combine,
     dispatch,
     expert_loads,
     router_scores,
+    select_experts,
     sequence_balance_loss,
     top_k_routing,
     update_bias,
 )
+from jfp8.nn.config import DEEPSEEK_V3_BIAS_LR_RATIO
 from jfp8.recipe import Fp8Recipe
 from helpers import fresh_rng as _rng
 
@@ -26,22 +31,95 @@ def _scores(rng, t, e):
     return jax.nn.sigmoid(jnp.asarray(rng.standard_normal((t, e)), jnp.float32))  # [T, E]
 
 
-@pytest.mark.parametrize("t,e,k", [(64, 4, 2), (33, 16, 4), (8, 8, 1), (5, 6, 6)])
-def test_top_k_invariants(t, e, k):
+@pytest.mark.parametrize("t,e,k,scale", [(64, 4, 2, 1.0), (33, 16, 4, 2.5), (8, 8, 1, 1.0), (5, 6, 6, 0.5)])
+def test_top_k_invariants(t, e, k, scale):
     rng, seed = _rng()
     scores = _scores(rng, t, e)
     bias = jnp.asarray(rng.standard_normal(e) * 0.3, jnp.float32)
-    experts, weights = top_k_routing(scores, bias, k)
+    experts, weights = top_k_routing(scores, bias, k, route_scale=scale)
     chex.assert_shape((experts, weights), (t, k))
     experts, weights = np.asarray(experts), np.asarray(weights)
     assert ((experts >= 0) & (experts < e)).all(), f"seed {seed}"
     assert all(len(set(row)) == k for row in experts), f"seed {seed}: repeated expert in a token"
     assert (weights > 0).all(), f"seed {seed}"
-    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-6, err_msg=f"seed {seed}")
+    # route_scale multiplies the normalised gates: each token's gates sum to it
+    np.testing.assert_allclose(weights.sum(-1), scale, rtol=1e-6, err_msg=f"seed {seed}")
     # selection is the top-K of s + b
     biased = np.asarray(scores + bias)
     kth = np.sort(biased, axis=-1)[:, -k]
     assert (np.take_along_axis(biased, experts, -1) >= kth[:, None]).all(), f"seed {seed}"
+
+
+def _group_oracle(biased: np.ndarray, k: int, n_group: int, topk_group: int) -> np.ndarray:
+    """Group-limited top-K, token by token in float64: the sets of chosen experts [T] of sets."""
+    t, e = biased.shape
+    size = e // n_group
+    out = []
+    for row in biased.astype(np.float64):
+        groups = row.reshape(n_group, size)
+        group_score = np.sort(groups, axis=-1)[:, -min(2, size):].sum(-1)
+        kept = np.argsort(-group_score, kind="stable")[:topk_group]
+        allowed = np.concatenate([np.arange(g * size, (g + 1) * size) for g in kept])
+        out.append(set(allowed[np.argsort(-row[allowed], kind="stable")[:k]].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("e,k,n_group,topk_group", [(16, 2, 4, 2), (16, 4, 8, 3), (12, 3, 3, 1), (8, 2, 4, 1)])
+def test_group_limited_routing_matches_oracle(e, k, n_group, topk_group):
+    """Every token's experts lie in its `topk_group` best groups (group score: the sum of the
+    group's two highest s + b) and are the top-K of s + b there."""
+    rng, seed = _rng()
+    t = 200
+    scores = _scores(rng, t, e)
+    bias = jnp.asarray(rng.standard_normal(e) * 0.3, jnp.float32)
+    experts, weights = top_k_routing(scores, bias, k, n_group=n_group, topk_group=topk_group)
+    experts = np.asarray(experts)
+    want = _group_oracle(np.asarray(scores + bias), k, n_group, topk_group)
+    assert [set(row.tolist()) for row in experts] == want, f"seed {seed}"
+    groups_used = np.array([len(set((row // (e // n_group)).tolist())) for row in experts])
+    assert (groups_used <= topk_group).all(), f"seed {seed}"
+    # the limit binds: plain top-K would leave the kept groups for some tokens
+    free = np.asarray(select_experts(scores, bias, k))
+    assert any(set(a.tolist()) != set(b.tolist()) for a, b in zip(free, experts)), f"seed {seed}"
+    chosen = np.take_along_axis(np.asarray(scores), experts, -1)  # gates: unbiased s, normalised
+    np.testing.assert_allclose(weights, chosen / chosen.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_one_group_is_plain_top_k():
+    rng, seed = _rng()
+    scores = _scores(rng, 100, 16)
+    bias = jnp.asarray(rng.standard_normal(16) * 0.3, jnp.float32)
+    np.testing.assert_array_equal(
+        select_experts(scores, bias, 2, n_group=1, topk_group=1), jax.lax.top_k(scores + bias, 2)[1]
+    )
+    # all groups kept, or groups of one expert with K kept: the limit changes nothing either
+    for n_group, topk_group in ((4, 4), (16, 2)):
+        np.testing.assert_array_equal(
+            select_experts(scores, bias, 2, n_group=n_group, topk_group=topk_group),
+            jax.lax.top_k(scores + bias, 2)[1], err_msg=f"seed {seed}",
+        )
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [(dict(n_group=3), "divisor"), (dict(n_group=2, topk_group=3), "topk_group"),
+     (dict(n_group=4, topk_group=1, top_k=2), "kept groups"), (dict(route_scale=-1.0), "route_scale"),
+     (dict(bias_rule="tanh"), "bias_rule"), (dict(bias_schedule="cosine"), "bias_schedule"),
+     (dict(bias_freeze_frac=1.0), "bias_freeze_frac"), (dict(bias_lr_ratio=-1.0), "bias_lr_ratio")],
+)
+def test_routing_config_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.tiny(**fields)  # 4 experts, top-2
+
+
+def test_gate_init_std_is_deepseek_v3s():
+    """The gate is drawn with `gate_init_std` (0.006, DeepSeek-V3 §4.2); the experts keep init_std."""
+    rng, seed = _rng()
+    cfg = ModelConfig.tiny(n_routed=64, top_k=2)  # 64 x 64 gate entries: the sample std within ~3 %
+    assert cfg.gate_init_std == 0.006
+    moe = MoE(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    np.testing.assert_allclose(float(jnp.std(moe.gate[...])), cfg.gate_init_std, rtol=0.15, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(float(jnp.std(moe.w2[...])), cfg.init_std, rtol=0.15, err_msg=f"seed {seed}")
 
 
 def test_bias_changes_selection_not_gating_formula():
@@ -103,10 +181,12 @@ def test_grouped_dispatch_combine_matches_per_token_loop():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"seed {seed}")
 
 
-def test_moe_module_matches_per_token_loop():
-    """The MoE module (BF16-baseline recipe, FP32 compute) equals shared + Σ_k g_k SwiGLU_{e_k}."""
+@pytest.mark.parametrize("routing", [{}, dict(n_routed=8, n_group=4, topk_group=2, route_scale=2.5)])
+def test_moe_module_matches_per_token_loop(routing):
+    """The MoE module (BF16-baseline recipe, FP32 compute) equals shared + Σ_k g_k SwiGLU_{e_k}
+    (g: route_scale times the normalised affinities; e_k within the kept groups)."""
     rng, seed = _rng()
-    cfg = ModelConfig.tiny(dtype="float32", recipe=Fp8Recipe.off())
+    cfg = ModelConfig.tiny(dtype="float32", recipe=Fp8Recipe.off(), **routing)
     moe = MoE(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     moe.router_bias[...] = jnp.asarray(rng.standard_normal(cfg.n_routed) * 0.05, jnp.float32)
     x = jnp.asarray(rng.standard_normal((2, 12, cfg.d_model)), jnp.float32)
@@ -122,11 +202,11 @@ def test_moe_module_matches_per_token_loop():
     loads = np.zeros(cfg.n_routed, int)
     for tok, u in enumerate(xs):
         s = 1 / (1 + np.exp(-(u @ gate)))
-        top = np.argsort(-(s + bias))[: cfg.top_k]
+        top = np.array(sorted(_group_oracle((s + bias)[None], cfg.top_k, cfg.n_group, cfg.topk_group)[0]))
         loads[top] += 1
         for i in top:
             a = u @ w13[i]
-            want[tok] += s[i] / s[top].sum() * (silu(a[:h]) * a[h:]) @ w2[i]
+            want[tok] += cfg.route_scale * s[i] / s[top].sum() * (silu(a[:h]) * a[h:]) @ w2[i]
         a = u @ sw13
         want[tok] += (silu(a[: cfg.n_shared * h]) * a[cfg.n_shared * h :]) @ sw2
     np.testing.assert_allclose(y.reshape(-1, cfg.d_model), want, rtol=1e-3, atol=1e-5, err_msg=f"seed {seed}")
@@ -136,10 +216,11 @@ def test_moe_module_matches_per_token_loop():
 # ------------------------------------------------------------------------------ load balancing
 
 
-def test_bias_updates_balance_a_skewed_router():
-    """Auxiliary-loss-free balancing: ±γ bias steps drive max/mean load toward 1."""
+@pytest.mark.parametrize("rule,gamma", [("sign", 0.01), ("clipped", 0.03)])
+def test_bias_updates_balance_a_skewed_router(rule, gamma):
+    """Auxiliary-loss-free balancing: bias steps (either rule) drive max/mean load toward 1."""
     rng, seed = _rng()
-    t, e, k, gamma = 2048, 8, 2, 0.01
+    t, e, k = 2048, 8, 2
     skew = np.linspace(2.0, -2.0, e)  # expert 0 is strongly preferred, expert 7 rarely chosen
     scores = jax.nn.sigmoid(jnp.asarray(rng.standard_normal((t, e)) + skew, jnp.float32))
 
@@ -147,7 +228,7 @@ def test_bias_updates_balance_a_skewed_router():
     def step(bias):
         experts, _ = top_k_routing(scores, bias, k)
         loads = expert_loads(experts, e)
-        return update_bias(bias, loads, gamma), loads
+        return update_bias(bias, loads, gamma, rule), loads
 
     bias, trajectory = jnp.zeros(e, jnp.float32), []
     for _ in range(300):
@@ -170,6 +251,94 @@ def test_update_bias_sign():
     np.testing.assert_allclose(update_bias(bias, jnp.array([3, 3, 3, 3]), 0.1), bias)
 
 
+def test_update_bias_clipped_is_proportional_and_bounded():
+    rng, seed = _rng()
+    bias = jnp.asarray(rng.standard_normal(8), jnp.float32)
+    loads = jnp.array([40, 10, 5, 0, 5, 0, 10, 10])  # mean 10
+    got = np.asarray(update_bias(bias, loads, 0.1, "clipped") - bias)
+    want = 0.1 * np.clip((10 - np.asarray(loads)) / 10, -1, 1)  # [-0.1 (clipped from -0.3), 0, 0.05, 0.1, ...]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    for _ in range(5):  # random loads: |step| <= γ, same sign as the sign rule, 0 at the mean
+        loads = jnp.asarray(rng.integers(0, 50, 16))
+        step = np.asarray(update_bias(jnp.zeros(16), loads, 0.1, "clipped"))
+        sign = np.asarray(update_bias(jnp.zeros(16), loads, 0.1, "sign"))
+        assert (np.abs(step) <= 0.1 + 1e-7).all(), f"seed {seed}"
+        np.testing.assert_array_equal(np.sign(step), np.sign(sign), err_msg=f"seed {seed}")
+    np.testing.assert_allclose(update_bias(bias, jnp.full(8, 7), 0.1, "clipped"), bias)
+    np.testing.assert_allclose(update_bias(bias, jnp.zeros(8, jnp.int32), 0.1, "clipped"), bias)  # no tokens
+    with pytest.raises(ValueError, match="bias rule"):
+        update_bias(bias, loads[:8], 0.1, "tanh")
+
+
+def test_bias_update_speed_follows_lr_and_freezes():
+    total, f = 200, 0.03
+    assert ModelConfig().bias_lr_ratio == pytest.approx(1e-3 / 2.2e-4) == DEEPSEEK_V3_BIAS_LR_RATIO  # κ default
+    lr_tied = ModelConfig.tiny(bias_schedule="lr", bias_freeze_frac=f)
+    assert bias_freeze_step(lr_tied, total) == 194  # the last 6 = 3 % of 200 steps are frozen
+    for step, lr in ((0, 0.0), (10, 1.5e-3), (100, 3e-3), (193, 3e-4)):
+        np.testing.assert_allclose(bias_update_speed(lr_tied, step, lr, total), lr_tied.bias_lr_ratio * lr, rtol=1e-6)
+    for step in (194, 199, 250):
+        assert float(bias_update_speed(lr_tied, step, 3e-3, total)) == 0.0
+    # doubling the learning rate doubles γ
+    assert float(bias_update_speed(lr_tied, 50, 2e-3, total)) == pytest.approx(2 * float(bias_update_speed(lr_tied, 50, 1e-3, total)))
+    constant = ModelConfig.tiny(bias_schedule="constant", bias_gamma=1e-3, bias_freeze_frac=0.0)
+    assert bias_freeze_step(constant, total) == total  # never frozen
+    for step, lr in ((0, 0.0), (199, 3e-3)):
+        np.testing.assert_allclose(bias_update_speed(constant, step, lr, total), 1e-3, rtol=1e-6)
+    # traced steps (inside the jitted train step) give the same values
+    speeds = jax.jit(lambda s: bias_update_speed(lr_tied, s, 1e-3, total))(jnp.array([0, 193, 194]))
+    np.testing.assert_allclose(speeds, [lr_tied.bias_lr_ratio * 1e-3] * 2 + [0.0], rtol=1e-6)
+
+
+def test_balance_statistics():
+    loads = jnp.array([[4, 4, 4, 4], [16, 0, 0, 0], [6, 0, 5, 5]])
+    biases = jnp.array([[0.0, 0.0, 0.0, 0.0], [-0.3, 0.1, 0.2, 0.0], [0.5, -0.5, 0.0, 0.0]])
+    got = balance_statistics(loads, biases)
+    np.testing.assert_allclose(got["load_max_over_mean"], [1.0, 4.0, 1.5], rtol=1e-6)
+    np.testing.assert_array_equal(got["dead_experts"], [0, 3, 1])
+    np.testing.assert_allclose(got["bias_spread"], [0.0, 0.5, 1.0], rtol=1e-6)
+
+
+def _balance_oracle(scores: np.ndarray, k: int, alpha: float) -> float:
+    """Eq. 17-20 in float64, f_i from the top-K of the unbiased s of each token."""
+    b, t, e = scores.shape
+    total = 0.0
+    for seq in scores.astype(np.float64):
+        f = np.zeros(e)
+        for row in seq:
+            f[np.argsort(-row)[:k]] += 1
+        f *= e / (k * t)
+        p = (seq / seq.sum(-1, keepdims=True)).mean(0)
+        total += alpha * (f * p).sum()
+    return total / b
+
+
+def test_sequence_balance_loss_counts_the_unbiased_top_k():
+    """Eq. 18's f_i counts s_{i,t} in Topk(s_t, K): the bias does not enter. A MoE whose bias forces
+    expert 0 on every token still gets the loss of its unbiased affinities."""
+    rng, seed = _rng()
+    scores = jax.nn.sigmoid(jnp.asarray(rng.standard_normal((3, 40, 8)), jnp.float32))
+    np.testing.assert_allclose(sequence_balance_loss(scores, 2, 0.01), _balance_oracle(np.asarray(scores), 2, 0.01),
+                               rtol=1e-5, err_msg=f"seed {seed}")
+
+    cfg = ModelConfig.tiny(dtype="float32", recipe=Fp8Recipe.off())
+    moe = MoE(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    moe.gate[...] = jnp.asarray(rng.standard_normal(moe.gate[...].shape), jnp.float32)  # spread affinities
+    moe.router_bias[...] = jnp.zeros(cfg.n_routed).at[0].set(10.0)
+    x = jnp.asarray(rng.standard_normal((2, 24, cfg.d_model)), jnp.float32)
+    _, stats = moe(x)
+    assert int(stats.loads[0]) == 2 * 24, f"seed {seed}: the bias did not force expert 0"
+    s = np.asarray(router_scores(x.reshape(-1, cfg.d_model), moe.gate[...])).reshape(2, 24, -1)
+    want = _balance_oracle(s, cfg.top_k, cfg.balance_alpha)
+    np.testing.assert_allclose(stats.balance_loss, want, rtol=1e-5, err_msg=f"seed {seed}")
+    # the routed (biased) selection would give a different loss: the test can tell them apart
+    routed = np.asarray(top_k_routing(jnp.asarray(s.reshape(-1, cfg.n_routed)), moe.router_bias[...], cfg.top_k)[0])
+    f = np.stack([np.bincount(r.ravel(), minlength=cfg.n_routed) for r in routed.reshape(2, 24, -1)])
+    f = f * cfg.n_routed / (cfg.top_k * 24)
+    wrong = cfg.balance_alpha * np.mean(np.sum(f * (s / s.sum(-1, keepdims=True)).mean(1), -1))
+    assert abs(wrong - want) > 1e-3 * want, f"seed {seed}"
+
+
 def test_sequence_balance_loss_minimum_at_perfect_balance():
     """With the paper's L = α Σ_i f_i P_i (eq. 17-20), perfect balance gives α·1, not 0: f_i = 1
     for every expert and Σ_i P_i = 1. Balance minimises it when the affinities agree with the
@@ -179,21 +348,25 @@ def test_sequence_balance_loss_minimum_at_perfect_balance():
     rng, seed = _rng()
     b, t, e, k, alpha = 3, 32, 8, 2, 0.01
 
-    # Perfect balance (each expert chosen by T·K/E tokens of every sequence): L = α for any scores.
+    def onehot(experts):
+        out = np.zeros((b, t, e))
+        np.put_along_axis(out, experts, 1.0, axis=-1)
+        return out
+
+    # Perfect balance (each expert in the top-K of T·K/E tokens of every sequence): L = α, whatever
+    # the affinities' values beyond their top-K.
     balanced = np.stack([(np.arange(t)[:, None] * k + np.arange(k)) % e] * b)  # [B, T, K]
-    scores = jax.nn.sigmoid(jnp.asarray(rng.standard_normal((b, t, e)), jnp.float32))
-    loss = sequence_balance_loss(scores, jnp.asarray(balanced, jnp.int32), alpha)
+    scores = jnp.asarray(0.5 * onehot(balanced) + 0.49 * rng.random((b, t, e)) + 0.005, jnp.float32)
+    loss = sequence_balance_loss(scores, k, alpha)
     np.testing.assert_allclose(loss, alpha, rtol=1e-5, err_msg=f"seed {seed}")
 
-    def consistent_scores(experts):  # affinity ~1 on the chosen experts, ~0 elsewhere
-        onehot = np.zeros((b, t, e))
-        np.put_along_axis(onehot, experts, 1.0, axis=-1)
-        return jnp.asarray(np.where(onehot > 0, 1 - 1e-6, 1e-6), jnp.float32)
+    def consistent_scores(experts):  # affinity ~1 on the top-K experts, ~0 elsewhere
+        return jnp.asarray(np.where(onehot(experts) > 0, 1 - 1e-6, 1e-6), jnp.float32)
 
-    at_balance = sequence_balance_loss(consistent_scores(balanced), jnp.asarray(balanced, jnp.int32), alpha)
+    at_balance = sequence_balance_loss(consistent_scores(balanced), k, alpha)
     np.testing.assert_allclose(at_balance, alpha, rtol=1e-4)
     for _ in range(5):  # random, imbalanced routings: strictly larger
         prefer = np.linspace(3, 1, e) / np.linspace(3, 1, e).sum()  # low experts more popular
         skewed = np.array([[rng.choice(e, k, replace=False, p=prefer) for _ in range(t)] for _ in range(b)])
-        loss = sequence_balance_loss(consistent_scores(skewed), jnp.asarray(skewed, jnp.int32), alpha)
+        loss = sequence_balance_loss(consistent_scores(skewed), k, alpha)
         assert float(loss) > alpha * (1 + 1e-3), f"seed {seed}: {float(loss)} vs {alpha}"

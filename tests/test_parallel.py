@@ -218,6 +218,27 @@ def test_uneven_expert_loads_do_not_drop_tokens():
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
 
 
+def test_group_limited_routing_matches_single_device():
+    """The expert-parallel MoE routes like `MoE.__call__`: with group-limited routing, route_scale
+    and a bias, the sharded loss and the global loads equal the single-device ones."""
+    routing = (("n_group", 4), ("topk_group", 1), ("route_scale", 2.5))
+    _, graphdef, params, rest, *_ = build(_config("fp8", routing))
+    model = nnx.merge(graphdef, params, rest, copy=True)
+    for moe in model.moe_layers():
+        moe.router_bias[...] = jnp.linspace(-0.2, 0.2, 8, dtype=jnp.float32)
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    ref, ref_parts = jax.jit(lambda p, r, t: model_loss(nnx.merge(graphdef, p, r), t))(params, rest, jnp.asarray(_tokens()))
+    loads = np.asarray(ref_parts["expert_loads"])[0]
+    # groups of 2 experts, one kept, K = 2: every token takes both experts of its group
+    assert loads.sum() == BATCH * SEQ * 2 and (loads[0::2] == loads[1::2]).all(), loads
+    mesh = par.make_mesh(2, 4)
+    loss, parts = jax.jit(par.sharded_loss_fn(graphdef, mesh, params, rest))(
+        par.shard_params(params, mesh), par.shard_params(rest, mesh), par.shard_batch(_tokens(), mesh)
+    )
+    np.testing.assert_array_equal(parts["expert_loads"], ref_parts["expert_loads"])
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_few_steps_on_2x4_mesh_decrease_loss():
     mesh, (_, _, params, rest, tx, _, step, _) = _sharded_run(2, 4)

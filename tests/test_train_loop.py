@@ -36,6 +36,19 @@ def test_tiny_fp8_loss_decreases_and_metrics_are_written(full_run):
     assert rows[-1]["val_loss"] < rows[14]["val_loss"] < 5.6
     saved = json.loads((out / "config.json").read_text())
     assert saved["precision"] == "fp8" and saved["model"]["recipe"]["fprop"] is True
+    # per-MoE-layer balance readouts, named in config.json (tiny: block 1 and the MTP block)
+    assert saved["moe_layer_names"] == ["block1", "mtp"]
+    n_r, k = saved["model"]["n_routed"], saved["model"]["top_k"]
+    for r in rows:
+        assert len(r["load_max_over_mean"]) == len(r["dead_experts"]) == len(r["bias_spread"]) == 2
+        assert all(1.0 <= x <= n_r / k for x in r["load_max_over_mean"]), r["load_max_over_mean"]
+        assert all(isinstance(d, int) and 0 <= d <= n_r - k for d in r["dead_experts"])
+        assert all(x >= 0 for x in r["bias_spread"])
+    # γ_t = κ·lr_t of the same step, frozen (0) in the last 3 % = 1 of 30 steps
+    kappa = saved["model"]["bias_lr_ratio"]
+    for r in rows[:-1]:
+        assert r["bias_gamma"] == pytest.approx(kappa * r["lr"], rel=1e-5), r
+    assert rows[-1]["bias_gamma"] == 0.0
     assert summary["steps"] == 30 and summary["tokens"] == 30 * 4 * 64
 
 

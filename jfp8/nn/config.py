@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
+from typing import Literal
 
 import jax.numpy as jnp
 
@@ -10,10 +12,38 @@ from jfp8.recipe import Fp8Recipe
 
 _COMPUTE_DTYPES = ("bfloat16", "float32")
 
+BiasRule = Literal["sign", "clipped"]
+BiasSchedule = Literal["constant", "lr"]
+BIAS_RULES: tuple[str, ...] = ("sign", "clipped")
+BIAS_SCHEDULES: tuple[str, ...] = ("constant", "lr")
+# DeepSeek-V3 (§4.2): γ = 0.001 at a peak learning rate of 2.2e-4, a ratio of about 4.5.
+DEEPSEEK_V3_BIAS_LR_RATIO = 1e-3 / 2.2e-4
+# DeepSeek-V3 (§4.2) initialises every learnable parameter with this standard deviation.
+DEEPSEEK_V3_INIT_STD = 0.006
+# The presets' router-bias update (clipped proportional, γ_t = 15·lr_t), chosen by measurement:
+# experiments/results/balancing-tiny/summary.md. The field defaults are DeepSeek-V3's sign rule.
+PRESET_BALANCING = MappingProxyType(dict(bias_rule="clipped", bias_schedule="lr", bias_lr_ratio=15.0))
+
+
+def check_expert_groups(n_experts: int, k: int, n_group: int, topk_group: int) -> None:
+    """Raise ValueError unless `n_group` groups split `n_experts` and `topk_group` of them hold K."""
+    if n_group < 1 or n_experts % n_group:
+        raise ValueError(f"n_group={n_group} must be a positive divisor of n_routed={n_experts}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} must lie in [1, n_group={n_group}]")
+    if k > topk_group * (n_experts // n_group):
+        raise ValueError(
+            f"top_k={k} exceeds the {topk_group} kept groups x {n_experts // n_group} experts each; "
+            "raise topk_group or lower n_group"
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A DeepSeek-V3-style decoder (arXiv 2412.19437 §2) at research scale.
+
+    The field defaults follow DeepSeek-V3 where it gives a value; the presets (`tiny`, `small`,
+    `gpu`) change the router-bias update to the measured `PRESET_BALANCING`.
 
     Parameters are FP32 master weights; activations run in `dtype`. Every projection except the
     embedding, the output head and the MoE gate goes through the FP8 ops with `recipe`
@@ -39,10 +69,22 @@ class ModelConfig:
       max_seq_len: the longest sequence the model accepts.
       mtp: add the depth-1 Multi-Token Prediction module (§2.2).
       mtp_lambda: λ, weight of the MTP cross-entropy in `model_loss`.
+      n_group: group-limited routing (§2.1.2): the routed experts form this many equal groups;
+        1 = no group limit.
+      topk_group: each token routes within its best `topk_group` groups (group score: the sum of
+        its two highest s + b); n_group = topk_group = 1 is plain top-K.
+      route_scale: multiplies the normalised routing gates (DeepSeek-V3 671B: 2.5).
       balance_alpha: α of the complementary sequence-wise balance loss (eq. 17).
-      bias_gamma: γ, the bias update speed of auxiliary-loss-free load balancing (§2.1.2).
+      bias_rule: auxiliary-loss-free bias update (§2.1.2): "sign", b_i += γ_t sign(mean − load_i)
+        as in the report, or "clipped", b_i += γ_t clip((mean − load_i) / mean, ±1).
+      bias_schedule: γ_t = `bias_gamma` ("constant") or `bias_lr_ratio` · lr_t ("lr").
+      bias_gamma: γ of the "constant" schedule.
+      bias_lr_ratio: κ of the "lr" schedule; default DeepSeek-V3's γ / peak LR = 1e-3 / 2.2e-4.
+      bias_freeze_frac: γ_t = 0 for this final fraction of training (DeepSeek-V3: the last
+        500B of 14.8T tokens, 3.4 %).
       norm_eps: RMSNorm epsilon.
-      init_std: standard deviation of the normal initialisation of every weight matrix.
+      init_std: standard deviation of the normal initialisation of every weight matrix but the gate.
+      gate_init_std: standard deviation of the MoE gate's initialisation (DeepSeek-V3 §4.2: 0.006).
       dtype: compute dtype, "bfloat16" or "float32" (a jnp dtype is accepted and normalised).
       recipe: the `Fp8Recipe` of every FP8 projection.
     """
@@ -66,10 +108,18 @@ class ModelConfig:
     max_seq_len: int = 128
     mtp: bool = True
     mtp_lambda: float = 0.3
+    n_group: int = 1
+    topk_group: int = 1
+    route_scale: float = 1.0
     balance_alpha: float = 1e-4
+    bias_rule: BiasRule = "sign"
+    bias_schedule: BiasSchedule = "lr"
     bias_gamma: float = 1e-3
+    bias_lr_ratio: float = DEEPSEEK_V3_BIAS_LR_RATIO
+    bias_freeze_frac: float = 0.03
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    gate_init_std: float = DEEPSEEK_V3_INIT_STD
     dtype: str = "bfloat16"
     recipe: Fp8Recipe = dataclasses.field(default_factory=Fp8Recipe.deepseek)
 
@@ -100,6 +150,16 @@ class ModelConfig:
                 )
             if not 1 <= self.top_k <= self.n_routed:
                 raise ValueError(f"top_k={self.top_k} must lie in [1, n_routed={self.n_routed}]")
+            check_expert_groups(self.n_routed, self.top_k, self.n_group, self.topk_group)
+        if self.bias_rule not in BIAS_RULES:
+            raise ValueError(f"bias_rule must be one of {BIAS_RULES}, got {self.bias_rule!r}")
+        if self.bias_schedule not in BIAS_SCHEDULES:
+            raise ValueError(f"bias_schedule must be one of {BIAS_SCHEDULES}, got {self.bias_schedule!r}")
+        for field in ("route_scale", "bias_gamma", "bias_lr_ratio", "gate_init_std", "init_std"):
+            if not getattr(self, field) >= 0:
+                raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
+        if not 0 <= self.bias_freeze_frac < 1:
+            raise ValueError(f"bias_freeze_frac={self.bias_freeze_frac} must lie in [0, 1) (0: never freeze)")
         if not isinstance(self.recipe, Fp8Recipe):
             raise TypeError(f"recipe must be an Fp8Recipe (e.g. Fp8Recipe.off()), got {type(self.recipe)}")
 
@@ -119,6 +179,12 @@ class ModelConfig:
         return (self.n_layers - self.n_dense_layers) + int(self.mtp)
 
     @property
+    def moe_layer_names(self) -> tuple[str, ...]:
+        """Names of the MoE layers in `aux.expert_loads` row order: "block{i}" (0-based main-model
+        block index), then "mtp" for the MTP block."""
+        return tuple(f"block{i}" for i in range(self.n_dense_layers, self.n_layers)) + (("mtp",) if self.mtp else ())
+
+    @property
     def qk_head_dim(self) -> int:
         """Per-head query/key width: the no-RoPE part plus the RoPE part."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -130,8 +196,8 @@ class ModelConfig:
     @classmethod
     def tiny(cls, **overrides) -> ModelConfig:
         """For tests: a fraction of a second per step on a CPU. d_model 64, 2 layers (1 dense),
-        4 routed experts (top-2) + 1 shared."""
-        return dataclasses.replace(cls(), **overrides)
+        4 routed experts (top-2) + 1 shared. Like every preset, balances with `PRESET_BALANCING`."""
+        return dataclasses.replace(cls(**PRESET_BALANCING), **overrides)
 
     @classmethod
     def small(cls, **overrides) -> ModelConfig:
@@ -141,7 +207,7 @@ class ModelConfig:
             d_model=256, n_layers=6, n_dense_layers=1, n_heads=4,
             q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
             v_head_dim=64, n_routed=16, n_shared=1, top_k=2, moe_hidden=256, dense_hidden=768,
-            max_seq_len=256,
+            max_seq_len=256, **PRESET_BALANCING,
         )
         return dataclasses.replace(base, **overrides)
 
@@ -154,6 +220,6 @@ class ModelConfig:
             d_model=768, n_layers=12, n_dense_layers=1, n_heads=8,
             q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64,
             v_head_dim=128, n_routed=32, n_shared=1, top_k=4, moe_hidden=256, dense_hidden=2048,
-            max_seq_len=1024,
+            max_seq_len=1024, **PRESET_BALANCING,
         )
         return dataclasses.replace(base, **overrides)

@@ -214,9 +214,10 @@ def loss_from_outputs(
 
 
 def update_router_biases(
-    model: Transformer, expert_loads: jax.Array | ModelAux, gamma: float | None = None
+    model: Transformer, expert_loads: jax.Array | ModelAux, gamma: float | jax.Array | None = None
 ) -> None:
-    """Auxiliary-loss-free balancing after a step: b_i += γ·sign(mean load − load_i) per MoE layer.
+    """Auxiliary-loss-free balancing after a step: `update_bias` with the config's `bias_rule` on
+    every MoE layer (sign rule: b_i += γ·sign(mean load − load_i)).
 
     Updates the `RouterBias` variables in place (eagerly or inside `nnx.jit`); they are not
     `nnx.Param`s, so gradients and `nnx.Optimizer(..., wrt=nnx.Param)` never touch them. With
@@ -226,16 +227,32 @@ def update_router_biases(
       model: the `Transformer` whose `RouterBias` variables are updated in place.
       expert_loads: [n_moe_layers, E] loads from `aux.expert_loads` / `parts["expert_loads"]`,
         or the `ModelAux` itself.
-      gamma: bias update speed γ; defaults to `model.config.bias_gamma`.
+      gamma: this step's γ_t, e.g. `bias_update_speed(config, step, lr, total_steps)`; None means
+        `config.bias_gamma` and needs `bias_schedule="constant"`.
     """
     if isinstance(expert_loads, ModelAux):
         expert_loads = expert_loads.expert_loads
+    cfg = model.config
     layers = model.moe_layers()
-    if expert_loads.shape != (len(layers), model.config.n_routed):
+    if expert_loads.shape != (len(layers), cfg.n_routed):
         raise ValueError(
             f"expert_loads has shape {expert_loads.shape}, expected ({len(layers)}, "
-            f"{model.config.n_routed}): one row per MoE layer (did the forward pass skip MTP?)"
+            f"{cfg.n_routed}): one row per MoE layer (did the forward pass skip MTP?)"
         )
-    gamma = model.config.bias_gamma if gamma is None else gamma
+    if gamma is None:
+        if cfg.bias_schedule != "constant":
+            raise ValueError(
+                f"bias_schedule={cfg.bias_schedule!r} ties γ to the learning rate: pass "
+                "gamma=bias_update_speed(config, step, lr, total_steps), or use bias_schedule='constant'"
+            )
+        gamma = cfg.bias_gamma
     for moe, loads in zip(layers, expert_loads):
-        moe.router_bias[...] = update_bias(moe.router_bias[...], loads, gamma)
+        moe.router_bias[...] = update_bias(moe.router_bias[...], loads, gamma, cfg.bias_rule)
+
+
+def router_biases(model: Transformer) -> jax.Array:
+    """The router biases of every MoE layer, [n_moe_layers, E] FP32 in `moe_layers()` order."""
+    layers = model.moe_layers()
+    if not layers:
+        return jnp.zeros((0, model.config.n_routed), jnp.float32)
+    return jnp.stack([moe.router_bias[...] for moe in layers])

@@ -4,13 +4,16 @@ auxiliary-loss-free load balancing and the complementary sequence-wise balance l
 The routing is a chain of small pure functions, testable without Flax:
 
   router_scores      s = sigmoid(u · e)                        [T, E]   (FP32 gate, eq. 15)
-  top_k_routing      top-K of s + b, gates g = s / Σ_topK s       [T, K]   (eq. 13, 16)
+  select_experts     top-K of s + b, optionally within the best groups   [T, K]   (eq. 16)
+  top_k_routing      experts and gates g = route_scale · s / Σ_topK s    [T, K]   (eq. 13)
   dispatch           tokens sorted by expert + group sizes        [T*K, d]
   (experts)          grouped_fp8_linear on the sorted tokens      [T*K, d]   (module)
   combine            unsort, Σ_k g_k · y_k                        [T, d]
   expert_loads       tokens per expert                            [E]
   sequence_balance_loss   α Σ_i f_i P_i per sequence              ()       (eq. 17-20)
-  update_bias        b_i += γ · sign(mean load − load_i)          [E]
+  update_bias        b_i += γ · sign(mean − load_i)  or  γ · clip((mean − load_i)/mean, ±1)   [E]
+  bias_update_speed  γ_t: constant, or κ · lr_t; 0 in the final `bias_freeze_frac` of training
+  balance_statistics max/mean load, dead experts, bias spread per layer
 
 Routing is dropless: every token reaches its K experts (no capacity factor).
 """
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jfp8.nn.config import ModelConfig
+from jfp8.nn.config import BIAS_RULES, BiasRule, ModelConfig, check_expert_groups
 from jfp8.nn.layers import SwiGLU, normal_init, swiglu
 from jfp8.ops import grouped_fp8_linear
 
@@ -40,25 +43,77 @@ def router_scores(x: jax.Array, gate: jax.Array) -> jax.Array:
     return jax.nn.sigmoid(logits)
 
 
-def top_k_routing(scores: jax.Array, bias: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Select K experts per token by s + b; gate them by the unbiased s, normalised over the K.
+def select_experts(
+    scores: jax.Array, bias: jax.Array, k: int, *, n_group: int = 1, topk_group: int = 1
+) -> jax.Array:
+    """The K experts of each token: the top-K of s + b, among the `topk_group` best groups.
+
+    Group-limited routing (DeepSeek-V3 §2.1.2, node-limited routing; `n_group`/`topk_group` in its
+    inference code): the N_r experts form `n_group` equal contiguous groups; a group's score is the
+    sum of its two highest s + b (its one s + b for groups of one expert); each token keeps its
+    `topk_group` best groups and picks its K experts inside them. `n_group=1` is plain top-K.
+
+    Args:
+      scores: [T, E] FP32 affinities.
+      bias: [E] FP32 per-expert selection bias (gets no gradient).
+      k: experts per token.
+      n_group: groups of experts; must divide E.
+      topk_group: groups kept per token; k <= topk_group * E / n_group.
+
+    Returns:
+      [T, K] int32 expert ids, distinct per token.
+    """
+    t, e = scores.shape
+    if not 1 <= k <= e:
+        raise ValueError(f"k={k} must lie in [1, {e}] (the number of experts)")
+    check_expert_groups(e, k, n_group, topk_group)
+    biased = scores + jax.lax.stop_gradient(bias)  # [T, E]
+    if n_group > 1:
+        grouped = biased.reshape(t, n_group, e // n_group)  # [T, G, E/G]
+        best = jax.lax.top_k(grouped, min(2, e // n_group))[0]  # [T, G, 2]
+        _, keep = jax.lax.top_k(jnp.sum(best, axis=-1), topk_group)  # [T, topk_group]
+        kept = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)  # [T, G]
+        biased = jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(t, e)
+    _, experts = jax.lax.top_k(biased, k)  # [T, K]
+    return experts.astype(jnp.int32)
+
+
+def top_k_routing(
+    scores: jax.Array,
+    bias: jax.Array,
+    k: int,
+    *,
+    n_group: int = 1,
+    topk_group: int = 1,
+    route_scale: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Select K experts per token by s + b (`select_experts`); gate them by the unbiased s.
 
     The bias b (auxiliary-loss-free balancing) only changes which experts are chosen: the
-    gating weights are g_{i,t} = s_{i,t} / Σ_{j in topK} s_{j,t} (eq. 13), with no b in them.
+    gating weights are g_{i,t} = route_scale · s_{i,t} / Σ_{j in topK} s_{j,t} (eq. 13, and
+    DeepSeek-V3's `route_scale`), with no b in them.
 
     Args:
       scores: [T, E] FP32 affinities in (0, 1).
       bias: [E] FP32 per-expert selection bias (gets no gradient).
       k: experts per token.
+      n_group, topk_group: group-limited routing (see `select_experts`); 1, 1 = plain top-K.
+      route_scale: multiplies the normalised gates.
 
     Returns:
-      experts [T, K] int32 (distinct per token), weights [T, K] FP32 (positive, each row sums to 1).
+      experts [T, K] int32 (distinct per token), weights [T, K] FP32 (positive, each row sums to
+      route_scale).
     """
-    if not 1 <= k <= scores.shape[-1]:
-        raise ValueError(f"k={k} must lie in [1, {scores.shape[-1]}] (the number of experts)")
-    _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias), k)  # [T, K]
+    experts = select_experts(scores, bias, k, n_group=n_group, topk_group=topk_group)
     chosen = jnp.take_along_axis(scores, experts, axis=-1)  # [T, K]: unbiased affinities
-    return experts.astype(jnp.int32), chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+    return experts, route_scale * chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+
+
+def route(scores: jax.Array, bias: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """`top_k_routing` with the routing fields of `cfg` (top_k, n_group, topk_group, route_scale)."""
+    return top_k_routing(
+        scores, bias, cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group, route_scale=cfg.route_scale
+    )
 
 
 def dispatch(x: jax.Array, experts: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -99,39 +154,85 @@ def expert_loads(experts: jax.Array, n_experts: int) -> jax.Array:
     return jnp.zeros((n_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
 
 
-def sequence_balance_loss(scores: jax.Array, experts: jax.Array, alpha: float) -> jax.Array:
+def sequence_balance_loss(scores: jax.Array, k: int, alpha: float) -> jax.Array:
     """Complementary sequence-wise balance loss (eq. 17-20), averaged over the sequences.
 
     Per sequence of T tokens: L_Bal = α Σ_i f_i P_i with
-      f_i = N_r / (K T) · #{t : expert i in the top-K of token t}   (f_i = 1 when balanced)
+      f_i = N_r / (K T) · #{t : s_{i,t} in Topk({s_{j,t}}, K)}       (f_i = 1 when balanced)
       P_i = (1/T) Σ_t s'_{i,t},  s'_{i,t} = s_{i,t} / Σ_j s_{j,t}    (Σ_i P_i = 1)
-    f is a count (no gradient); the gradient reaches the gate through P.
+    Eq. 18 counts the top-K of the unbiased affinities s over all experts: not the routed
+    selection, which adds the bias b and the group limit. f is a count (no gradient); the gradient
+    reaches the gate through P.
 
     Args:
       scores: [B, T, E] FP32 unbiased affinities.
-      experts: [B, T, K] int32 selected experts (selection includes the bias).
+      k: K, experts per token.
       alpha: α.
 
     Returns:
       FP32 scalar.
     """
     b, t, n_r = scores.shape
-    k = experts.shape[-1]
-    seq = jnp.broadcast_to(jnp.arange(b)[:, None, None], experts.shape)
-    counts = jnp.zeros((b, n_r), jnp.float32).at[seq, experts].add(1.0)  # [B, E]
+    _, top = jax.lax.top_k(jax.lax.stop_gradient(scores), k)  # [B, T, K]
+    seq = jnp.broadcast_to(jnp.arange(b)[:, None, None], top.shape)
+    counts = jnp.zeros((b, n_r), jnp.float32).at[seq, top].add(1.0)  # [B, E]
     f = counts * (n_r / (k * t))  # [B, E]
     p = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1)  # [B, E]
     return alpha * jnp.mean(jnp.sum(f * p, axis=-1))
 
 
-def update_bias(bias: jax.Array, loads: jax.Array, gamma: float) -> jax.Array:
-    """Auxiliary-loss-free balancing step: b_i += γ·sign(mean load − load_i).
+def update_bias(bias: jax.Array, loads: jax.Array, gamma: float | jax.Array, rule: BiasRule = "sign") -> jax.Array:
+    """Auxiliary-loss-free balancing step, moving each b_i toward under-loaded experts.
+
+      "sign"     b_i += γ · sign(mean − load_i)                     (DeepSeek-V3 §2.1.2)
+      "clipped"  b_i += γ · clip((mean − load_i) / mean, −1, 1)     (proportional, |step| <= γ)
 
     Overloaded experts (load above the mean) become less likely to be selected, underloaded ones
-    more. bias [E] FP32, loads [E] (counts) -> [E] FP32.
+    more. bias [E] FP32, loads [E] (counts), γ >= 0 -> [E] FP32.
     """
     loads = loads.astype(jnp.float32)
-    return bias + gamma * jnp.sign(jnp.mean(loads) - loads)
+    mean = jnp.mean(loads)
+    if rule == "sign":
+        step = jnp.sign(mean - loads)
+    elif rule == "clipped":
+        step = jnp.clip((mean - loads) / jnp.maximum(mean, 1.0), -1.0, 1.0)
+    else:
+        raise ValueError(f"bias rule must be one of {BIAS_RULES}, got {rule!r}")
+    return bias + gamma * step
+
+
+def bias_freeze_step(cfg: ModelConfig, total_steps: int) -> int:
+    """The first step (0-based) whose bias update is 0: the last round(bias_freeze_frac · total)
+    steps are frozen (DeepSeek-V3 sets γ = 0 for its final 500B of 14.8T tokens)."""
+    return total_steps - round(cfg.bias_freeze_frac * total_steps)
+
+
+def bias_update_speed(cfg: ModelConfig, step: jax.Array | int, lr: jax.Array | float, total_steps: int) -> jax.Array:
+    """γ_t for the bias update after step `step` (0-based) of `total_steps`, whose learning rate is `lr`.
+
+    `bias_schedule="constant"`: γ_t = bias_gamma; `"lr"`: γ_t = bias_lr_ratio · lr (DeepSeek-V3's
+    γ/peak-LR ratio by default). Either way γ_t = 0 from `bias_freeze_step` on. Returns FP32 ().
+    """
+    if cfg.bias_schedule == "constant":
+        gamma = jnp.float32(cfg.bias_gamma)
+    else:
+        gamma = jnp.float32(cfg.bias_lr_ratio) * jnp.asarray(lr, jnp.float32)
+    return jnp.where(jnp.asarray(step) >= bias_freeze_step(cfg, total_steps), jnp.float32(0.0), gamma)
+
+
+def balance_statistics(loads: jax.Array, biases: jax.Array) -> dict[str, jax.Array]:
+    """Per-layer balance readouts of one step.
+
+    loads [L, E] tokens per expert, biases [L, E] router biases -> {"load_max_over_mean": [L] FP32
+    (1 = balanced, N_r/K = every token on the same K experts), "dead_experts": [L] int32 (experts
+    that got no token), "bias_spread": [L] FP32 (max b − min b)}.
+    """
+    loads = loads.astype(jnp.float32)
+    return {
+        "load_max_over_mean": jnp.max(loads, axis=-1) / jnp.mean(loads, axis=-1),
+        "dead_experts": jnp.sum(loads == 0, axis=-1).astype(jnp.int32),
+        "bias_spread": jnp.max(biases, axis=-1) - jnp.min(biases, axis=-1),
+    }
 
 
 # ------------------------------------------------------------------------------ module
@@ -160,7 +261,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         e, d, h, std = cfg.n_routed, cfg.d_model, cfg.moe_hidden, cfg.init_std
-        self.gate = nnx.Param(normal_init(rngs, (d, e), std))  # centroids e_i as columns
+        self.gate = nnx.Param(normal_init(rngs, (d, e), cfg.gate_init_std))  # centroids e_i as columns
         self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32))
         self.w13 = nnx.Param(normal_init(rngs, (e, d, 2 * h), std))  # [gate | up] of each expert
         self.w2 = nnx.Param(normal_init(rngs, (e, h, d), std))  # down projection
@@ -176,7 +277,7 @@ class MoE(nnx.Module):
         b, t, d = x.shape
         tokens = x.reshape(b * t, d)  # [N, d], N = B*T
         scores = router_scores(tokens, self.gate[...])  # [N, E]
-        experts, weights = top_k_routing(scores, self.router_bias[...], cfg.top_k)  # [N, K] x2
+        experts, weights = route(scores, self.router_bias[...], cfg)  # [N, K] x2
 
         x_sorted, group_sizes, order = dispatch(tokens, experts, cfg.n_routed)  # [N*K, d]
         gate_up = grouped_fp8_linear(x_sorted, self.w13[...], group_sizes, cfg.recipe)  # [N*K, 2h]
@@ -185,7 +286,5 @@ class MoE(nnx.Module):
 
         if self.shared is not None:
             y = y + self.shared(x)
-        balance = sequence_balance_loss(
-            scores.reshape(b, t, -1), experts.reshape(b, t, -1), cfg.balance_alpha
-        )
+        balance = sequence_balance_loss(scores.reshape(b, t, -1), cfg.top_k, cfg.balance_alpha)
         return y, MoEStats(loads=group_sizes, balance_loss=balance)

@@ -24,11 +24,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jfp8.nn import ModelConfig, Transformer, model_loss, update_router_biases
+from jfp8.nn import ModelConfig, Transformer, balance_statistics, bias_update_speed, model_loss, router_biases, update_router_biases
 from jfp8.recipe import Fp8Recipe
 from jfp8.train import data
 from jfp8.train.checkpoint import Checkpointer
-from jfp8.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
+from jfp8.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer, update_count
 
 Precision = Literal["fp8", "bf16"]
 PRESETS = ("tiny", "small", "gpu")
@@ -102,7 +102,9 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d["model_overrides"] = dict(self.model_overrides)
         d["recipe_overrides"] = dict(self.recipe_overrides)
-        d["model"] = dataclasses.asdict(self.model_config())
+        model = self.model_config()
+        d["model"] = dataclasses.asdict(model)
+        d["moe_layer_names"] = list(model.moe_layer_names)  # the order of per-layer metrics
         return _jsonable(d)
 
     @classmethod
@@ -153,16 +155,16 @@ def _step_functions(
 ):
     """(tx, schedule, train_step, eval_step), cached so that runs of the same model and schedule in
     one process (a resume, the two halves of a comparison) compile once."""
-    del model_cfg  # part of the cache key only (the graphdef holds the structure)
     tx = make_optimizer(opt_cfg, total_steps)
     schedule = learning_rate_schedule(opt_cfg, total_steps)
+    gamma = bias_gamma_schedule(model_cfg, opt_cfg, total_steps)
 
     def loss_fn(params, rest, tokens):
         return model_loss(nnx.merge(graphdef, params, rest), tokens)
 
     @jax.jit
     def train_step(params, rest, opt_state, tokens):
-        return optimizer_step(graphdef, tx, loss_fn, params, rest, opt_state, tokens, loss_scale)
+        return optimizer_step(graphdef, tx, loss_fn, params, rest, opt_state, tokens, loss_scale, gamma)
 
     @jax.jit
     def eval_step(params, rest, tokens):
@@ -172,22 +174,39 @@ def _step_functions(
     return tx, schedule, train_step, eval_step
 
 
-def optimizer_step(graphdef, tx, loss_fn, params, rest, opt_state, tokens, loss_scale: float = 1.0):
+def bias_gamma_schedule(model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int):
+    """step -> γ_t of the router-bias update (`jfp8.nn.bias_update_speed` at that step's learning rate)."""
+    schedule = learning_rate_schedule(opt_cfg, total_steps)
+    return lambda step: bias_update_speed(model_cfg, step, schedule(step), total_steps)
+
+
+def optimizer_step(
+    graphdef, tx, loss_fn, params, rest, opt_state, tokens, loss_scale: float = 1.0, bias_gamma=None
+):
     """One training step (traced inside jit): gradients of `loss_fn(params, rest, tokens)`, the
     optimizer update, then the router-bias update from the step's expert loads, outside the
     gradient (auxiliary-loss-free balancing). Returns (params, rest, opt_state, metrics).
-    `loss_scale` multiplies the loss for the backward pass; the gradients are divided by it."""
+    `loss_scale` multiplies the loss for the backward pass; the gradients are divided by it.
+    `bias_gamma`: step -> γ_t (`bias_gamma_schedule`), the step read from `opt_state`; None uses
+    the config's constant `bias_gamma`.
+
+    metrics: the loss parts, "loss", "grad_norm", "bias_gamma" (γ_t), and per MoE layer ([L], in
+    `ModelConfig.moe_layer_names` order) "load_max_over_mean" (of this step's loads),
+    "dead_experts" and "bias_spread" (after the update)."""
+    step = update_count(opt_state)
     (loss, parts), grads = scaled_value_and_grad(loss_fn, loss_scale)(params, rest, tokens)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     model = nnx.merge(graphdef, params, rest)
-    update_router_biases(model, jax.lax.stop_gradient(parts["expert_loads"]))
+    gamma = None if bias_gamma is None else bias_gamma(step)  # None: constant γ (or an error)
+    loads = jax.lax.stop_gradient(parts["expert_loads"])  # [L, E]
+    update_router_biases(model, loads, gamma)
     _, _, rest = _split(model)
     metrics = {k: v for k, v in parts.items() if k != "expert_loads"}
     metrics["loss"] = loss
     metrics["grad_norm"] = optax.tree.norm(grads)
-    loads = parts["expert_loads"].astype(jnp.float32)
-    metrics["max_over_mean_load"] = jnp.max(loads / jnp.mean(loads, axis=-1, keepdims=True))
+    metrics["bias_gamma"] = jnp.float32(model.config.bias_gamma) if gamma is None else gamma
+    metrics.update(balance_statistics(loads, router_biases(model)))
     return params, rest, opt_state, metrics
 
 
@@ -283,7 +302,7 @@ def train(
                 params, rest, opt_state, m = train_step(params, rest, opt_state, tokens)
                 done = step + 1
                 if done % config.log_every == 0 or done == end:
-                    m = {k: float(v) for k, v in m.items()}
+                    m = {k: _to_json_number(v) for k, v in m.items()}
                     if m.get("dropped_assignments", 0):
                         raise RuntimeError(f"step {done}: {m['dropped_assignments']:.0f} expert assignments dropped")
                     if not math.isfinite(m["loss"]):
@@ -301,7 +320,8 @@ def train(
                         m["val_loss"] = float(np.mean([float(eval_step(params, rest, place(v))) for v in val]))
                     log.write(json.dumps(m) + "\n")
                     log.flush()
-                    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}",
+                                    **_worst_layer(m, model_cfg.moe_layer_names))
                 # `stop_after` emulates a run killed after that step: no extra evaluation or
                 # checkpoint, exactly like the uninterrupted run at that step.
                 if done % config.ckpt_every == 0 or done == config.steps:
@@ -345,6 +365,31 @@ def _progress(config: TrainConfig, start: int, end: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=end, initial=start, desc=f"{config.preset}/{config.precision}", unit="step")
+
+
+def _to_json_number(v):
+    """A metric as a float, or a list of numbers (per-layer metrics; integer ones stay integers)."""
+    a = np.asarray(v)
+    if a.ndim == 0:
+        return float(a)
+    return a.tolist()
+
+
+def _worst_layer(m: dict, names: tuple[str, ...]) -> dict:
+    """The progress line's balance readout: the worst MoE layer's max/mean load and dead experts."""
+    ratios = m.get("load_max_over_mean") or []
+    if not ratios:
+        return {}
+    i = int(np.argmax(ratios))
+    return {"load": f"{ratios[i]:.2f}@{names[i]}", "dead": int(max(m["dead_experts"]))}
+
+
+def worst_load(row: dict) -> float:
+    """The worst MoE layer's max/mean expert load of a metrics.jsonl row; reads the per-layer
+    `load_max_over_mean` list, or the scalar `max_over_mean_load` of runs logged before it."""
+    if "load_max_over_mean" in row:
+        return max(row["load_max_over_mean"])
+    return row["max_over_mean_load"]
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:

@@ -100,3 +100,19 @@ def make_optimizer(config: OptimizerConfig, total_steps: int) -> optax.GradientT
         optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
         optax.scale_by_learning_rate(learning_rate_schedule(config, total_steps)),
     )
+
+
+def update_count(opt_state) -> jax.Array:
+    """Updates applied so far (int32 ()): the step whose learning rate the next update uses, read
+    from the state of `make_optimizer`'s learning-rate schedule."""
+    found = [
+        s.count
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+        if isinstance(s, optax.ScaleByScheduleState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected one learning-rate schedule state in the optimizer state, found {len(found)}; "
+            "build the optimizer with make_optimizer"
+        )
+    return found[0]
