@@ -17,7 +17,9 @@ import time
 import jax
 import numpy as np
 
-from jfp8 import parallel as par
+from jfp8 import mesh as meshes
+from jfp8.nn import expert_parallel
+from jfp8.train import sharded
 from jfp8.train.loop import TrainConfig
 
 MESH = "data=2,expert=4"
@@ -26,11 +28,11 @@ TIMED_STEPS = 3
 
 
 def measure(dispatch: str, mesh) -> dict:
-    _, _, params, rest, tx, _, step, _ = par.build_sharded(CONFIG, mesh, par.ParallelOptions(dispatch=dispatch))
+    _, _, params, rest, tx, _, step, _ = sharded.build_sharded(CONFIG, mesh, expert_parallel.ParallelOptions(dispatch=dispatch))
     opt_state = tx.init(params)
-    tokens = par.shard_batch(np.random.default_rng(0).integers(0, 256, (CONFIG.batch_size, CONFIG.seq_len)).astype(np.int32), mesh)
+    tokens = meshes.shard_batch(np.random.default_rng(0).integers(0, 256, (CONFIG.batch_size, CONFIG.seq_len)).astype(np.int32), mesh)
     lowered = step.lower(params, rest, opt_state, tokens)
-    moved = par.all_to_all_bytes(lowered.as_text(dialect="hlo"))
+    moved = expert_parallel.all_to_all_bytes(lowered.as_text(dialect="hlo"))
     compiled = lowered.compile()
     out = compiled(params, rest, opt_state, tokens)
     jax.block_until_ready(out)
@@ -44,8 +46,8 @@ def measure(dispatch: str, mesh) -> dict:
 
 
 def main() -> None:
-    shape = par.parse_mesh(MESH)
-    mesh = par.make_mesh(shape.data, shape.expert)
+    shape = meshes.parse_mesh(MESH)
+    mesh = meshes.make_mesh(shape.data, shape.expert)
     rows = [measure(d, mesh) for d in ("fp8", "bf16")]
     fp8, bf16 = (r["all_to_all_bytes_per_device"] for r in rows)
     dispatch_fp8 = fp8.get("f8e4m3fn", 0) + fp8.get("f32", 0)

@@ -17,16 +17,9 @@ import json
 
 from jfp8.nn import ModelConfig
 from jfp8.recipe import Fp8Recipe
-from jfp8.train.loop import PRESETS, TrainConfig, train
+from jfp8.train.config import PRESET_TRAINING, PRESETS, TrainConfig
+from jfp8.train.loop import train
 from jfp8.train.optim import OptimizerConfig
-
-# Per-preset defaults (any flag overrides them).
-PRESET_DEFAULTS = {
-    "tiny": dict(batch_size=16, seq_len=128, steps=200, peak_lr=3e-3, warmup=20),
-    "small": dict(batch_size=16, seq_len=256, steps=1500, peak_lr=2e-3, warmup=100),
-    "gpu": dict(batch_size=32, seq_len=1024, steps=3000, peak_lr=1e-3, warmup=200),
-}
-
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
                    help="multiply the loss by this for the backward pass (a power of two; lifts small "
                         "activation gradients above the FP8 quantizer's amax floor of 1e-4)")
     p.add_argument("--mesh", default=None,
-                   help="'data=D,expert=E': data- and expert-parallel over D*E devices (see jfp8.parallel)")
+                   help="'data=D,expert=E': data- and expert-parallel over D*E devices (see jfp8.mesh)")
     return p
 
 
@@ -127,7 +120,7 @@ def parse_model_overrides(text: str) -> tuple[tuple[str, object], ...]:
 
 
 def config_from_args(args) -> TrainConfig:
-    d = PRESET_DEFAULTS[args.preset]
+    d = PRESET_TRAINING[args.preset]
     pick = lambda name, key: d[key] if getattr(args, name) is None else getattr(args, name)  # noqa: E731
     steps = pick("steps", "steps")
     return TrainConfig(
@@ -154,11 +147,11 @@ def main(argv=None) -> dict:
     args = parser().parse_args(argv)
     mesh = None
     if args.mesh:
-        from jfp8 import parallel
+        from jfp8 import mesh as meshes
 
-        parallel.initialize_distributed()  # no-op unless JFP8_COORDINATOR etc. are set
-        shape = parallel.parse_mesh(args.mesh)
-        mesh = parallel.make_mesh(shape.data, shape.expert)
+        meshes.initialize_distributed()  # no-op unless JFP8_COORDINATOR etc. are set
+        shape = meshes.parse_mesh(args.mesh)
+        mesh = meshes.make_mesh(shape.data, shape.expert)
     summary = train(config_from_args(args), resume=args.resume, mesh=mesh)
     print(json.dumps(summary, indent=1))
     return summary

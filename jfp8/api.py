@@ -137,7 +137,35 @@ def _dispatch(impl: Impl, interpret: bool, kernel: Callable, xla: Callable, args
             return xla(*args)
         raise RuntimeError(_mosaic_unavailable(f"this machine's GPU is {gpu.device_kind!r}"))
     default = xla if impl == "auto" else _unavailable(xla)
-    return jax.lax.platform_dependent(*args, cuda=kernel, default=default)
+    return jax.lax.platform_dependent(*args, cuda=_varying_like_inputs(kernel, args),
+                                      default=_varying_like_inputs(default, args))
+
+
+def _vma(x) -> frozenset:
+    """The mesh axes `x` varies over inside `shard_map` (empty outside one)."""
+    aval = jax.typeof(x)
+    axes = getattr(aval, "vma", None)  # the attribute's name in other jax versions
+    if axes is None:
+        axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(axes or ())
+
+
+def _varying_like_inputs(fn: Callable, args: tuple) -> Callable:
+    """`fn` with its results typed as varying over every mesh axis its inputs vary over (inside
+    `shard_map`): a Pallas kernel's results carry no such type, the reference's do, and the two
+    branches of `platform_dependent` must agree. A type cast only: no data changes."""
+    axes = frozenset().union(*(_vma(leaf) for leaf in jax.tree.leaves(args)))
+    if not axes:
+        return fn
+
+    def run(*a):
+        def cast(out):
+            missing = tuple(sorted(axes - _vma(out)))
+            return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+        return jax.tree.map(cast, fn(*a))
+
+    return run
 
 
 # ------------------------------------------------------------------------------ quantizers

@@ -47,10 +47,19 @@ def interpreting() -> bool:
     return config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
+def _abstract_gpu():
+    """The abstract mesh's device when it is a GPU with a known SM count (lowering off-GPU, e.g.
+    `h100_abstract_mesh`), else None (a CPU mesh, e.g. inside shard_map on this machine)."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is None or abstract.platform not in ("gpu", "cuda") or abstract.num_cores is None:
+        return None
+    return abstract
+
+
 def num_sms() -> int:
     """SM count for persistent grids: the abstract device's when lowering off-GPU, the real GPU's
     when there is one, else an H100's (interpreter runs on CPU)."""
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    abstract = _abstract_gpu()
     if abstract is not None:
         return abstract.num_cores
     device = jax.devices()[0]
@@ -61,7 +70,7 @@ def num_sms() -> int:
 
 def device_kind() -> str:
     """The GPU model the kernels are built for, the same way as `num_sms`."""
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    abstract = _abstract_gpu()
     if abstract is not None:
         return abstract.device_kind
     device = jax.devices()[0]

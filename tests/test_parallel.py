@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jfp8 import parallel as par
+from jfp8 import mesh as meshes
+from jfp8.nn import expert_parallel
+from jfp8.train import sharded
 from jfp8.nn import model_loss
 from jfp8.train.loop import TrainConfig, build
 from jfp8.train.optim import OptimizerConfig
@@ -62,8 +64,8 @@ def _sharded_run(data, expert, precision="fp8", overrides=()):
 
 @functools.cache
 def _sharded_run_cached(data, expert, precision, overrides):
-    mesh = par.make_mesh(data, expert)
-    run = par.build_sharded(_config(precision, overrides), mesh)
+    mesh = meshes.make_mesh(data, expert)
+    run = sharded.build_sharded(_config(precision, overrides), mesh)
     return mesh, run
 
 
@@ -72,12 +74,12 @@ def _sharded_opt_state(tx, params, mesh):
     params). The step's first call then compiles the program every later step reuses; an unplaced
     state compiles a second one at step 2 (a minute of CPU time per mesh). The values are the
     same zeros either way."""
-    return par.shard_params(tx.init(params), mesh)
+    return meshes.shard_params(tx.init(params), mesh)
 
 
 def _sharded_step(data, expert, precision="fp8", overrides=()):
     mesh, (_, _, params, rest, tx, _, step, _) = _sharded_run(data, expert, precision, overrides)
-    return step(params, rest, _sharded_opt_state(tx, params, mesh), par.shard_batch(_tokens(), mesh))
+    return step(params, rest, _sharded_opt_state(tx, params, mesh), meshes.shard_batch(_tokens(), mesh))
 
 
 def _max_rel(a_tree, b_tree) -> float:
@@ -92,14 +94,14 @@ def _max_rel(a_tree, b_tree) -> float:
 
 
 def test_parse_and_make_mesh():
-    assert par.parse_mesh("data=2,expert=4") == par.MeshShape(2, 4)
-    assert par.parse_mesh("expert=8") == par.MeshShape(1, 8)
+    assert meshes.parse_mesh("data=2,expert=4") == meshes.MeshShape(2, 4)
+    assert meshes.parse_mesh("expert=8") == meshes.MeshShape(1, 8)
     with pytest.raises(ValueError, match="data=D,expert=E"):
-        par.parse_mesh("dp=2")
-    mesh = par.make_mesh(2, 4)
+        meshes.parse_mesh("dp=2")
+    mesh = meshes.make_mesh(2, 4)
     assert dict(mesh.shape) == {"data": 2, "expert": 4}
     with pytest.raises(ValueError, match="needs 16 devices"):
-        par.make_mesh(4, 4)
+        meshes.make_mesh(4, 4)
 
 
 def test_plans_uneven_loads_are_dropless():
@@ -107,20 +109,20 @@ def test_plans_uneven_loads_are_dropless():
     n, k, e, ep = 16, 2, 8, 4
     experts = jnp.stack([jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32) % e], 1)  # [N, K]
     experts = experts.at[:, 1].set(jnp.where(experts[:, 1] == 0, 1, experts[:, 1]))  # distinct per token
-    cap = par.capacity_for(n, k, ep, None)
-    sp = par.send_plan(experts, e, ep, cap)
+    cap = expert_parallel.capacity_for(n, k, ep, None)
+    sp = expert_parallel.send_plan(experts, e, ep, cap)
     assert int(sp.dropped) == 0 and int(sp.counts.sum()) == n * k
     sent = np.asarray(sp.send_rows).reshape(ep, cap)
     # destination 0 (experts 0, 1) receives every token once for expert 0 plus the expert-1 ones
     assert (sent[0] < n).sum() == int(sp.counts[0].sum())
     # A receiver that gets everything from 4 identical sources groups rows by local expert.
-    rp = par.recv_plan(jnp.stack([sp.counts[0]] * ep), cap)
+    rp = expert_parallel.recv_plan(jnp.stack([sp.counts[0]] * ep), cap)
     assert rp.group_sizes.tolist() == [4 * n, 4 * int(sp.counts[0, 1])]
     # A smaller capacity reports (never hides) what it cannot send.
-    small = par.send_plan(experts, e, ep, par.capacity_for(n, k, ep, 1.0))
+    small = expert_parallel.send_plan(experts, e, ep, expert_parallel.capacity_for(n, k, ep, 1.0))
     assert int(small.dropped) == n * k - int(small.counts.sum()) > 0
     with pytest.raises(RuntimeError, match="dropped"):
-        par.check_no_drops({"dropped_assignments": small.dropped})
+        sharded.check_no_drops({"dropped_assignments": small.dropped})
 
 
 # ------------------------------------------------------------------------------ equivalence
@@ -164,12 +166,12 @@ def test_sharded_f32_gradients_match_single_device_tightly():
     def single(params):
         return model_loss(nnx.merge(graphdef, params, rest), jnp.asarray(tokens))[0]
 
-    mesh = par.make_mesh(2, 4)
-    sharded = par.sharded_loss_fn(graphdef, mesh, params, rest)
-    p_mesh, r_mesh = par.shard_params(params, mesh), par.shard_params(rest, mesh)
-    t_mesh = par.shard_batch(tokens, mesh)
+    mesh = meshes.make_mesh(2, 4)
+    loss_on_mesh = sharded.sharded_loss_fn(graphdef, mesh, params, rest)
+    p_mesh, r_mesh = meshes.shard_params(params, mesh), meshes.shard_params(rest, mesh)
+    t_mesh = meshes.shard_batch(tokens, mesh)
     ref_loss, ref = jax.jit(jax.value_and_grad(single))(params)
-    got_loss, got = jax.jit(jax.value_and_grad(lambda p: sharded(p, r_mesh, t_mesh)[0]))(p_mesh)
+    got_loss, got = jax.jit(jax.value_and_grad(lambda p: loss_on_mesh(p, r_mesh, t_mesh)[0]))(p_mesh)
     np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-6)
     assert _max_rel(ref, got) < 1e-5
 
@@ -183,11 +185,11 @@ def test_dispatch_sends_fp8_and_half_the_bytes():
     (XLA:CPU widens f8/bf16 collectives to f16/f32 after optimisation, so we read the HLO before
     backend passes; GPUs keep the types.)"""
     mesh, (_, graphdef, params, rest, _, _, _, _) = _sharded_run(2, 4)
-    tokens = par.shard_batch(_tokens(), mesh)
+    tokens = meshes.shard_batch(_tokens(), mesh)
     moved = {}
     for dispatch in ("fp8", "bf16"):
-        loss = par.sharded_loss_fn(graphdef, mesh, params, rest, par.ParallelOptions(dispatch=dispatch))
-        moved[dispatch] = par.all_to_all_bytes(jax.jit(loss).lower(params, rest, tokens).as_text(dialect="hlo"))
+        loss = sharded.sharded_loss_fn(graphdef, mesh, params, rest, expert_parallel.ParallelOptions(dispatch=dispatch))
+        moved[dispatch] = expert_parallel.all_to_all_bytes(jax.jit(loss).lower(params, rest, tokens).as_text(dialect="hlo"))
     fp8, bf16 = moved["fp8"], moved["bf16"]
     combine = fp8["bf16"]  # the forward's only BF16 all-to-all is the combine
     fp8_dispatch = fp8["f8e4m3fn"] + fp8["f32"]
@@ -204,9 +206,9 @@ def test_uneven_expert_loads_do_not_drop_tokens():
     for moe in model.moe_layers():
         moe.router_bias[...] = jnp.zeros_like(moe.router_bias[...]).at[0].set(10.0).at[1].set(5.0)
     _, _, rest = nnx.split(model, nnx.Param, ...)
-    rest = par.shard_params(rest, mesh)
-    loss_fn = jax.jit(par.sharded_loss_fn(graphdef, mesh, params, rest))
-    loss, parts = loss_fn(params, rest, par.shard_batch(_tokens(), mesh))
+    rest = meshes.shard_params(rest, mesh)
+    loss_fn = jax.jit(sharded.sharded_loss_fn(graphdef, mesh, params, rest))
+    loss, parts = loss_fn(params, rest, meshes.shard_batch(_tokens(), mesh))
     loads = np.asarray(parts["expert_loads"])[0]
     assert loads[0] == loads[1] == BATCH * SEQ and loads.sum() == BATCH * SEQ * 2
     assert int(parts["dropped_assignments"]) == 0
@@ -231,9 +233,9 @@ def test_group_limited_routing_matches_single_device():
     loads = np.asarray(ref_parts["expert_loads"])[0]
     # groups of 2 experts, one kept, K = 2: every token takes both experts of its group
     assert loads.sum() == BATCH * SEQ * 2 and (loads[0::2] == loads[1::2]).all(), loads
-    mesh = par.make_mesh(2, 4)
-    loss, parts = jax.jit(par.sharded_loss_fn(graphdef, mesh, params, rest))(
-        par.shard_params(params, mesh), par.shard_params(rest, mesh), par.shard_batch(_tokens(), mesh)
+    mesh = meshes.make_mesh(2, 4)
+    loss, parts = jax.jit(sharded.sharded_loss_fn(graphdef, mesh, params, rest))(
+        meshes.shard_params(params, mesh), meshes.shard_params(rest, mesh), meshes.shard_batch(_tokens(), mesh)
     )
     np.testing.assert_array_equal(parts["expert_loads"], ref_parts["expert_loads"])
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
@@ -244,7 +246,7 @@ def test_few_steps_on_2x4_mesh_decrease_loss():
     mesh, (_, _, params, rest, tx, _, step, _) = _sharded_run(2, 4)
     # Placed like test_sharded_fp8_step_matches_single_device[2-4]'s state: all three steps run
     # the program that test compiled.
-    opt_state, tokens, losses = _sharded_opt_state(tx, params, mesh), par.shard_batch(_tokens(1), mesh), []
+    opt_state, tokens, losses = _sharded_opt_state(tx, params, mesh), meshes.shard_batch(_tokens(1), mesh), []
     for _ in range(3):
         params, rest, opt_state, m = step(params, rest, opt_state, tokens)
         losses.append(float(m["loss"]))

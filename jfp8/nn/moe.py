@@ -278,13 +278,20 @@ class MoE(nnx.Module):
         tokens = x.reshape(b * t, d)  # [N, d], N = B*T
         scores = router_scores(tokens, self.gate[...])  # [N, E]
         experts, weights = route(scores, self.router_bias[...], cfg)  # [N, K] x2
-
-        x_sorted, group_sizes, order = dispatch(tokens, experts, cfg.n_routed)  # [N*K, d]
-        gate_up = grouped_fp8_linear(x_sorted, self.w13[...], group_sizes, cfg.recipe)  # [N*K, 2h]
-        y_sorted = grouped_fp8_linear(swiglu(gate_up), self.w2[...], group_sizes, cfg.recipe)  # [N*K, d]
-        y = combine(y_sorted, order, weights).reshape(b, t, d)  # [B, T, d]
-
+        y, loads = self.routed_experts(tokens, experts, weights)  # [N, d], [E]
+        y = y.reshape(b, t, d)
         if self.shared is not None:
             y = y + self.shared(x)
         balance = sequence_balance_loss(scores.reshape(b, t, -1), cfg.top_k, cfg.balance_alpha)
-        return y, MoEStats(loads=group_sizes, balance_loss=balance)
+        return y, MoEStats(loads=loads, balance_loss=balance)
+
+    def routed_experts(self, tokens: jax.Array, experts: jax.Array, weights: jax.Array):
+        """Σ_k g_k FFN_{e_k}(u) for each token: tokens [N, d], experts/weights [N, K] -> (y [N, d],
+        loads [E]). The tokens sorted by expert, two grouped FP8 GEMMs (fused gate/up, then down),
+        combined back with the gating weights. The one step an expert-parallel MoE replaces
+        (`jfp8.nn.expert_parallel.ExpertParallelMoE`)."""
+        cfg = self.cfg
+        x_sorted, group_sizes, order = dispatch(tokens, experts, cfg.n_routed)  # [N*K, d]
+        gate_up = grouped_fp8_linear(x_sorted, self.w13[...], group_sizes, cfg.recipe)  # [N*K, 2h]
+        y_sorted = grouped_fp8_linear(swiglu(gate_up), self.w2[...], group_sizes, cfg.recipe)  # [N*K, d]
+        return combine(y_sorted, order, weights), group_sizes

@@ -29,7 +29,8 @@ from jfp8.nn import ModelConfig, Transformer, model_loss
 from jfp8.recipe import Fp8Recipe
 from jfp8.train import data
 from jfp8.train.checkpoint import Checkpointer
-from jfp8.train.loop import TrainConfig, _split, build, scaled_value_and_grad
+from jfp8.train.config import TrainConfig
+from jfp8.train.step import _split, build, scaled_value_and_grad
 
 
 def load_run(run_dir: str | pathlib.Path, step: int | None = None):
