@@ -37,6 +37,7 @@ import numpy as np
 
 import jfp8
 from jfp8.api import is_hopper
+from gpu_tables import TARGET_DENSE_VS_BF16
 from _bench import (
     PEAK_SOURCE,
     TIMING_METHOD,
@@ -69,7 +70,6 @@ from pallas_kernels.shapes import CPU_DENSE_SHAPES, DENSE_SHAPES, SMALL_M_SHAPES
 BASELINE = "xla-bf16"
 BASELINES = ("xla-bf16", "xla-fp8-per-tensor", "torch-bf16", "torch-fp8-blockwise")
 # The target for the tile x block kernel against the bf16 baseline.
-TARGET_VS_BF16 = 1.6
 # Tolerances of a bf16 output against an f32 reference: bf16 rounding (2^-9 relative) plus, for
 # the bf16-operand rows, the rounding of the operands.
 TOL_BF16_OPERANDS = 2e-2
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
         add_ratios(rows, BASELINE, BASELINES)
         return write_record(
             "bench_gemm", rows, args.out, timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
-            peak_source=PEAK_SOURCE, target_vs_bf16=TARGET_VS_BF16, configs=args.config,
+            peak_source=PEAK_SOURCE, target_vs_bf16=TARGET_DENSE_VS_BF16, configs=args.config,
             failed=failed, skipped=skipped, **info,
         )
 

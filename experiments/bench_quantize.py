@@ -46,6 +46,8 @@ import numpy as np
 
 import jfp8
 from jfp8.api import is_hopper
+from pallas_kernels.shapes import QUANTIZE_SHAPES
+from gpu_tables import TARGET_QUANTIZE_FRAC_OF_COPY
 from _bench import (
     TIMING_METHOD,
     Case,
@@ -66,7 +68,6 @@ from _bench import (
     write_record,
 )
 
-TARGET_FRAC_OF_COPY = 0.7
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
@@ -76,7 +77,7 @@ class QShape(NamedTuple):
     dtype: str
 
 
-GPU_SHAPES = (QShape(8192, 8192, "bfloat16"), QShape(4096, 7168, "bfloat16"), QShape(7168, 2048, "float32"))
+GPU_SHAPES = tuple(QShape(*s) for s in QUANTIZE_SHAPES)
 CPU_SHAPES = (QShape(256, 512, "bfloat16"),)
 # The copy ceiling: large enough to dwarf the L2 (50-60 MB) several times over.
 GPU_COPY_ELEMS = 1 << 27  # 256 MiB of bf16
@@ -291,7 +292,7 @@ def main(argv=None) -> int:
     def save():
         return write_record(
             "bench_quantize", rows, args.out, timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
-            copy_gbps=max(copy_gbps) if copy_gbps else None, target_frac_of_copy=TARGET_FRAC_OF_COPY,
+            copy_gbps=max(copy_gbps) if copy_gbps else None, target_frac_of_copy=TARGET_QUANTIZE_FRAC_OF_COPY,
             bytes_counted="input read once + E4M3 data and FP32 scales written once",
             configs=args.config, failed=failed, skipped=skipped,
         )

@@ -103,12 +103,18 @@ def tune_table(record: dict) -> list[str]:
 # kernel's default row against the copy bandwidth.
 DENSE_TARGET_SHAPES = ((8192, 8192, 8192), (4096, 2112, 7168), (4096, 7168, 16384),
                        (4096, 4096, 7168))
+# The speed targets, written once: the benchmarks record them, the session judges them.
+TARGET_DENSE_VS_BF16 = 1.6
+TARGET_DENSE_VS_TORCH_BLOCKWISE = 1.0
+TARGET_GROUPED_VS_BF16 = 1.4
+TARGET_QUANTIZE_FRAC_OF_COPY = 0.7
+TARGET_LINEAR_VS_BF16 = 1.3
 TARGETS = (
-    ("bench_gemm", "x XLA bf16", "xla-bf16", 1.6),
-    ("bench_gemm", "x torch blockwise FP8", "torch-fp8-blockwise", 1.0),
-    ("bench_grouped", "x bf16 einsum", "xla-bf16-einsum", 1.4),
-    ("bench_grouped", "x bf16 ragged_dot_mgpu", "mgpu-ragged-dot-bf16", 1.4),
-    ("bench_quantize", "of copy bandwidth", None, 0.7),
+    ("bench_gemm", "x XLA bf16", "xla-bf16", TARGET_DENSE_VS_BF16),
+    ("bench_gemm", "x torch blockwise FP8", "torch-fp8-blockwise", TARGET_DENSE_VS_TORCH_BLOCKWISE),
+    ("bench_grouped", "x bf16 einsum", "xla-bf16-einsum", TARGET_GROUPED_VS_BF16),
+    ("bench_grouped", "x bf16 ragged_dot_mgpu", "mgpu-ragged-dot-bf16", TARGET_GROUPED_VS_BF16),
+    ("bench_quantize", "of copy bandwidth", None, TARGET_QUANTIZE_FRAC_OF_COPY),
 )
 
 

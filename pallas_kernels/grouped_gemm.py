@@ -33,11 +33,7 @@ Two forms, selected by the frozen `GroupedGemmConfig`:
   * Wgrad walks the (group, K tile, N tile) tiles with a dynamic K loop over the group's own
     token chunks; each consumer masks the other groups' tokens out of its rows of a shared
     chunk before its wgmma; an empty group's tiles store zeros.
-  Expected on a GPU for the same reasons as the dense kernel (see `gemm`'s docstring): the
-  tensor cores busy while a consumer promotes, twice the rows per weight tile, no per-tile launch
-  or pipeline fill, and a group's weight panels reused from L2 by the row tiles walked together.
-  Nothing here has been timed; `experiments/bench_grouped.py --config ...` puts both forms side
-  by side.
+  Nothing here has been timed; what each form is predicted to change is in `docs/gpu.md`.
 
 Both forms give the same bits: each output element gets the same chunk products promoted in the
 same order.

@@ -38,9 +38,8 @@ speed needs the SMEM <-> register transfers free of bank conflicts: by default
 (`QuantizeConfig.swizzle`) every staged tile is kept in 8-row tiles with the widest swizzle, as
 the GEMMs keep theirs, where TMA can tile the arrays (rows a multiple of 8, widths a multiple of
 the swizzle span: every DeepSeek-V3 shape); elsewhere the kernels stage unswizzled boxes, with
-8-way conflicts (`QuantizeConfig.simple()` always does). Which of the two is faster on an H100,
-and by how much, is not measured yet (`bench_quantize.py --config swizzle=false` puts them side
-by side). TMA also does the tails: loads past the end of the input are zero-filled, exactly
+8-way conflicts (`QuantizeConfig.simple()` always does; speeds: `docs/gpu.md`, not measured yet).
+TMA also does the tails: loads past the end of the input are zero-filled, exactly
 `jfp8.quantize`'s zero padding, and stores past the end of an output are dropped. The wrappers
 pad or slice only where TMA's 16-byte stride rule forces it (see `_tma_aligned` and the scale
 slices).

@@ -61,3 +61,10 @@ CPU_DENSE_SHAPES: tuple[GemmShape, ...] = (
     GemmShape(512, 512, 1024),
     GemmShape(1024, 1024, 1024),
 )
+
+# Quantizer problems (rows, columns, input dtype): an activation, a weight (bf16 and an f32 master).
+QUANTIZE_SHAPES: tuple[tuple[int, int, str], ...] = (
+    (8192, 8192, "bfloat16"),
+    (4096, 7168, "bfloat16"),
+    (7168, 2048, "float32"),
+)
