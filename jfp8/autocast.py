@@ -43,6 +43,7 @@ LAYOUT_PRIMITIVES = frozenset({
     "reshape", "transpose", "convert_element_type", "broadcast_in_dim", "squeeze",
     "expand_dims", "slice", "dynamic_slice", "rev", "copy", "copy_p", "sharding_constraint",
     "reduce_precision", "device_put",
+    "pvary", "pbroadcast",  # inside shard_map: a replicated weight typed as varying over an axis
 })
 # ... and when all their operands are (fused weights: `jnp.concatenate([wq, wk, wv])`).
 JOIN_PRIMITIVES = frozenset({"concatenate", "stack"})
