@@ -5,8 +5,10 @@
 penzai (installed from the package index, `pip install jfp8[test]`) builds the model; its
 `Linear` layers call `jnp.einsum` through named-axis `nmap`. jfp8 wraps the loss in
 `jfp8.autocast(loss, weight_argnums=(0,))`: every weight x activation einsum runs with DeepSeek-V3's
-recipe, attention (activation x activation) stays in BF16. The BF16 arm is the same loss
-without autocast (FP32 master weights cast to BF16 in the loss, in both arms). Both arms share the seed,
+recipe, attention (activation x activation) stays as penzai computes it. The BF16 arm is the same
+loss without autocast: FP32 master weights cast to BF16 in the loss (both arms). penzai keeps its
+activations in FP32 at this config (its norms compute in FP32), so the BF16 arm's projections are
+BF16 weight x FP32 activation GEMMs with FP32 accumulation; the FP8 arm's are E4M3 x E4M3. Both arms share the seed,
 the initialisation and the batches of the Shakespeare corpus (bytes, vocabulary 256). Writes
 DIR/summary.json, DIR/summary.md (losses, the gap, and which matmuls went FP8).
 """
@@ -104,7 +106,7 @@ def run(cfg: Config, recipe: jfp8.Fp8Recipe = jfp8.Fp8Recipe()) -> dict:
 def _matmul_table(records) -> list[str]:
     rows = {}
     for r in records:
-        key = (r.fp8, r.kind, r.lhs_shape, r.rhs_shape, r.note)
+        key = (r.fp8, r.kind, r.lhs_shape, r.rhs_shape, r.note)  # lhs dtype is the same for all
         rows[key] = rows.get(key, 0) + 1
     out = ["| FP8 | kind | lhs | rhs | count | note |", "|---|---|---|---|---|---|"]
     for (fp8, kind, lhs, rhs, note), n in rows.items():
@@ -127,6 +129,9 @@ def write(result: dict, out: pathlib.Path) -> str:
         f"({(final_f - final_b) / final_b:+.2%}); validation loss: BF16 {b['val_loss']:.4f}, "
         f"FP8 {f['val_loss']:.4f} ({(f['val_loss'] - b['val_loss']) / b['val_loss']:+.2%})",
         f"wall time (CPU, XLA reference path): BF16 {b['seconds']:.0f} s, FP8 {f['seconds']:.0f} s",
+        "", "BF16 arm: FP32 master weights cast to BF16 in the loss; penzai keeps activations in FP32 "
+        "here, so its projections are BF16-weight x FP32-activation GEMMs (FP32 accumulation). FP8 "
+        "arm: the same loss under `jfp8.autocast` (DeepSeek-V3 recipe, XLA reference numerics).",
         "", f"## Matmuls ({sum(r.fp8 for r in result['records'])} of {len(result['records'])} in FP8)",
         "", *_matmul_table(result["records"]),
     ]

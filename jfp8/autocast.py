@@ -84,22 +84,25 @@ class _Ctx:
     recipe: Fp8Recipe
     between_activations: Fp8Recipe | None
     records: list | None
+    keep: Callable[[DotRecord], bool] | None = None
     scope: tuple[str, ...] = ()
 
     def inside(self, name: str) -> _Ctx:
         return dataclasses.replace(self, scope=(*self.scope, name))
 
-    def record(self, eqn, kind, fp8, weight, note):
-        if self.records is None:
-            return
+    def make_record(self, eqn, kind, fp8, weight, note) -> DotRecord:
         lhs, rhs = (v.aval for v in eqn.invars[:2])
         stack = str(eqn.source_info.name_stack)
         where = source_info_util.summarize(eqn.source_info) + (f" [{stack}]" if stack else "")
-        self.records.append(DotRecord(
+        return DotRecord(
             kind=kind, fp8=fp8, lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
             dtype=str(lhs.dtype), dimension_numbers=eqn.params["dimension_numbers"],
             weight=weight, note=note, where=where, scope=self.scope,
-        ))
+        )
+
+    def record(self, eqn, kind, fp8, weight, note):
+        if self.records is not None:
+            self.records.append(self.make_record(eqn, kind, fp8, weight, note))
 
 
 # ------------------------------------------------------------------------------ the interpreter
@@ -201,6 +204,8 @@ def _dot_rule(eqn, invals, inw, ctx: _Ctx):
         recipe, note = None, f"{'/'.join(sorted(map(str, dtypes)))} operands (FP8 takes bf16/f32)"
     if recipe is not None and not recipe.enabled:
         recipe, note = None, "the recipe is off"
+    if recipe is not None and ctx.keep is not None and ctx.keep(ctx.make_record(eqn, kind, True, side, "")):
+        recipe, note = None, "kept by keep="
     ctx.record(eqn, kind, recipe is not None, side, note)
     if recipe is None:
         return _bind(eqn, invals), [False]
@@ -310,8 +315,8 @@ def _is_array(x) -> bool:
 class Autocast:
     """`fn` with its weight x activation matmuls in FP8 (made by `autocast`)."""
 
-    def __init__(self, fn, recipe, weight_argnums, between_activations):
-        self._fn, self._recipe, self._between = fn, recipe, between_activations
+    def __init__(self, fn, recipe, weight_argnums, between_activations, keep=None):
+        self._fn, self._recipe, self._between, self._keep = fn, recipe, between_activations, keep
         self._weight_argnums = tuple(weight_argnums)
         functools.update_wrapper(self, fn)
 
@@ -342,7 +347,7 @@ class Autocast:
 
     def _run(self, records, args, kwargs):
         closed, out_tree, dyn_vals, flags = self._trace(args, kwargs)
-        ctx = _Ctx(self._recipe, self._between, records)
+        ctx = _Ctx(self._recipe, self._between, records, self._keep)
         outs, _ = _eval_jaxpr(closed.jaxpr, closed.consts, dyn_vals, flags, ctx)
         return jax.tree.unflatten(out_tree, outs)
 
@@ -354,7 +359,7 @@ class Autocast:
         or `jax.ShapeDtypeStruct`s). A scan body's matmul appears once, whatever the length."""
         records: list = []
         closed, _, dyn_vals, flags = self._trace(args, kwargs)
-        ctx = _Ctx(self._recipe, self._between, records)
+        ctx = _Ctx(self._recipe, self._between, records, self._keep)
         jax.eval_shape(lambda *a: _eval_jaxpr(closed.jaxpr, closed.consts, a, flags, ctx)[0], *dyn_vals)
         return tuple(records)
 
@@ -365,6 +370,7 @@ def autocast(
     *,
     weight_argnums: int | Sequence[int] = (0,),
     between_activations: Fp8Recipe | None = None,
+    keep: Callable[[DotRecord], bool] | None = None,
 ) -> Autocast:
     """`fn` with every matmul between a weight and an activation in FP8 (DeepSeek-V3 recipe).
 
@@ -379,13 +385,16 @@ def autocast(
       between_activations: recipe for activation x activation matmuls (attention scores,
         probs·V), with rhs scaled as `recipe.weight_block` says; None (default) keeps them in the
         input precision, as DeepSeek-V3 keeps attention in BF16.
+      keep: a predicate on a matmul's `DotRecord` (shapes, `where`, Flax scope); True keeps that
+        matmul in the input precision, as DeepSeek-V3 keeps its output head and MoE gate (e.g.
+        `keep=lambda r: r.rhs_shape[-1] == vocab_size`).
 
     Returns:
       A callable; `.report(*args)` lists what each matmul became (`DotRecord`s).
     """
     if isinstance(weight_argnums, int):
         weight_argnums = (weight_argnums,)
-    return Autocast(fn, recipe, weight_argnums, between_activations)
+    return Autocast(fn, recipe, weight_argnums, between_activations, keep)
 
 
 def einsum(

@@ -121,6 +121,19 @@ def test_between_activations_recipe_puts_attention_in_fp8():
     np.testing.assert_array_equal(jfp8.autocast(lambda _, q, k: q @ k.T, XLA)((), q, k), q @ k.T)
 
 
+def test_keep_leaves_chosen_matmuls_alone():
+    rng, _ = _rng()
+    w1, head = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((128, 128), (128, 256)))
+    x = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+
+    def fn(p, x):
+        return jnp.tanh(x @ p[0]) @ p[1]
+
+    f = jfp8.autocast(fn, XLA, keep=lambda r: r.rhs_shape[-1] == 256)
+    assert [(r.fp8, r.note) for r in f.report((w1, head), x)] == [(True, ""), (False, "kept by keep=")]
+    np.testing.assert_array_equal(f((w1, head), x), jnp.tanh(fp8_linear(x, w1, XLA)) @ head)
+
+
 def test_custom_vjp_with_a_weight_is_inlined_and_others_untouched():
     @jax.custom_vjp
     def proj(x, w):
