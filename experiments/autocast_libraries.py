@@ -1,16 +1,19 @@
-"""FP8 vs BF16: penzai's Llama-like transformer under `jfp8.autocast`, no edits.
+"""FP8 vs BF16 on models jfp8 did not write: published libraries under `jfp8.autocast`, no edits.
 
-    python experiments/autocast_penzai.py --steps 200 --out experiments/results/autocast-penzai
+    python experiments/autocast_libraries.py --library penzai --steps 300 --out experiments/results/autocast-penzai
+    python experiments/autocast_libraries.py --library nano_moe --steps 300 --out experiments/results/autocast-nano-moe
 
-penzai (installed from the package index, `pip install jfp8[test]`) builds the model; its
-`Linear` layers call `jnp.einsum` through named-axis `nmap`. jfp8 wraps the loss in
-`jfp8.autocast(loss, weight_argnums=(0,))`: every weight x activation einsum runs with DeepSeek-V3's
-recipe, attention (activation x activation) stays as penzai computes it. The BF16 arm is the same
-loss without autocast: FP32 master weights cast to BF16 in the loss (both arms). penzai keeps its
-activations in FP32 at this config (its norms compute in FP32), so the BF16 arm's projections are
-BF16 weight x FP32 activation GEMMs with FP32 accumulation; the FP8 arm's are E4M3 x E4M3. Both arms share the seed,
-the initialisation and the batches of the Shakespeare corpus (bytes, vocabulary 256). Writes
-DIR/summary.json, DIR/summary.md (losses, the gap, and which matmuls went FP8).
+penzai (`penzai==0.2.5`): its Llama-like transformer; `Linear` calls `jnp.einsum` through
+named-axis `nmap`. nano-moe-jax (`nano-moe-jax==0.1.0`, linen): a small MoE LM (router + top-k of
+dense expert FFNs in every block). Both from the package index (`pip install jfp8[test]`), tiny
+config, random init. jfp8 wraps the loss in `jfp8.autocast(loss)` (params at argnum 0): every
+weight x activation matmul runs with DeepSeek-V3's recipe except the output head and the MoE
+router (`keep=`, as DeepSeek-V3 keeps them in BF16); activation x activation (attention) stays as
+the library computes it. The BF16 arm is the same loss without autocast; FP32 master
+weights are cast to BF16 inside the loss in both arms (the cast is layout-only, so autocast still
+sees weights). Both arms share the seed, init and batches of the Shakespeare corpus (bytes,
+vocabulary 256). Writes DIR/summary.json and DIR/summary.md (losses, the gap, which matmuls went
+FP8).
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ from jfp8.train.data import BYTE_VOCAB, eval_batches, load_bytes, train_batch, t
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    library: str = "penzai"  # or "nano_moe"
+    experts: int = 4  # nano_moe
+    top_k: int = 2  # nano_moe
     embedding_dim: int = 128
     heads: int = 2
     head_dim: int = 64
-    mlp_hidden_dim: int = 256
+    mlp_hidden_dim: int = 384  # not the vocabulary size: `keep` tells the head by its width
     blocks: int = 2
     batch: int = 8
     seq_len: int = 128
@@ -43,9 +49,40 @@ class Config:
     lr: float = 3e-3
     seed: int = 0
     eval_batches: int = 4
+    keep_head_and_gate: bool = True  # DeepSeek-V3 keeps the output head and the MoE gate in BF16
+
+
+def _bf16(params):
+    return jax.tree.map(lambda v: v.astype(jnp.bfloat16) if jnp.issubdtype(v.dtype, jnp.floating) else v, params)
 
 
 def build_model(cfg: Config):
+    """(loss(params, tokens), params) of the configured library's LM."""
+    return {"penzai": build_penzai, "nano_moe": build_nano_moe}[cfg.library](cfg)
+
+
+def build_nano_moe(cfg: Config):
+    """nano-moe-jax's MoE LM at a tiny size, random init, no dropout; loss = LM loss + the
+    library's load-balancing term (its coefficient)."""
+    from nano_moe import NanoMoE, NanoMoEConfig
+
+    model_cfg = NanoMoEConfig(
+        vocab_size=BYTE_VOCAB, n_layers=cfg.blocks, n_heads=cfg.heads, d_model=cfg.embedding_dim,
+        d_ff=cfg.mlp_hidden_dim, n_experts=cfg.experts, top_k=cfg.top_k, block_size=cfg.seq_len,
+        dropout_rate=0.0,
+    )
+    model = NanoMoE(model_cfg)
+    params = model.init(jax.random.key(cfg.seed), jnp.zeros((1, cfg.seq_len), jnp.int32))
+
+    def loss(params, tokens):  # tokens [batch, seq + 1] int32
+        logits, aux = model.apply(_bf16(params), tokens[:, :-1])
+        lm = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:])
+        return lm.mean() + model_cfg.aux_loss_coeff * aux
+
+    return loss, params
+
+
+def build_penzai(cfg: Config):
     """penzai's Llama-like LM at a tiny size, random init; returns (loss(params, tokens), params)."""
     from penzai import pz
     from penzai.models.transformer.variants import llamalike_common as ll
@@ -61,9 +98,7 @@ def build_model(cfg: Config):
     unbound, params = pz.unbind_params(model, freeze=True)
 
     def loss(params, tokens):  # tokens [batch, seq + 1] int32
-        # FP32 master weights, BF16 compute: the cast is layout-only, so autocast still sees weights.
-        params = jax.tree.map(lambda v: v.astype(jnp.bfloat16) if jnp.issubdtype(v.dtype, jnp.floating) else v, params)
-        lm = pz.bind_variables(unbound, params)
+        lm = pz.bind_variables(unbound, _bf16(params))
         logits = lm(pz.nx.wrap(tokens[:, :-1]).tag("batch", "seq"))
         logits = logits.untag("batch", "seq", "vocabulary").unwrap().astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
@@ -81,7 +116,7 @@ def train(loss, params, cfg: Config, split, log_every: int = 10):
         return optax.apply_updates(params, updates), opt_state, value
 
     evaluate = jax.jit(loss)
-    val = eval_batches(split.val, cfg.batch, cfg.seq_len + 1, cfg.eval_batches)
+    val = eval_batches(split.val, cfg.batch, cfg.seq_len + 1, cfg.eval_batches) if cfg.eval_batches else []
     opt_state, curve = opt.init(params), []
     t0 = time.perf_counter()
     for i in range(cfg.steps):
@@ -89,14 +124,17 @@ def train(loss, params, cfg: Config, split, log_every: int = 10):
         params, opt_state, value = step(params, opt_state, tokens)
         if i % log_every == 0 or i == cfg.steps - 1:
             curve.append((i, float(value)))
-    val_loss = float(np.mean([evaluate(params, jnp.asarray(b)) for b in val]))
+    val_loss = float(np.mean([evaluate(params, jnp.asarray(b)) for b in val])) if val else float("nan")
     return {"train": curve, "val_loss": val_loss, "seconds": time.perf_counter() - t0}
 
 
 def run(cfg: Config, recipe: jfp8.Fp8Recipe = jfp8.Fp8Recipe()) -> dict:
     split = train_val_split(load_bytes())
     loss, params = build_model(cfg)
-    fp8_loss = jfp8.autocast(loss, recipe)
+    def head_or_gate(r: jfp8.DotRecord) -> bool:  # [d, vocab] or [d, experts] weights
+        return r.rhs_shape[-2:] in ((cfg.embedding_dim, BYTE_VOCAB), (cfg.embedding_dim, cfg.experts))
+
+    fp8_loss = jfp8.autocast(loss, recipe, keep=head_or_gate if cfg.keep_head_and_gate else None)
     tokens = jnp.zeros((cfg.batch, cfg.seq_len + 1), jnp.int32)
     records = fp8_loss.report(params, tokens)
     arms = {"bf16": train(loss, params, cfg, split), "fp8": train(fp8_loss, params, cfg, split)}
@@ -120,7 +158,7 @@ def write(result: dict, out: pathlib.Path) -> str:
     b, f = arms["bf16"], arms["fp8"]
     final_b, final_f = b["train"][-1][1], f["train"][-1][1]
     lines = [
-        "# penzai Llama-like LM under jfp8.autocast: FP8 vs BF16",
+        f"# {result['config']['library']} under jfp8.autocast: FP8 vs BF16",
         "", f"config: `{json.dumps(result['config'])}`", "",
         "| step | BF16 | FP8 | rel. gap |", "|---|---|---|---|",
         *(f"| {i} | {lb:.4f} | {lf:.4f} | {(lf - lb) / lb:+.2%} |"
@@ -129,9 +167,9 @@ def write(result: dict, out: pathlib.Path) -> str:
         f"({(final_f - final_b) / final_b:+.2%}); validation loss: BF16 {b['val_loss']:.4f}, "
         f"FP8 {f['val_loss']:.4f} ({(f['val_loss'] - b['val_loss']) / b['val_loss']:+.2%})",
         f"wall time (CPU, XLA reference path): BF16 {b['seconds']:.0f} s, FP8 {f['seconds']:.0f} s",
-        "", "BF16 arm: FP32 master weights cast to BF16 in the loss; penzai keeps activations in FP32 "
-        "here, so its projections are BF16-weight x FP32-activation GEMMs (FP32 accumulation). FP8 "
-        "arm: the same loss under `jfp8.autocast` (DeepSeek-V3 recipe, XLA reference numerics).",
+        "", "BF16 arm: FP32 master weights cast to BF16 in the loss, the library's own dtypes otherwise "
+        f"(matmul activations: {sorted({r.dtype for r in result['records']})}). FP8 arm: the same loss "
+        "under `jfp8.autocast` (DeepSeek-V3 recipe, XLA reference numerics).",
         "", f"## Matmuls ({sum(r.fp8 for r in result['records'])} of {len(result['records'])} in FP8)",
         "", *_matmul_table(result["records"]),
     ]
@@ -144,10 +182,11 @@ def write(result: dict, out: pathlib.Path) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--library", choices=("penzai", "nano_moe"), default=Config.library)
     p.add_argument("--steps", type=int, default=Config.steps)
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("experiments/results/autocast-penzai"))
+    p.add_argument("--out", type=pathlib.Path, required=True)
     args = p.parse_args()
-    print(write(run(Config(steps=args.steps)), args.out))
+    print(write(run(Config(library=args.library, steps=args.steps)), args.out))
 
 
 if __name__ == "__main__":
