@@ -96,7 +96,7 @@ def fp8_dot_general(
     """`jax.lax.dot_general(lhs, rhs, dimension_numbers)` with DeepSeek-V3's FP8 recipe.
 
     A drop-in for `lax.dot_general` and for Flax's `dot_general=` hook (`nnx.Linear`, linen
-    `nn.Dense`, `nn.DenseGeneral`, `nn.Einsum`). One operand is the weight (128x128 blocks, FP32
+    `nn.Dense`, `nn.DenseGeneral`); for layers without the hook, `jfp8.autocast`. One operand is the weight (128x128 blocks, FP32
     gradient), the other the activation (1x128 tiles along the contraction); gradients follow
     `fp8_linear` (Fprop, Dgrad and Wgrad in FP8).
 
