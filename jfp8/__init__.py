@@ -26,12 +26,18 @@ from jfp8.reference import (
     scaled_matmul_oracle,
     scaled_matmul_reference,
 )
-from jfp8.ops import fp8_dot_general, fp8_linear, grouped_fp8_linear, make_fp8_dot_general
+from jfp8.ops import fp8_linear, grouped_fp8_linear
+from jfp8.dot_general import fp8_dot_general, make_fp8_dot_general
+from jfp8.autocast import DotRecord, autocast, einsum, format_report
 from jfp8.recipe import Fp8Recipe
 from jfp8.safetensors_io import load_safetensors, save_safetensors
 
 __all__ = [
     "Fp8Recipe",
+    "autocast",
+    "DotRecord",
+    "einsum",
+    "format_report",
     "fp8_dot_general",
     "fp8_linear",
     "grouped_fp8_linear",

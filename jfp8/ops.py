@@ -1,4 +1,5 @@
-"""FP8 training ops: `fp8_linear`, `fp8_dot_general` (drop-in for Flax) and `grouped_fp8_linear`.
+"""FP8 training ops: `fp8_linear` and `grouped_fp8_linear` (`fp8_dot_general`, the drop-in for
+`lax.dot_general` and Flax, is built on `fp8_linear` in `jfp8.dot_general`).
 
 Each is a `jax.custom_vjp` whose three GEMMs follow DeepSeek-V3 §3.3 (Figure 6):
   Fprop  y  = x · W      x in 1x128 tiles, W in 128x128 blocks
@@ -172,51 +173,6 @@ def fp8_linear(x: jax.Array, w: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE) -
     x2, w32 = x.reshape(-1, x.shape[-1]), w.astype(jnp.float32)
     y = _linear(_vary_like(x2, w32), _vary_like(w32, x2), recipe)
     return y.reshape(*x.shape[:-1], w.shape[1])
-
-
-# ------------------------------------------------------------------------------ dot_general
-
-
-def fp8_dot_general(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    dimension_numbers,
-    precision=None,
-    preferred_element_type=None,
-    out_sharding=None,
-    *,
-    recipe: Fp8Recipe = DEFAULT_RECIPE,
-) -> jax.Array:
-    """A drop-in for `jax.lax.dot_general` in dense layers: `nnx.Linear(..., dot_general=
-    jfp8.fp8_dot_general)` or linen `nn.Dense(dot_general=...)` then train in FP8.
-
-    Handles `x[..., K] · w[K, N]` (lhs's last axis with rhs axis 0, as Flax's Dense calls it) and
-    `x[..., K] · w[N, K]` (rhs axis 1), no batch dimensions; other patterns raise
-    `NotImplementedError`. `precision` has no meaning for FP8 GEMMs and is ignored;
-    `preferred_element_type` sets the output dtype. Use `make_fp8_dot_general(recipe)` for a
-    recipe other than the default.
-    """
-    del precision
-    (lc, rc), (lb, rb) = dimension_numbers
-    lc, rc = tuple(lc), tuple(rc)
-    if lb or rb or len(lc) != 1 or lc[0] != lhs.ndim - 1 or rhs.ndim != 2 or rc not in ((0,), (1,)):
-        raise NotImplementedError(
-            f"fp8_dot_general handles x[..., K]·w[K, N] (contracting lhs's last axis with rhs axis "
-            f"0 or 1, no batch axes); got lhs {lhs.shape}, rhs {rhs.shape}, dimension_numbers="
-            f"{dimension_numbers}. Use jax.lax.dot_general (or jfp8.grouped_fp8_linear for experts)."
-        )
-    w = rhs if rc == (0,) else rhs.T
-    y = fp8_linear(lhs, w, recipe)
-    if preferred_element_type is not None:
-        y = y.astype(preferred_element_type)
-    if out_sharding is not None:
-        y = jax.lax.with_sharding_constraint(y, out_sharding)
-    return y
-
-
-def make_fp8_dot_general(recipe: Fp8Recipe):
-    """`fp8_dot_general` bound to `recipe`, for `nnx.Linear(dot_general=...)`."""
-    return functools.partial(fp8_dot_general, recipe=recipe)
 
 
 # ------------------------------------------------------------------------------ grouped (MoE)

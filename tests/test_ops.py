@@ -213,15 +213,14 @@ def test_dot_general_drop_in_for_nnx_and_linen():
     assert _rel(y_linen, y_linen32) < QUANT_BOUND
 
 
-def test_dot_general_unsupported_patterns_say_so():
-    x, w = jnp.ones((2, 4, 128)), jnp.ones((2, 128, 8))
-    with pytest.raises(NotImplementedError, match="jax.lax.dot_general"):
-        jfp8.fp8_dot_general(x, w, (((2,), (1,)), ((0,), (0,))))
-    with pytest.raises(NotImplementedError, match="contracting"):
-        jfp8.fp8_dot_general(jnp.ones((128, 4)), jnp.ones((128, 8)), (((0,), (0,)), ((), ())))
-    # rhs contracted on axis 1 is x @ w.T
+def test_dot_general_drop_in_patterns():
+    """Flax's two layouts; any other dimension numbers are tests/test_dot_general.py's."""
     y = jfp8.fp8_dot_general(jnp.ones((3, 128)), jnp.ones((8, 128)), (((1,), (1,)), ((), ())))
-    chex.assert_shape(y, (3, 8))
+    chex.assert_shape(y, (3, 8))  # rhs contracted on axis 1 is x @ w.T
+    y = jfp8.fp8_dot_general(jnp.ones((2, 4, 128)), jnp.ones((2, 128, 8)), (((2,), (1,)), ((0,), (0,))))
+    chex.assert_shape(y, (2, 4, 8))
+    with pytest.raises(NotImplementedError, match="contracting"):
+        jfp8.fp8_dot_general(jnp.ones((128, 4)), jnp.ones((128, 8)), (((), ()), ((), ())))
 
 
 def test_tiny_mlp_trains_like_f32():
