@@ -327,11 +327,10 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
 
 
 def _smoke_names() -> list[str]:
-    spec = importlib.util.spec_from_file_location("gpu_smoke_names", EXPERIMENTS / "gpu_smoke.py")
-    # The names without importing jax here: read them from the registry's source.
-    text = pathlib.Path(spec.origin).read_text()
-    block = text[text.index("KERNELS = {"):text.index("\n}\n", text.index("KERNELS = {"))]
-    return re.findall(r'^    "([a-z0-9_]+)": \(', block, re.MULTILINE)
+    """The smoke forms, in run order (importing jax here initialises no device)."""
+    from gpu_smoke import KERNELS
+
+    return list(KERNELS)
 
 
 # ------------------------------------------------------------------------------ running
@@ -490,7 +489,7 @@ def summarize(stage: Stage, text: str, ctx: Session, since: float) -> dict:
         note = next((line for line in text.splitlines() if line.startswith("NCU ")), None)
         return {"launches": launches, "note": note}
     if stage.name == "profile":
-        traces = sorted((ctx.work / "profile").glob("*.json")) if (ctx.work / "profile").exists() else []
+        traces = sorted((ctx.work / "profile").glob("*.json"), key=lambda p: p.stat().st_mtime) if (ctx.work / "profile").exists() else []
         regions = {}
         for path in traces[-1:]:  # the last launch: after the warm-up
             regions = gpu_reports.summarize_profile(json.loads(path.read_text()))
