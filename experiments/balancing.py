@@ -1,4 +1,4 @@
-"""Expert balance under the router-bias update rules (issue #18), on the tiny preset.
+"""Expert balance under the router-bias update rules, on the tiny preset.
 
     python experiments/balancing.py --out experiments/results/balancing-tiny            # every arm
     python experiments/balancing.py --out DIR --arms sign-lr,clipped-lr15 --precision fp8 bf16

@@ -119,7 +119,7 @@ TARGETS = (
 
 
 def target_verdicts(records: dict[str, dict]) -> list[dict]:
-    """Each of issue #4's targets at each problem, from the benchmark records (name -> record):
+    """Each speed target at each problem, from the benchmark records (name -> record):
     the measured value, the bound, and "pass", "FAIL" or "not measured" (no jfp8 row on the
     Mosaic kernels, or no baseline row)."""
     verdicts = []
