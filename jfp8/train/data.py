@@ -102,6 +102,15 @@ def eval_batches(data: np.ndarray, batch: int, seq_len: int, n_batches: int) -> 
     return [windows[i * batch : (i + 1) * batch] for i in range(n_batches)]
 
 
+def validation_windows(data: np.ndarray, seq_len: int) -> np.ndarray:
+    """The whole validation split as [n, seq_len] int32 windows side by side (every byte once; the
+    last `data.size % seq_len` bytes, fewer than one window, are left out)."""
+    n = data.size // seq_len
+    if n < 1:
+        raise ValueError(f"the validation split ({data.size} bytes) is shorter than seq_len={seq_len}")
+    return data[: n * seq_len].reshape(n, seq_len).astype(np.int32)
+
+
 class Prefetcher:
     """Runs `make(step)` for steps `start, start+1, ...` in a background thread, `depth` ahead, so
     that the host prepares the next batch (and its device transfer) while the device computes."""

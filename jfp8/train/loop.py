@@ -60,7 +60,7 @@ def train(
         )
         place = functools.partial(meshes.shard_batch, mesh=mesh)
     opt_state = tx.init(params)
-    ckpt = Checkpointer(out / "checkpoints")
+    ckpt = Checkpointer(out / "checkpoints", keep=config.keep_checkpoints)
     metrics_path = out / "metrics.jsonl"
     start = 0
     state = {"params": params, "rest": rest, "opt_state": opt_state}
@@ -90,7 +90,7 @@ def train(
     tokens_per_step = config.batch_size * config.seq_len
     end = config.steps if stop_after is None else min(config.steps, stop_after)
     make = lambda step: place(  # noqa: E731
-        data.train_batch(split.train, config.batch_size, config.seq_len, config.seed, step)
+        data.train_batch(split.train, config.batch_size, config.seq_len, config.batch_seed, step)
     )
     bar = _progress(config, start, end)
     t_start = t_log = time.perf_counter()
@@ -185,6 +185,21 @@ def worst_load(row: dict) -> float:
     if "load_max_over_mean" in row:
         return max(row["load_max_over_mean"])
     return row["max_over_mean_load"]
+
+def last_quarter_balance(rows: list[dict], steps: int, names: list[str] | tuple[str, ...]) -> dict:
+    """Each MoE layer's balance over the logged steps of the last quarter of a `steps`-step run:
+    {"load_max_over_mean": mean of max/mean load, "dead_experts_mean", "dead_experts_max"}, each
+    {layer name: value}; empty dicts when no step of the last quarter was logged."""
+    tail = [r for r in rows if r["step"] > 0.75 * steps]
+    if not tail:
+        return {"load_max_over_mean": {}, "dead_experts_mean": {}, "dead_experts_max": {}}
+    load = np.array([r["load_max_over_mean"] for r in tail], float)  # [logged steps, layers]
+    dead = np.array([r["dead_experts"] for r in tail])
+    return {
+        "load_max_over_mean": dict(zip(names, load.mean(0).tolist())),
+        "dead_experts_mean": dict(zip(names, dead.mean(0).tolist())),
+        "dead_experts_max": dict(zip(names, dead.max(0).astype(int).tolist())),
+    }
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
     """The JSON objects of a metrics.jsonl file."""
