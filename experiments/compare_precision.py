@@ -97,7 +97,6 @@ def run_configs(args) -> dict:
 
 def main(argv=None) -> dict:
     args = parser().parse_args(argv)
-    args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     configs = run_configs(args)
     results, whole = {}, {}

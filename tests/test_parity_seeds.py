@@ -176,3 +176,29 @@ def test_committed_summary_is_complete_and_consistent(ps):
         assert p["gap"] == pytest.approx(ps.gap(p["val_ce_fp8"], p["val_ce_bf16"]))
     assert s["claim"] == ps.claim(lo, hi)
     assert s["protocol"] == ps.protocol(ps.run_config(0, "fp8", pathlib.Path("x")))
+
+
+@pytest.mark.slow
+def test_compare_precision_end_to_end_on_a_small_corpus(tmp_path, capsys):
+    """The demo's script, at the training-loop tests' size (their compiled steps are reused): the
+    gap is the whole-split one, over the kept checkpoints, and is read against the band."""
+    from jfp8.train import data
+
+    cp = _load("compare_precision")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(data.load_bytes(None)[:3600].tobytes())
+    out = tmp_path / "cmp"
+    s = cp.main(["--preset", "tiny", "--steps", "30", "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3",
+                 "--warmup", "2", "--eval-every", "5", "--log-every", "1", "--ckpt-every", "10",
+                 "--corpus", str(corpus), "--no-progress", "--out", str(out)])
+    assert s["evaluated_steps"] == [10, 20, 30]
+    assert s["relative_gap"] == pytest.approx(
+        (s["val_ce_whole_split_fp8"] - s["val_ce_whole_split_bf16"]) / s["val_ce_whole_split_bf16"])
+    for precision in ("fp8", "bf16"):
+        each = json.loads((out / precision / "config.json").read_text())
+        assert each["precision"] == precision and each["keep_checkpoints"] == 3
+    assert json.loads((out / "summary.json").read_text())["relative_gap"] == s["relative_gap"]
+    assert "no committed noise band for this protocol" in s["read_against_committed_band"]
+    printed = capsys.readouterr().out
+    assert f"FP8 - BF16 validation CE gap: {100 * s['relative_gap']:+.3f} %" in printed
+    assert (out / "parity.png").exists()
