@@ -7,9 +7,10 @@ Each function takes `impl` and `interpret`, with one default, `impl="auto"`:
   the interpreter. They lower for CUDA on any host, a CPU login node included (an ahead-of-time
   build, `jax.export`); a computation that runs them on a device that cannot (a CPU, a GPU that is
   not a Hopper) raises an error saying so, when it is lowered or run there.
-- `"auto"`: decided when the computation is lowered, per platform (`jax.lax.platform_dependent`):
-  the kernels where it is lowered for CUDA, the reference anywhere else; on a machine whose GPU is
-  not a Hopper, the reference. Called eagerly, it goes by the device the inputs are on.
+- `"auto"`: decided when the computation is lowered, per platform (a primitive with one lowering
+  for CUDA and one for everything else, so that the kernels are traced only when lowered for
+  CUDA): the kernels where it is lowered for CUDA, the reference anywhere else; on a machine whose
+  GPU is not a Hopper, the reference. Called eagerly, it goes by the device the inputs are on.
 
 `interpret=True` runs the kernels in the Mosaic GPU interpreter on any machine (tests, slow).
 Inputs the kernels do not take (a scaling block or dtype they have no kernel for) run the
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Literal, TypeAlias
+from typing import Callable, Literal, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+import jax.extend
+from jax.interpreters import batching, mlir
 
 from jfp8 import fp8, reference
 from jfp8.fp8 import TILE, Block, Fp8Tensor, _check_block
@@ -62,39 +64,94 @@ def _mosaic_unavailable(where: str) -> str:
             "(the reference, same numerics) or interpret=True (the kernels in the interpreter)")
 
 
-# A stand-in for the kernels' results on a platform that cannot run them: it traces like the
-# kernels (same output shapes) and raises, with `why`, only if it is lowered.
-_unavailable_p = Primitive("jfp8_mosaic_unavailable")
-_unavailable_p.multiple_results = True
-_unavailable_p.def_abstract_eval(lambda *args, out_avals, why: out_avals)
+# Under a trace, the choice is one primitive whose lowering depends on the platform: the
+# reference's jaxpr (traced now, it also gives the result types) lowers anywhere, and the kernels
+# are traced only when the computation is lowered for CUDA. A CPU host that never lowers for CUDA
+# never traces a kernel (`jax.lax.platform_dependent` would trace both branches up front).
+_choice_p = Primitive("jfp8_kernel_or_reference")
+_choice_p.multiple_results = True
 
 
-def _raise_when_run(*args, out_avals, why):
-    raise RuntimeError(why.format(platforms=jax.devices()[0].platform))
+class _Choice(NamedTuple):
+    """The primitive's parameters (hashable: compared by identity, like functions)."""
+
+    reference: jax.extend.core.ClosedJaxpr  # flat args -> flat results
+    kernel: Callable  # flat args -> flat results, traced only when lowered for CUDA
+    mosaic: bool  # impl="mosaic": lowering for anything but CUDA raises
 
 
-_unavailable_p.def_impl(_raise_when_run)
-
-
-def _raise_when_lowered(ctx, *args, out_avals, why):
-    raise RuntimeError(why.format(platforms=", ".join(ctx.module_context.platforms)))
-
-
-mlir.register_lowering(_unavailable_p, _raise_when_lowered)
-
-
-def _unavailable(like: Callable) -> Callable:
-    """A function with `like`'s signature and results that raises if lowered."""
-
-    def run(*args):
-        out_shape = jax.eval_shape(like, *args)
-        leaves, tree = jax.tree.flatten(out_shape)
-        avals = tuple(jax.core.ShapedArray(leaf.shape, leaf.dtype) for leaf in leaves)
-        why = _mosaic_unavailable("this computation is being lowered for {platforms}")
-        outs = _unavailable_p.bind(*jax.tree.leaves(args), out_avals=avals, why=why)
-        return jax.tree.unflatten(tree, outs)
+def _flat(fn: Callable, in_tree, out_tree_box: list) -> Callable:
+    def run(*flat):
+        outs, tree = jax.tree.flatten(fn(*jax.tree.unflatten(in_tree, flat)))
+        if out_tree_box and out_tree_box[0] != tree:
+            raise TypeError(f"the kernels' results {tree} differ in structure from the reference's {out_tree_box[0]}")
+        out_tree_box[:] = [tree]
+        return outs
 
     return run
+
+
+def _bind_choice(kernel_flat: Callable, reference_flat: Callable, flat: list, mosaic: bool) -> list:
+    reference = jax.make_jaxpr(reference_flat)(*flat)
+    if any(isinstance(c, jax.core.Tracer) for c in reference.consts):
+        # The reference closed over traced values, which cannot live in a parameter: they become
+        # leading operands (the kernel ignores them).
+        consts, jaxpr, n = list(reference.consts), reference.jaxpr, len(reference.consts)
+        reference = jax.make_jaxpr(
+            lambda *c_and_args: jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(jaxpr, c_and_args[:n]))(
+                *c_and_args[n:]))(*consts, *flat)
+        kernel_flat = functools.partial(_drop_leading, n, kernel_flat)
+        flat = [*consts, *flat]
+    return _choice_p.bind(*flat, choice=_Choice(reference, kernel_flat, mosaic))
+
+
+def _drop_leading(n: int, fn: Callable, *args):
+    return fn(*args[n:])
+
+
+def _choose_when_lowered(impl: Impl, kernel: Callable, xla: Callable, args: tuple):
+    flat, in_tree = jax.tree.flatten(args)
+    out_tree: list = []
+    reference_flat = _flat(xla, in_tree, out_tree)
+    kernel_flat = _flat(kernel, in_tree, out_tree)
+    outs = _bind_choice(kernel_flat, reference_flat, flat, impl == "mosaic")
+    return jax.tree.unflatten(out_tree[0], outs)
+
+
+def _choice_abstract_eval(*avals, choice: _Choice):
+    return choice.reference.out_avals
+
+
+def _choice_impl(*args, choice: _Choice):
+    return jax.jit(lambda *a: _choice_p.bind(*a, choice=choice))(*args)
+
+
+def _lower_reference(ctx, *args, choice: _Choice):
+    if choice.mosaic:
+        raise RuntimeError(_mosaic_unavailable(
+            f"this computation is being lowered for {', '.join(ctx.module_context.platforms)}"))
+    return mlir.lower_fun(jax.extend.core.jaxpr_as_fun(choice.reference), multiple_results=True)(ctx, *args)
+
+
+def _lower_kernel(ctx, *args, choice: _Choice):
+    return mlir.lower_fun(choice.kernel, multiple_results=True)(ctx, *args)
+
+
+def _choice_batch(args, dims, *, choice: _Choice):
+    """vmap: both sides vmapped, batch axes first in the results."""
+    n_out = len(choice.reference.out_avals)
+    in_axes = [d if isinstance(d, int) else None for d in dims]  # None: not mapped
+    batched = lambda fn: jax.vmap(fn, in_axes=in_axes, out_axes=[0] * n_out)  # noqa: E731
+    outs = _bind_choice(batched(choice.kernel), batched(jax.extend.core.jaxpr_as_fun(choice.reference)),
+                        list(args), choice.mosaic)
+    return outs, [0] * n_out
+
+
+_choice_p.def_abstract_eval(_choice_abstract_eval)
+_choice_p.def_impl(_choice_impl)
+mlir.register_lowering(_choice_p, _lower_reference)
+mlir.register_lowering(_choice_p, _lower_kernel, platform="cuda")
+batching.primitive_batchers[_choice_p] = _choice_batch
 
 
 def _device_of(args) -> jax.Device:
@@ -136,36 +193,7 @@ def _dispatch(impl: Impl, interpret: bool, kernel: Callable, xla: Callable, args
         if impl == "auto":
             return xla(*args)
         raise RuntimeError(_mosaic_unavailable(f"this machine's GPU is {gpu.device_kind!r}"))
-    default = xla if impl == "auto" else _unavailable(xla)
-    return jax.lax.platform_dependent(*args, cuda=_varying_like_inputs(kernel, args),
-                                      default=_varying_like_inputs(default, args))
-
-
-def _vma(x) -> frozenset:
-    """The mesh axes `x` varies over inside `shard_map` (empty outside one)."""
-    aval = jax.typeof(x)
-    axes = getattr(aval, "vma", None)  # the attribute's name in other jax versions
-    if axes is None:
-        axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    return frozenset(axes or ())
-
-
-def _varying_like_inputs(fn: Callable, args: tuple) -> Callable:
-    """`fn` with its results typed as varying over every mesh axis its inputs vary over (inside
-    `shard_map`): a Pallas kernel's results carry no such type, the reference's do, and the two
-    branches of `platform_dependent` must agree. A type cast only: no data changes."""
-    axes = frozenset().union(*(_vma(leaf) for leaf in jax.tree.leaves(args)))
-    if not axes:
-        return fn
-
-    def run(*a):
-        def cast(out):
-            missing = tuple(sorted(axes - _vma(out)))
-            return jax.lax.pcast(out, missing, to="varying") if missing else out
-
-        return jax.tree.map(cast, fn(*a))
-
-    return run
+    return _choose_when_lowered(impl, kernel, xla, args)
 
 
 # ------------------------------------------------------------------------------ quantizers

@@ -235,3 +235,65 @@ def test_quantize_explicit_mosaic_on_unsupported_input_says_so():
     # "auto" takes the reference for what the kernels do not handle
     q = jfp8.quantize(jnp.ones((4, 64)), (4, 32), impl="auto", interpret=True)
     assert q.block == (4, 32)
+
+
+def test_auto_traces_the_kernels_only_when_lowered_for_cuda():
+    """Under jit, the reference is traced at once and the kernels only when lowered for CUDA, so
+    that a CPU computation never pays for tracing them; a reference closing over a traced value
+    works too (it becomes an operand)."""
+    from jfp8 import api
+
+    traced = []
+
+    def kernel(x, y):
+        traced.append("kernel")
+        return {"z": x * 2 + y}
+
+    def run(x, closed_over=False):
+        y = x[:1] + 1  # a traced value
+        xla = (lambda x, _: {"z": x * 2 + y}) if closed_over else (lambda x, y: {"z": x * 2 + y})
+        return api._dispatch("auto", False, kernel, xla, (x, y))["z"]
+
+    x = jnp.arange(4.0)
+    for closed_over in (False, True):
+        f = jax.jit(lambda x: run(x, closed_over))
+        traced.clear()
+        f.trace(x).lower(lowering_platforms=("cpu",))
+        assert traced == []
+        np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x * 2 + x[:1] + 1))
+        assert traced == []
+        jax.jit(lambda x: run(x, closed_over)).trace(x).lower(lowering_platforms=("cuda",))
+        assert traced == ["kernel"]
+        traced.clear()
+        jax.jit(lambda x: run(x, closed_over)).trace(x).lower(lowering_platforms=("cuda", "cpu"))
+        assert traced == ["kernel"]
+
+
+def test_auto_under_vmap_and_shard_map_lowers_the_kernels_for_cuda():
+    """vmap (batch axes on either operand) and shard_map on an abstract mesh, as when building
+    for a GPU cluster from a CPU host: the kernels for CUDA, the reference for the CPU, and the
+    CPU result equals the reference's."""
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+
+    x, w = _x_w()
+    xs, ws = jnp.stack([x, -x, 2 * x]), jnp.stack([w, w / 2, -w])
+    for f, args in ((jax.jit(jax.vmap(lambda x: jfp8.fp8_linear(x, w))), (xs,)),
+                    (jax.jit(jax.vmap(jfp8.fp8_linear)), (xs, ws))):
+        assert f.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu") == 3
+        assert f.trace(*args).lower(lowering_platforms=("cpu",)).as_text().count("custom_call @mosaic_gpu") == 0
+    ref = jax.vmap(lambda x, w: jfp8.fp8_linear(x, w, jfp8.Fp8Recipe(impl="xla")))(xs, ws)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(jfp8.fp8_linear))(xs, ws)), np.asarray(ref))
+
+    mesh = AbstractMesh((2,), ("data",))
+
+    def body(x, w):
+        loss = lambda x, w: jfp8.fp8_linear(x, w).astype(jnp.float32).sum()  # noqa: E731
+        value, grad = jax.value_and_grad(loss, argnums=1)(x, w)
+        return jax.lax.psum(value, "data"), jax.lax.psum(grad, "data")
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P(), P())))
+    args = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("data"))),
+            jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P())))
+    # the forward pass's 3 kernels and the backward pass's 4
+    assert step.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu") == 7
+    assert step.trace(*args).lower(lowering_platforms=("cpu",)).as_text().count("custom_call @mosaic_gpu") == 0
