@@ -218,7 +218,13 @@ def test_moe_module_matches_per_token_loop(routing):
 
 @pytest.mark.parametrize("rule,gamma", [("sign", 0.01), ("clipped", 0.03)])
 def test_bias_updates_balance_a_skewed_router(rule, gamma):
-    """Auxiliary-loss-free balancing: bias steps (either rule) drive max/mean load toward 1."""
+    """Auxiliary-loss-free balancing: bias steps (either rule) drive max/mean load toward 1.
+
+    The clipped rule's step shrinks with the deviation, so it settles. The sign rule moves every
+    bias by ±γ each step, so at a constant γ it never settles: it ends in a limit cycle (often of
+    period 2) around the balanced biases. For it the test asserts what the rule promises: the loads
+    averaged over the cycle are balanced, and the swing is bounded. (Measured over 260 seeds at this
+    size: the last 50 steps' average at most 1.074, a single step at most 1.19.)"""
     rng, seed = _rng()
     t, e, k = 2048, 8, 2
     skew = np.linspace(2.0, -2.0, e)  # expert 0 is strongly preferred, expert 7 rarely chosen
@@ -230,14 +236,21 @@ def test_bias_updates_balance_a_skewed_router(rule, gamma):
         loads = expert_loads(experts, e)
         return update_bias(bias, loads, gamma, rule), loads
 
-    bias, trajectory = jnp.zeros(e, jnp.float32), []
-    for _ in range(300):
+    bias, trajectory, tail_loads = jnp.zeros(e, jnp.float32), [], []
+    for i in range(300):
         bias, loads = step(bias)
         trajectory.append(float(loads.max() / loads.mean()))
+        if i >= 250:
+            tail_loads.append(np.asarray(loads, np.float64))
     print(f"seed {seed}: max/mean expert load every 25 steps:", [round(r, 3) for r in trajectory[::25]],
           "final", round(trajectory[-1], 3))
     assert trajectory[0] > 2.0, f"seed {seed}: the router was not skewed"
-    assert max(trajectory[-50:]) < 1.15, f"seed {seed}: {trajectory[-50:]}"
+    if rule == "clipped":
+        assert max(trajectory[-50:]) < 1.05, f"seed {seed}: {trajectory[-50:]}"
+    else:
+        cycle = np.mean(tail_loads, axis=0)
+        assert cycle.max() / cycle.mean() < 1.1, f"seed {seed}: loads over the last 50 steps {cycle}"
+        assert max(trajectory[-50:]) < 1.3, f"seed {seed}: {trajectory[-50:]}"
     # the gating weights never saw the bias: still the normalised unbiased affinities
     experts, weights = top_k_routing(scores, bias, k)
     chosen = np.take_along_axis(np.asarray(scores), np.asarray(experts), -1)
