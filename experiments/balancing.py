@@ -1,22 +1,35 @@
-"""Expert balance under the router-bias update rules, on the tiny preset.
+"""Expert balance under the router-bias update rules, on the tiny and small presets.
 
-    python experiments/balancing.py --out experiments/results/balancing-tiny            # every arm
-    python experiments/balancing.py --out DIR --arms sign-lr,clipped-lr15 --precision fp8 bf16
+    python experiments/balancing.py --out experiments/results/balancing-tiny            # the tiny arms
+    python experiments/balancing.py --out DIR --arms e16-sign-lr,e16-clipped-lr15 --precision fp8 bf16
+    python experiments/balancing.py --out experiments/results/balancing-small --arms small-clipped-lr15,small-clipped-lr50
 
-Each arm is one `experiments/train_moe.py` run (the command is written into the summary) of the
-tiny preset, 200 steps, seed 0 (or --seed), logged every step, with 16 routed experts top-2 (`e16-` arms) or
-the preset's 4 experts top-2 (`e4-` arms). An arm changes only the router-bias update:
+Each arm is one `experiments/train_moe.py` run (the command is written into the summary), seed 0
+(or --seed). `e16-` and `e4-` arms: the tiny preset, 200 steps logged every step, with 16 routed
+experts top-2 (`e16-`) or the preset's 4 experts top-2 (`e4-`). `small-` arms: the small preset (16
+routed experts top-2), 100 steps of 8 x 256 bytes with 30 warmup steps, logged every 5 steps (the
+recipe ablation's protocol). An arm changes only the router-bias update:
 
   const1e-3     the old rule: b += 1e-3·sign(mean − load) every step, never frozen
   sign-lr       b += κ·lr_t·sign(mean − load), κ = 1e-3/2.2e-4 (DeepSeek-V3's γ/peak LR), frozen
                 for the last 3 % of steps
   clipped-lrK   b += K·lr_t·clip((mean − load)/mean, ±1), frozen for the last 3 %
   clipped-3e-2  b += 3e-2·clip((mean − load)/mean, ±1), never frozen (the issue's CPU probe)
+  clipped-1e-1  (small) b += 1e-1·clip((mean − load)/mean, ±1), frozen for the last 3 %
 
-Reads each run's metrics.jsonl and writes DIR/summary.json and DIR/summary.md: per MoE layer, the
+Reads each run's metrics.jsonl and writes DIR/summary.json and DIR/table.md: per MoE layer, the
 max/mean load averaged over the last quarter of training and the dead experts (mean and max over
 those steps), and the final validation CE. Runs are kept under DIR/runs/ (metrics and config only;
 checkpoints are deleted).
+
+    python experiments/balancing.py --out DIR --floor RUN_DIR [--floor-step 200]
+
+measures how balanced one step's loads can be at a run's batch size: it takes a checkpoint of a
+trained run, sets its router biases so that the loads pooled over 16 training batches are balanced
+(the clipped rule applied to the pooled loads, 40 times, γ 0.02 decaying ×0.93), and writes to
+DIR/floor.json the max/mean load per layer of 32 other batches, one batch at a time (the number
+the training log averages) and pooled, with the floor of independent tokens. What the per-batch
+number keeps above 1 is the batch's own content, which no bias can remove.
 """
 
 from __future__ import annotations
@@ -32,7 +45,12 @@ import numpy as np
 
 from jfp8.train.loop import last_quarter_balance, read_metrics, worst_load
 
-STEPS = 200
+# preset -> (steps, the train_moe.py arguments besides precision, seed, model and out)
+PROTOCOLS = {
+    "tiny": (200, ["--log-every", "1", "--ckpt-every", "200"]),
+    "small": (100, ["--batch-size", "8", "--seq-len", "256", "--warmup", "30", "--log-every", "5",
+                    "--eval-every", "100"]),
+}
 E16 = "n_routed=16"
 DSV3 = "bias_lr_ratio=4.545454545454545"  # 1e-3 / 2.2e-4, DeepSeek-V3's γ / peak LR
 OLD = "bias_schedule=constant,bias_gamma=0.001,bias_freeze_frac=0"
@@ -46,21 +64,35 @@ ARMS = {
     "e4-const1e-3": f"bias_rule=sign,{OLD}",
     "e4-sign-lr": f"bias_rule=sign,bias_schedule=lr,{DSV3}",
     "e4-clipped-lr15": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=15",
+    "small-clipped-lr15": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=15",
+    "small-clipped-lr30": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=30",
+    "small-clipped-lr50": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=50",
+    "small-clipped-1e-1": "bias_rule=clipped,bias_schedule=constant,bias_gamma=0.1",
 }
 
 
+def preset(arm: str) -> str:
+    return "small" if arm.startswith("small-") else "tiny"
+
+
+def steps_of(arm: str) -> int:
+    return PROTOCOLS[preset(arm)][0]
+
+
 def command(arm: str, precision: str, seed: int, out: pathlib.Path) -> list[str]:
+    steps, protocol = PROTOCOLS[preset(arm)]
     return [
-        sys.executable, "experiments/train_moe.py", "--preset", "tiny", "--precision", precision,
-        "--steps", str(STEPS), "--seed", str(seed), "--log-every", "1", "--ckpt-every", str(STEPS),
+        sys.executable, "experiments/train_moe.py", "--preset", preset(arm), "--precision", precision,
+        "--steps", str(steps), "--seed", str(seed), *protocol,
         "--no-progress", "--model", ARMS[arm], "--out", str(out),
     ]
 
 
 def summarize_run(run: pathlib.Path) -> dict:
     rows = read_metrics(run / "metrics.jsonl")
-    names = json.loads((run / "config.json").read_text())["moe_layer_names"]
-    bal = last_quarter_balance(rows, STEPS, names)
+    config = json.loads((run / "config.json").read_text())
+    names = config["moe_layer_names"]
+    bal = last_quarter_balance(rows, config["steps"], names)
     return {
         "layers": names,
         "last_quarter_load_max_over_mean": {k: round(v, 4) for k, v in bal["load_max_over_mean"].items()},
@@ -68,6 +100,7 @@ def summarize_run(run: pathlib.Path) -> dict:
         "last_quarter_dead_experts_max": bal["dead_experts_max"],
         "final_bias_spread": dict(zip(names, np.round(rows[-1]["bias_spread"], 4).tolist())),
         "final_val_ce": rows[-1].get("val_loss"),
+        "steps": config["steps"],
         "steps_logged": len(rows),
     }
 
@@ -79,7 +112,7 @@ def plot(out: pathlib.Path, runs: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({name.split("-")[0] for name in runs})
+    groups = sorted({name.split("-")[0] for name in runs})  # e16, e4, small: one panel each
     fig, axes = plt.subplots(len(groups), 1, figsize=(8, 3.2 * len(groups)), squeeze=False)
     for ax, group in zip(axes[:, 0], groups):
         for name in runs:
@@ -87,7 +120,8 @@ def plot(out: pathlib.Path, runs: dict) -> None:
                 rows = read_metrics(out / "runs" / name / "metrics.jsonl")
                 ax.plot([r["step"] for r in rows], [worst_load(r) for r in rows], lw=1, label=name)
         ax.axhline(1.3, color="gray", lw=0.8, ls=":")
-        ax.axvline(3 * STEPS // 4, color="gray", lw=0.8, ls="--")
+        steps = steps_of(next(r["arm"] for name, r in runs.items() if name.startswith(group + "-")))
+        ax.axvline(3 * steps // 4, color="gray", lw=0.8, ls="--")
         ax.set_yscale("log")
         ax.set_ylabel("max/mean load, worst layer")
         ax.legend(fontsize=7)
@@ -97,18 +131,77 @@ def plot(out: pathlib.Path, runs: dict) -> None:
     plt.close(fig)
 
 
+def load_floor(run_dir: pathlib.Path, step: int | None, fit_batches: int = 16, test_batches: int = 32,
+               iterations: int = 40) -> dict:
+    """See the module docstring (`--floor`)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jfp8.nn import router_biases
+    from jfp8.train import data
+    from jfp8.train.probes import load_model
+
+    config, model = load_model(run_dir, step)
+    split = data.train_val_split(data.load_bytes(config.corpus), config.val_fraction)
+    layers = model.moe_layers()
+    forward = nnx.jit(lambda m, tokens: m(tokens)[1].expert_loads)
+
+    def loads(biases, seed, n):
+        for moe, b in zip(layers, biases):
+            moe.router_bias[...] = jnp.asarray(b, jnp.float32)
+        batches = [data.train_batch(split.train, config.batch_size, config.seq_len, seed, s) for s in range(n)]
+        return np.stack([np.asarray(forward(model, jnp.asarray(b))) for b in batches]).astype(np.float64)
+
+    def max_over_mean(x):
+        return x.max(-1) / x.mean(-1)
+
+    trained = np.asarray(router_biases(model), np.float64)
+    before = loads(trained, 99, test_batches)
+    biases = trained
+    for it in range(iterations):
+        pooled = loads(biases, 7, fit_batches).sum(0)
+        error = (pooled.mean(-1, keepdims=True) - pooled) / pooled.mean(-1, keepdims=True)
+        biases = biases + 0.02 * 0.93**it * np.clip(error, -1, 1)
+    after = loads(biases, 99, test_batches)
+    n_assign = int(after[0, 0].sum())
+    independent = np.random.default_rng(0).multinomial(n_assign, [1 / after.shape[-1]] * after.shape[-1], size=4000)
+    names = json.loads((run_dir / "config.json").read_text())["moe_layer_names"]
+    per_layer = lambda x: dict(zip(names, np.round(x, 4).tolist()))  # noqa: E731
+    return {
+        "run": str(run_dir), "step": step, "batch": [config.batch_size, config.seq_len],
+        "trained_biases": {"per_batch": per_layer(max_over_mean(before).mean(0)),
+                           "pooled": per_layer(max_over_mean(before.sum(0)))},
+        "balanced_biases": {"per_batch": per_layer(max_over_mean(after).mean(0)),
+                            "pooled": per_layer(max_over_mean(after.sum(0)))},
+        "independent_tokens": round(float(max_over_mean(independent).mean()), 4),
+    }
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, among {list(ARMS)}")
+    tiny_arms = ",".join(arm for arm in ARMS if preset(arm) == "tiny")
+    p.add_argument("--arms", default=tiny_arms, help=f"comma-separated, among {list(ARMS)} (default: the tiny ones)")
     p.add_argument("--precision", nargs="+", default=["bf16"], choices=("bf16", "fp8"))
     p.add_argument("--seed", type=int, default=0, help="runs of a seed other than 0 are named ...-s<seed>")
     p.add_argument("--summarize-only", action="store_true", help="re-read the runs under --out/runs")
+    p.add_argument("--floor", metavar="RUN_DIR", help="measure the per-batch load floor of this run's checkpoint")
+    p.add_argument("--floor-step", type=int, help="the checkpoint for --floor (default: the newest)")
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
+    if args.floor:
+        floor = load_floor(pathlib.Path(args.floor), args.floor_step)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "floor.json").write_text(json.dumps(floor, indent=1) + "\n")
+        print(json.dumps(floor, indent=1))
+        return
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"runs": {}}
-    for arm in filter(None, args.arms.split(",")):
+    arms = [arm for arm in args.arms.split(",") if arm]
+    unknown = [arm for arm in arms if arm not in ARMS]
+    if unknown:
+        p.error(f"unknown arms {unknown}; choose among {list(ARMS)}")
+    for arm in arms:
         for precision in args.precision:
             name = f"{arm}-{precision}" + (f"-s{args.seed}" if args.seed else "")
             run = out / "runs" / name
