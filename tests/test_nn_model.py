@@ -216,3 +216,17 @@ def test_preset_sizes():
     assert 100e6 <= param_counts(ModelConfig.gpu()).total <= 300e6
     small = ModelConfig.small(n_routed=8, top_k=3)  # presets take overrides
     assert (small.n_routed, small.top_k, small.d_model) == (8, 3, 256)
+
+
+def test_presets_balance_with_the_measured_rule():
+    """Every preset uses the clipped, lr-tied bias update; κ is the one measured for its size
+    (tiny and gpu 15, small 50), and an override still wins."""
+    from jfp8.nn.config import PRESET_BALANCING, SMALL_BIAS_LR_RATIO
+
+    kappas = {"tiny": 15.0, "small": SMALL_BIAS_LR_RATIO, "gpu": 15.0}
+    assert SMALL_BIAS_LR_RATIO == 50.0
+    for name, kappa in kappas.items():
+        cfg = getattr(ModelConfig, name)()
+        assert (cfg.bias_rule, cfg.bias_schedule) == (PRESET_BALANCING["bias_rule"], PRESET_BALANCING["bias_schedule"])
+        assert cfg.bias_lr_ratio == kappa, name
+    assert ModelConfig.small(bias_lr_ratio=15.0).bias_lr_ratio == 15.0

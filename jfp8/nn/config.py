@@ -20,9 +20,12 @@ BIAS_SCHEDULES: tuple[str, ...] = ("constant", "lr")
 DEEPSEEK_V3_BIAS_LR_RATIO = 1e-3 / 2.2e-4
 # DeepSeek-V3 (§4.2) initialises every learnable parameter with this standard deviation.
 DEEPSEEK_V3_INIT_STD = 0.006
-# The presets' router-bias update (clipped proportional, γ_t = 15·lr_t), chosen by measurement:
-# experiments/results/balancing-tiny/summary.md. The field defaults are DeepSeek-V3's sign rule.
+# The presets' router-bias update (clipped proportional, γ_t = κ·lr_t), chosen by measurement:
+# κ = 15 on tiny (experiments/results/balancing-tiny/summary.md), 50 on small, whose wider gate
+# drifts faster per step (experiments/results/balancing-small/summary.md). The field defaults are
+# DeepSeek-V3's sign rule.
 PRESET_BALANCING = MappingProxyType(dict(bias_rule="clipped", bias_schedule="lr", bias_lr_ratio=15.0))
+SMALL_BIAS_LR_RATIO = 50.0
 
 
 def check_expert_groups(n_experts: int, k: int, n_group: int, topk_group: int) -> None:
@@ -202,12 +205,13 @@ class ModelConfig:
     @classmethod
     def small(cls, **overrides) -> ModelConfig:
         """Trains on a CPU in tens of minutes: d_model 256, 6 layers (1 dense), 16 routed experts
-        (top-2) + 1 shared, ~23M total / ~5M activated parameters."""
+        (top-2) + 1 shared, ~23M total / ~5M activated parameters. Balances with `PRESET_BALANCING`
+        at κ = `SMALL_BIAS_LR_RATIO`."""
         base = cls(
             d_model=256, n_layers=6, n_dense_layers=1, n_heads=4,
             q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
             v_head_dim=64, n_routed=16, n_shared=1, top_k=2, moe_hidden=256, dense_hidden=768,
-            max_seq_len=256, **PRESET_BALANCING,
+            max_seq_len=256, **{**PRESET_BALANCING, "bias_lr_ratio": SMALL_BIAS_LR_RATIO},
         )
         return dataclasses.replace(base, **overrides)
 
