@@ -226,6 +226,8 @@ KERNELS = {
                              lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig.simple())),
     "grouped_wgrad_simple": ("grouped Wgrad, GroupedGemmConfig.simple()",
                              lambda rng, i: _grouped_wgrad(rng, grouped_gemm.GroupedGemmConfig.simple())),
+    "gemm_cluster": ("dense tile x block, GemmConfig(cluster_m=2): 2-CTA clusters, b multicast (issue 19)",
+                     lambda rng, i: _dense(rng, i, gemm.GemmConfig(cluster_m=2))),
 }
 
 

@@ -94,6 +94,8 @@ def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmCon
             found.append(dataclasses.replace(one_wg, tile_n=tile_n, max_concurrent_steps=stages))
             if m > 64:
                 found.append(GemmConfig(tile_n=tile_n, max_concurrent_steps=stages))
+            if m > 128 and stages in (4, 6):  # 2-CTA clusters need two row tiles to share b
+                found.append(GemmConfig(tile_n=tile_n, max_concurrent_steps=stages, cluster_m=2))
     unique = list(dict.fromkeys(found))
     return [c for c in unique if smem_bytes(c, out_dtype, chunks) <= SMEM_BYTES]
 
@@ -122,8 +124,9 @@ def config_name(config) -> str:
     """A short name for a `GemmConfig` or `GroupedGemmConfig` (the same fields)."""
     form = "ws" if config.warp_specialized else "1wg"
     persistent = "p" if config.persistent else ""
+    cluster = f"-c{config.cluster_m}" if getattr(config, "cluster_m", 1) > 1 else ""
     return (f"{form}{persistent}-{config.tile_m}x{config.tile_n}-s{config.max_concurrent_steps}"
-            f"-g{config.grid_tile_group}")
+            f"-g{config.grid_tile_group}{cluster}")
 
 
 def best_entries(rows: list[dict]) -> list[dict]:

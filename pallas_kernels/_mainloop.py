@@ -53,16 +53,24 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array) -> jax.Array:
         plgpu.commit_smem()
     return out
 
+def cluster_m(config) -> int:
+    """CTAs per cluster along M (`GemmConfig.cluster_m`; the grouped configs have no clusters)."""
+    return getattr(config, "cluster_m", 1)
+
+
 def in_specs(config, mi, ni, k_first=0) -> list[plgpu.BlockSpec]:
     """K step k of output tile (mi, ni): a, b (128-byte swizzled fp8) and their scales, from K
-    chunk `k_first + k` on (a group's first chunk in the grouped Wgrad)."""
+    chunk `k_first + k` on (a group's first chunk in the grouped Wgrad). In a cluster along M
+    the CTAs share (ni, k), so b and its scales are collective: one multicast load per cluster."""
     tm, tn = config.tile_m, config.tile_n
     fp8_tile = swizzled(FP8_DTYPE, TILE_K)
+    shared = ("cluster",) if cluster_m(config) > 1 else ()
     return [
         plgpu.BlockSpec((tm, TILE_K), lambda k: (mi, k_first + k), transforms=fp8_tile),
-        plgpu.BlockSpec((tn, TILE_K), lambda k: (ni, k_first + k), transforms=fp8_tile),
+        plgpu.BlockSpec((tn, TILE_K), lambda k: (ni, k_first + k), transforms=fp8_tile,
+                        collective_axes=shared),
         plgpu.BlockSpec((None, tm), lambda k: (k_first + k, mi)),
-        plgpu.BlockSpec((None, tn), lambda k: (k_first + k, ni)),
+        plgpu.BlockSpec((None, tn), lambda k: (k_first + k, ni), collective_axes=shared),
     ]
 
 def tile_at(lin, tiles: tuple[int, int], config: GemmConfig) -> tuple[jax.Array, jax.Array]:
@@ -75,16 +83,34 @@ def tile_at(lin, tiles: tuple[int, int], config: GemmConfig) -> tuple[jax.Array,
     group = min(config.grid_tile_group, tiles[0])
     return plgpu.planar_snake(lin, tiles, 0, group)  # minor dim 0: groups of row tiles
 
+def cluster_tiles(config, tiles: tuple[int, int]) -> tuple[int, int]:
+    """The grid of cluster tiles: `cluster_m` row tiles of one column tile per cluster."""
+    return pl.cdiv(tiles[0], cluster_m(config)), tiles[1]
+
+
 def for_each_tile(config: GemmConfig, tiles: tuple[int, int], tile_fn) -> None:
     """Calls `tile_fn(mi, ni)` for this CTA's output tiles: non-persistent, CTA i computes tile
-    i of `tile_at`; persistent, CTA i computes tiles i, i + #CTAs, i + 2 #CTAs, ..."""
+    i of `tile_at`; persistent, CTA i computes tiles i, i + #CTAs, i + 2 #CTAs, ...
+
+    In clusters along M (`cluster_m` = 2) the walk is over cluster tiles (grid axis "sm" counts
+    clusters) and CTA c of a cluster computes row tile `cluster_m * i + c`. Both CTAs run every
+    step, because each loads half of the shared b: when the row tiles are odd, the last cluster's
+    second CTA computes a tile wholly past M, whose loads TMA zero-fills and whose store it drops.
+    """
+    c = cluster_m(config)
+    grid = cluster_tiles(config, tiles)
+
+    def cta_tile(lin):
+        mi, ni = tile_at(lin, grid, config)
+        return (mi * c + lax.axis_index("cluster"), ni) if c > 1 else (mi, ni)
+
     if not config.persistent:
-        tile_fn(*tile_at(lax.axis_index("sm"), tiles, config))
+        tile_fn(*cta_tile(lax.axis_index("sm")))
         return
 
-    @plgpu.nd_loop((tiles[0] * tiles[1],), collective_axes="sm")
+    @plgpu.nd_loop((grid[0] * grid[1],), collective_axes="sm")
     def _(loop_info):
-        tile_fn(*tile_at(loop_info.index[0], tiles, config))
+        tile_fn(*cta_tile(loop_info.index[0]))
 
 def store_tile(out: jax.Array, out_smem, out_gmem_tile) -> None:
     """Registers -> swizzled SMEM -> TMA store, which drops rows/columns past the output's edge.
@@ -168,15 +194,19 @@ def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transfo
     plgpu.wait_smem_to_gmem(0)
 
 def launch_tiles(kernel, out_type, config, num_tiles: int, num_sms: int | None = None, **kwargs):
-    """`plgpu.kernel` over `num_tiles` output tiles: one CTA per tile, or with `config.persistent`
-    one per SM (`num_sms`, the device's when None; fewer CTAs for fewer tiles), on grid axis
-    "sm"; with `config.warp_specialized`, `WS_CONSUMER_WGS + 1` warpgroups on thread axis "wg"."""
+    """`plgpu.kernel` over `num_tiles` output tiles (cluster tiles with `cluster_m` > 1): one CTA
+    (cluster) per tile, or with `config.persistent` one CTA per SM (`num_sms`, the device's when
+    None; fewer for fewer tiles), on grid axis "sm", and cluster axis "cluster" of `cluster_m`
+    CTAs; with `config.warp_specialized`, `WS_CONSUMER_WGS + 1` warpgroups on thread axis "wg"."""
     num_sms = _mgpu.num_sms() if num_sms is None else num_sms
-    ctas = min(num_tiles, num_sms) if config.persistent else num_tiles
+    c = cluster_m(config)
+    units = min(num_tiles, num_sms // c) if config.persistent else num_tiles  # CTAs, or clusters
+    if c > 1:
+        kwargs.update(cluster=(c,), cluster_names=("cluster",))
     if config.warp_specialized:
         kwargs.update(num_threads=WS_CONSUMER_WGS + 1, thread_name="wg")
     kwargs.update(_mgpu.compiler_params())  # profiler events, inside `_mgpu.profile` only
-    return plgpu.kernel(kernel, out_type=out_type, grid=(ctas,), grid_names=("sm",), **kwargs)
+    return plgpu.kernel(kernel, out_type=out_type, grid=(units,), grid_names=("sm",), **kwargs)
 
 
 def chunk_product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:

@@ -52,6 +52,12 @@ class GemmConfig:
         that a tile's epilogue overlaps the next tile's loads; otherwise one CTA per tile.
       grid_tile_group: row tiles walked together along the tile order (L2 reuse); 1 walks the
         tiles row by row.
+      cluster_m: CTAs per thread-block cluster, along M: 1 (no clusters) or 2. At 2 the two CTAs
+        of a cluster compute row tiles 2i and 2i + 1 of the same column tile, and each K step's
+        b chunk and b scales are fetched once per cluster: each CTA loads half and TMA-multicasts
+        it into both CTAs' SMEM, halving b's L2 -> SMEM traffic. A stage is then freed only when
+        both CTAs have consumed it (a cluster barrier). Needs `warp_specialized` (the simple
+        pipeline has no collective copies). Off by default until a GPU run measures it.
     """
 
     tile_m: int = 128
@@ -60,6 +66,7 @@ class GemmConfig:
     warp_specialized: bool = True
     persistent: bool = True
     grid_tile_group: int = 8
+    cluster_m: int = 1
 
     def __post_init__(self):
         rows = WGMMA_M * (WS_CONSUMER_WGS if self.warp_specialized else 1)
@@ -76,6 +83,11 @@ class GemmConfig:
             raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
         if self.grid_tile_group < 1:
             raise ValueError(f"grid_tile_group={self.grid_tile_group} must be >= 1")
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m={self.cluster_m} must be 1 (no clusters) or 2")
+        if self.cluster_m > 1 and not self.warp_specialized:
+            raise ValueError("cluster_m=2 needs warp_specialized=True: the simple pipeline has no "
+                             "multicast (collective) copies")
 
     @classmethod
     def simple(cls) -> GemmConfig:

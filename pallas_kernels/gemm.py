@@ -30,6 +30,8 @@ Launch structure, two forms selected by `GemmConfig`:
   persistent (one CTA per SM looping over tiles in a grouped order, `plgpu.nd_loop` +
   `plgpu.planar_snake`). The stages are allocated once per CTA and reused by every tile.
   The four changes are independent fields, so each can be measured alone.
+- `GemmConfig(cluster_m=2)` (off by default until measured): the fast form in clusters of two
+  CTAs along M that share each K step's b chunk, loaded half by each and TMA-multicast to both.
 
 In both, the fp8 tiles are in the 128-byte swizzle that wgmma needs, b is stored K-major, `(N, K)`,
 and handed to wgmma transposed (fp8 wgmma takes no other B layout), and each warpgroup casts its
@@ -73,6 +75,7 @@ from pallas_kernels._hopper import (
     zeros,
 )
 from pallas_kernels._mainloop import (
+    cluster_tiles,
     for_each_tile,
     in_specs,
     launch_tiles,
@@ -201,7 +204,8 @@ def _gemm_call(
     if not config.warp_specialized:
         transforms = swizzled(out_dtype, config.tile_n)
         scratch["out_smem"] = plgpu.SMEM((config.tile_m, config.tile_n), out_dtype, transforms=transforms)
-    return launch_tiles(kernel, out_type, config, tiles[0] * tiles[1], num_sms, scratch_types=scratch)
+    grid = cluster_tiles(config, tiles)
+    return launch_tiles(kernel, out_type, config, grid[0] * grid[1], num_sms, scratch_types=scratch)
 
 def scaled_matmul(
     a_data: jax.Array,

@@ -102,7 +102,8 @@ def _kernel(a: Fp8Tensor, b: Fp8Tensor, b_block_rows: int, out_dtype, config=Non
 
 SIMPLE = gemm.GemmConfig.simple()
 FAST = gemm.GemmConfig()
-CONFIGS = {"simple": SIMPLE, "fast": FAST}
+CLUSTER = dataclasses.replace(FAST, cluster_m=2)  # 2-CTA clusters along M, b multicast
+CONFIGS = {"simple": SIMPLE, "fast": FAST, "cluster": CLUSTER}
 
 # (M, N, K, b_block_rows, out_dtype): M/N tails within and past one tile, b with padded rows
 # (N=200 and 136 under 128x128 blocks), K tails (K=200 -> 2 chunks), 1 and 4 chunks (more
@@ -137,8 +138,10 @@ def test_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype, config):
         (dataclasses.replace(SIMPLE, tile_m=128, tile_n=64, max_concurrent_steps=1), 256),
         # Warp-specialized on its own: one CTA per tile, 64-wide tiles, 2 stages for 3 chunks.
         (gemm.GemmConfig(tile_n=64, max_concurrent_steps=2, persistent=False), 300),
+        # 2-CTA clusters on 64-wide tiles (b's 64-row chunk multicast in halves of 32), tile-scaled b.
+        (dataclasses.replace(CLUSTER, tile_n=64, max_concurrent_steps=2), 300),
     ],
-    ids=["one-warpgroup-128x64", "ws-not-persistent"],
+    ids=["one-warpgroup-128x64", "ws-not-persistent", "cluster-64"],
 )
 def test_bit_identical_with_other_tilings(config, k):
     seed = _seed()
@@ -187,8 +190,13 @@ def test_interpreter_poisons_unwritten_output():
         (dataclasses.replace(FAST, max_concurrent_steps=2, grid_tile_group=2), 200, 200, 3),
         # The one-warpgroup persistent form: 3 x 2 tiles of 64 x 128 on 4 CTAs.
         (dataclasses.replace(SIMPLE, persistent=True, grid_tile_group=2), 130, 200, 4),
+        # 2-CTA clusters: 3 row tiles (odd: the last cluster's second CTA computes a tile wholly
+        # past M) x 2 column tiles = 2 x 2 cluster tiles, on 1 persistent cluster (2 "SMs") ...
+        (dataclasses.replace(CLUSTER, max_concurrent_steps=2, grid_tile_group=2), 330, 200, 2),
+        # ... and one cluster per cluster tile.
+        (dataclasses.replace(CLUSTER, max_concurrent_steps=2, persistent=False), 330, 200, None),
     ],
-    ids=["ws", "one-warpgroup"],
+    ids=["ws", "one-warpgroup", "cluster-persistent", "cluster"],
 )
 def test_persistent_ctas_walk_every_tile_without_races(config, m, n, num_sms):
     """CTAs that each own several tiles write every output element (the outputs start as NaN),
@@ -282,6 +290,9 @@ def test_invalid_inputs_raise(change, error, match):
         dict(tile_n=320),
         dict(max_concurrent_steps=0),
         dict(grid_tile_group=0),
+        dict(cluster_m=3),
+        dict(cluster_m=0),
+        dict(cluster_m=2, tile_m=64, warp_specialized=False),  # the simple pipeline cannot multicast
     ],
 )
 def test_invalid_config_raises(fields):
@@ -316,6 +327,7 @@ PARTIAL_CONFIGS = {
     "deeper-pipeline": dataclasses.replace(SIMPLE, tile_m=128, max_concurrent_steps=4),
     "ws-only": dataclasses.replace(SIMPLE, tile_m=128, warp_specialized=True),
     "persistent-grouped-only": dataclasses.replace(SIMPLE, persistent=True, grid_tile_group=8),
+    "ws-cluster-only": dataclasses.replace(SIMPLE, tile_m=128, warp_specialized=True, cluster_m=2),
 }
 
 
@@ -333,6 +345,7 @@ def test_each_change_lowers_for_hopper(config):
         (FAST, jnp.float32, 56),
         (dataclasses.replace(FAST, tile_n=48), jnp.bfloat16, 2),  # 2 of the 4 stages allocated
         (gemm.GemmConfig(256, 16, 3, warp_specialized=False, persistent=False), jnp.float32, 9),
+        (CLUSTER, jnp.bfloat16, 7),  # cluster barriers are mbarriers too
     ],
 )
 def test_smem_estimate_equals_mosaic_count(config, out_dtype, chunks, monkeypatch):

@@ -215,6 +215,11 @@ def test_tuner_candidates_start_with_the_rule_and_fit(tune, m, n, k):
     assert found[0] == tuning.rule_config(m, n, kp, jnp.float32, H100_NUM_SMS)
     assert FAST in found and len(set(found)) == len(found) > 4
     assert all(gemm.smem_bytes(c, jnp.float32, kp // TILE) <= SMEM_BYTES for c in found)
+    # 2-CTA clusters are tried where there are two row tiles to share b, and named apart
+    clustered = [c for c in found if c.cluster_m == 2]
+    assert bool(clustered) == (m > 128), clustered
+    assert all(tune.config_name(c).endswith("-c2") for c in clustered)
+    assert len({tune.config_name(c) for c in found}) == len(found)
 
 
 def test_tuner_cli_without_a_gpu(tune, capsys):
