@@ -228,6 +228,8 @@ KERNELS = {
                              lambda rng, i: _grouped_wgrad(rng, grouped_gemm.GroupedGemmConfig.simple())),
     "gemm_cluster": ("dense tile x block, GemmConfig(cluster_m=2): 2-CTA clusters, b multicast (issue 19)",
                      lambda rng, i: _dense(rng, i, gemm.GemmConfig(cluster_m=2))),
+    "gemm_scalar_b": ("dense tile x block, GemmConfig(scalar_b_scale=True): b's block scale as one scalar (issue 19)",
+                      lambda rng, i: _dense(rng, i, gemm.GemmConfig(scalar_b_scale=True))),
 }
 
 

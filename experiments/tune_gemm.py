@@ -96,6 +96,9 @@ def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmCon
                 found.append(GemmConfig(tile_n=tile_n, max_concurrent_steps=stages))
             if m > 128 and stages in (4, 6):  # 2-CTA clusters need two row tiles to share b
                 found.append(GemmConfig(tile_n=tile_n, max_concurrent_steps=stages, cluster_m=2))
+    # b's block scale as one scalar (the tuner's b is 128 x 128-block-scaled, as in Fprop/Dgrad)
+    found += [dataclasses.replace(c, scalar_b_scale=True) for c in found
+              if c.max_concurrent_steps in (4, 6) and jfp8.TILE % c.tile_n == 0]
     unique = list(dict.fromkeys(found))
     return [c for c in unique if smem_bytes(c, out_dtype, chunks) <= SMEM_BYTES]
 
@@ -125,8 +128,9 @@ def config_name(config) -> str:
     form = "ws" if config.warp_specialized else "1wg"
     persistent = "p" if config.persistent else ""
     cluster = f"-c{config.cluster_m}" if getattr(config, "cluster_m", 1) > 1 else ""
+    scalar = "-sb" if getattr(config, "scalar_b_scale", False) else ""
     return (f"{form}{persistent}-{config.tile_m}x{config.tile_n}-s{config.max_concurrent_steps}"
-            f"-g{config.grid_tile_group}{cluster}")
+            f"-g{config.grid_tile_group}{cluster}{scalar}")
 
 
 def best_entries(rows: list[dict]) -> list[dict]:

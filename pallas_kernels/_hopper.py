@@ -14,6 +14,8 @@ TILE_K = TILE
 
 # Hopper TMA: every GMEM stride but the innermost must be a multiple of 16 bytes.
 TMA_ALIGN_BYTES = 16
+# One f32 scale as a TMA box of its own: repeated to the 16 bytes a box needs at least.
+SCALE_BOX = TMA_ALIGN_BYTES // 4
 
 # Swizzled SMEM tiles are 8 rows high, and TMA then tiles the GMEM array the same way: its rows
 # must be a multiple of 8 and its columns a multiple of the swizzle width (the tails are padded).

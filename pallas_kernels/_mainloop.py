@@ -14,6 +14,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _mgpu
 from pallas_kernels._hopper import (
+    SCALE_BOX,
     TILE_K,
     WS_CONSUMER_WGS,
     WS_PRODUCER_REGISTERS,
@@ -24,11 +25,14 @@ from pallas_kernels.configs import GemmConfig
 from pallas_kernels.fp8_math import FP8_DTYPE
 
 
-def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array) -> jax.Array:
+def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool = False) -> jax.Array:
     """One K chunk for one warpgroup: fresh FP32 wgmma, then `out + partial * (sa * sb)`.
 
-    a_smem [rows, TILE_K], b_smem [tile_n, TILE_K] (K-major), sa_smem [rows], sb_smem [tile_n];
-    out [rows, tile_n] f32 in registers, rows a multiple of 64.
+    a_smem [rows, TILE_K], b_smem [tile_n, TILE_K] (K-major), sa_smem [rows], sb_smem [tile_n]
+    (one scale per output column), or with `scalar_b` [SCALE_BOX] whose element 0 is the one
+    scale of the tile's weight block (`GemmConfig.scalar_b_scale`); out [rows, tile_n] f32 in
+    registers, rows a multiple of 64. Either way each element gets `partial * (sa[r] * sb[c])`
+    with the same f32 values, so the bits do not depend on the form.
     """
     rows, cols = out.shape
     wgmma_layout = plgpu.Layout.WGMMA
@@ -43,9 +47,12 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array) -> jax.Array:
         partial = pl.run_scoped(chunk_product, plgpu.ACC((rows, cols), jnp.float32))  # zeroed
     with jax.named_scope("promote"):
         sa = plgpu.load(sa_smem, layout=wgmma_layout.reduce(1))  # [rows] per output row
-        sb = plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [cols] per output column
-        sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
-        out = out + partial * (sa * sb)
+        if scalar_b:  # one weight block: scale the row vector, then broadcast along the columns
+            out = out + partial * lax.broadcast_in_dim(sa * sb_smem[0], out.shape, [0])
+        else:
+            sb = plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [cols] per output column
+            sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
+            out = out + partial * (sa * sb)
         # The pipeline hands this stage back to TMA next. The scale loads above are generic-proxy
         # reads and TMA writes through the async proxy, which PTX orders only across a proxy
         # fence (`fence.proxy.async`, here with a warpgroup barrier); without it the
@@ -58,19 +65,28 @@ def cluster_m(config) -> int:
     return getattr(config, "cluster_m", 1)
 
 
-def in_specs(config, mi, ni, k_first=0) -> list[plgpu.BlockSpec]:
+def in_specs(config, mi, ni, k_first=0, *, scalar_b: bool = False) -> list[plgpu.BlockSpec]:
     """K step k of output tile (mi, ni): a, b (128-byte swizzled fp8) and their scales, from K
     chunk `k_first + k` on (a group's first chunk in the grouped Wgrad). In a cluster along M
-    the CTAs share (ni, k), so b and its scales are collective: one multicast load per cluster."""
+    the CTAs share (ni, k), so b and its scales are collective: one multicast load per cluster.
+
+    b's scales: per output column, `[C, N']`; with `scalar_b`, per weight block, `[C, blocks *
+    SCALE_BOX]` (each block's scale repeated to one 16-byte TMA box), the box of the tile's block.
+    That box is too small to split between a cluster's CTAs, so each loads its own."""
     tm, tn = config.tile_m, config.tile_n
     fp8_tile = swizzled(FP8_DTYPE, TILE_K)
     shared = ("cluster",) if cluster_m(config) > 1 else ()
+    if scalar_b:
+        tiles_per_block = TILE_K // tn
+        sb_spec = plgpu.BlockSpec((None, SCALE_BOX), lambda k: (k_first + k, ni // tiles_per_block))
+    else:
+        sb_spec = plgpu.BlockSpec((None, tn), lambda k: (k_first + k, ni), collective_axes=shared)
     return [
         plgpu.BlockSpec((tm, TILE_K), lambda k: (mi, k_first + k), transforms=fp8_tile),
         plgpu.BlockSpec((tn, TILE_K), lambda k: (ni, k_first + k), transforms=fp8_tile,
                         collective_axes=shared),
         plgpu.BlockSpec((None, tm), lambda k: (k_first + k, mi)),
-        plgpu.BlockSpec((None, tn), lambda k: (k_first + k, ni), collective_axes=shared),
+        sb_spec,
     ]
 
 def tile_at(lin, tiles: tuple[int, int], config: GemmConfig) -> tuple[jax.Array, jax.Array]:
@@ -123,7 +139,8 @@ def store_tile(out: jax.Array, out_smem, out_gmem_tile) -> None:
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_gmem_tile)
 
-def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transforms=(), dynamic_k=False):
+def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transforms=(), dynamic_k=False,
+                           scalar_b=False):
     """The warp-specialized main loop, shared by the dense and the grouped kernels.
 
     Runs in a kernel of `WS_CONSUMER_WGS + 1` warpgroups (thread axis "wg"): warpgroup
@@ -156,7 +173,7 @@ def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transfo
             body,
             grid=(k_steps,),
             memory_registers=WS_PRODUCER_REGISTERS,
-            in_specs=in_specs(config, mi, ni, k_first),
+            in_specs=in_specs(config, mi, ni, k_first, scalar_b=scalar_b),
             wg_axis="wg",
             num_compute_wgs=WS_CONSUMER_WGS,
             max_concurrent_steps=config.max_concurrent_steps,
@@ -182,7 +199,7 @@ def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transfo
                 a_rows = a_smem.at[rows]
                 if before_chunk is not None:
                     before_chunk(idx[0], a_rows)
-                return promote(a_rows, b_smem, sa_smem.at[rows], sb_smem, out)
+                return promote(a_rows, b_smem, sa_smem.at[rows], sb_smem, out, scalar_b=scalar_b)
 
             def compute_context(run_pipeline):
                 epilogue(run_pipeline(zeros((wm, tn))), out_smem.at[rows])

@@ -58,6 +58,12 @@ class GemmConfig:
         it into both CTAs' SMEM, halving b's L2 -> SMEM traffic. A stage is then freed only when
         both CTAs have consumed it (a cluster barrier). Needs `warp_specialized` (the simple
         pipeline has no collective copies). Off by default until a GPU run measures it.
+      scalar_b_scale: when b is block-scaled (128 x 128 weights: Fprop, Dgrad), read its scale
+        for a K step as the one scalar it is over the tile (one 16-byte TMA box and one SMEM load;
+        `sa * sb` on the row vector before broadcasting) instead of a tile_n-wide per-column
+        vector (a 128-float copy, a layout load and a [rows, tile_n] multiply, holding about 32
+        more registers per consumer thread). Needs the tile's columns in one weight block:
+        128 % tile_n == 0. Tile-scaled b (Wgrad) keeps the vector. Off by default until measured.
     """
 
     tile_m: int = 128
@@ -67,6 +73,7 @@ class GemmConfig:
     persistent: bool = True
     grid_tile_group: int = 8
     cluster_m: int = 1
+    scalar_b_scale: bool = False
 
     def __post_init__(self):
         rows = WGMMA_M * (WS_CONSUMER_WGS if self.warp_specialized else 1)
@@ -85,6 +92,9 @@ class GemmConfig:
             raise ValueError(f"grid_tile_group={self.grid_tile_group} must be >= 1")
         if self.cluster_m not in (1, 2):
             raise ValueError(f"cluster_m={self.cluster_m} must be 1 (no clusters) or 2")
+        if self.scalar_b_scale and TILE % self.tile_n:
+            raise ValueError(f"scalar_b_scale needs each tile's columns in one {TILE}-row weight "
+                             f"block: tile_n must divide {TILE}, got {self.tile_n}")
         if self.cluster_m > 1 and not self.warp_specialized:
             raise ValueError("cluster_m=2 needs warp_specialized=True: the simple pipeline has no "
                              "multicast (collective) copies")

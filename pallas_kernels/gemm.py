@@ -32,6 +32,8 @@ Launch structure, two forms selected by `GemmConfig`:
   The four changes are independent fields, so each can be measured alone.
 - `GemmConfig(cluster_m=2)` (off by default until measured): the fast form in clusters of two
   CTAs along M that share each K step's b chunk, loaded half by each and TMA-multicast to both.
+- `GemmConfig(scalar_b_scale=True)` (off by default until measured): for 128 x 128-block-scaled
+  b, the tile's one block scale per K step is read as a scalar instead of a per-column vector.
 
 In both, the fp8 tiles are in the 128-byte swizzle that wgmma needs, b is stored K-major, `(N, K)`,
 and handed to wgmma transposed (fp8 wgmma takes no other B layout), and each warpgroup casts its
@@ -64,6 +66,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _mgpu, tuning
 from pallas_kernels._hopper import (
     OUT_DTYPES,
+    SCALE_BOX,
     SWIZZLE_ROWS,
     TILE_K,
     TMA_ALIGN_BYTES,
@@ -91,7 +94,7 @@ __all__ = ["GemmConfig", "lower_scaled_matmul", "scaled_matmul", "smem_bytes"]
 _B_BLOCK_ROWS = (1, TILE)
 
 
-def _simple_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem, *, config, tiles):
+def _simple_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem, *, config, tiles, scalar_b):
     """One warpgroup per CTA: TMA and wgmma issued from the same warpgroup.
 
     Refs (C = Kp // TILE_K; primes mark the padded extents of `_kernel_operands`/`out_shape`):
@@ -103,10 +106,10 @@ def _simple_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem, *, conf
     def tile(mi, ni):
         out = plgpu.emit_pipeline(
             lambda _, a_smem, b_smem, sa_smem, sb_smem, out: promote(
-                a_smem, b_smem, sa_smem, sb_smem, out
+                a_smem, b_smem, sa_smem, sb_smem, out, scalar_b=scalar_b
             ),
             grid=(a_gmem.shape[1] // TILE_K,),
-            in_specs=in_specs(config, mi, ni),
+            in_specs=in_specs(config, mi, ni, scalar_b=scalar_b),
             max_concurrent_steps=config.max_concurrent_steps,
             init_carry=zeros((tm, tn)),
         )(a_gmem, b_gmem, sa_gmem, sb_gmem)
@@ -115,7 +118,7 @@ def _simple_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem, *, conf
     for_each_tile(config, tiles, tile)
     plgpu.wait_smem_to_gmem(0)
 
-def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles):
+def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles, scalar_b):
     """Warp-specialized dense GEMM (`warp_specialized_tiles`) over the tiles of `for_each_tile`.
     Refs as in `_simple_kernel`."""
     tm, tn = config.tile_m, config.tile_n
@@ -133,7 +136,8 @@ def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles):
         for_each_tile(config, tiles, tile)
 
     warp_specialized_tiles(
-        config, operands, out_gmem.dtype, schedule, out_transforms=swizzled(out_gmem.dtype, tn)
+        config, operands, out_gmem.dtype, schedule, out_transforms=swizzled(out_gmem.dtype, tn),
+        scalar_b=scalar_b,
     )
 
 def _check_inputs(a_data, a_scale, b_data, b_scale, n, b_block_rows, out_dtype) -> None:
@@ -171,20 +175,25 @@ def _check_inputs(a_data, a_scale, b_data, b_scale, n, b_block_rows, out_dtype) 
             f" for b_data {b_data.shape} and b_block_rows={b_block_rows}, got {b_scale.shape}"
         )
 
-def _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows):
+def _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows, scalar_b=False):
     """The layouts the kernel's TMA copies need.
 
     - Scales go K chunk-major, `[C, rows]`, so one K step's scales for a tile are one contiguous
       TMA box; b's are expanded to one scale per output column (a 128x128 block's scale repeated
       over its rows), which serves both pairings with one kernel. Both are small (1/32 of the
-      fp8 data) and padded to 16-byte rows for TMA.
+      fp8 data) and padded to 16-byte rows for TMA. With `scalar_b` (block-scaled b,
+      `GemmConfig.scalar_b_scale`) b's are one per block instead, each repeated to a 16-byte box:
+      `[C, blocks * SCALE_BOX]`.
     - The fp8 operands' rows are zero-padded to a multiple of 8 for the swizzled TMA: this copies
       a (or b) only when it has more than 8 rows and their count is not a multiple of 8.
     """
     f32_align = TMA_ALIGN_BYTES // 4
     sa = pad_axis(a_scale.T, 1, round_up(a_scale.shape[0], f32_align))  # [C, M']
-    sb = jnp.repeat(b_scale, b_block_rows, axis=0)[:n] if b_block_rows > 1 else b_scale[:n]
-    sb = pad_axis(sb.T, 1, round_up(n, f32_align))  # [C, N']
+    if scalar_b:
+        sb = jnp.repeat(b_scale.T, SCALE_BOX, axis=1)  # [C, blocks * SCALE_BOX]
+    else:
+        sb = jnp.repeat(b_scale, b_block_rows, axis=0)[:n] if b_block_rows > 1 else b_scale[:n]
+        sb = pad_axis(sb.T, 1, round_up(n, f32_align))  # [C, N']
     a_data = pad_axis(a_data, 0, tma_extent(a_data.shape[0], SWIZZLE_ROWS))
     b_data = pad_axis(b_data, 0, tma_extent(b_data.shape[0], SWIZZLE_ROWS))
     return a_data, b_data, sa, sb
@@ -195,11 +204,13 @@ def _gemm_call(
     config: GemmConfig,
     tiles: tuple[int, int],
     num_sms: int | None = None,
+    scalar_b: bool = False,
 ):
-    """The Mosaic GPU kernel over `tiles = (row tiles, column tiles)` output tiles."""
+    """The Mosaic GPU kernel over `tiles = (row tiles, column tiles)` output tiles; `scalar_b`:
+    b's scales are laid out per block (`_kernel_operands`)."""
     out_type = jax.ShapeDtypeStruct(out_shape, out_dtype)
     kernel = _ws_kernel if config.warp_specialized else _simple_kernel
-    kernel = functools.partial(kernel, config=config, tiles=tiles)
+    kernel = functools.partial(kernel, config=config, tiles=tiles, scalar_b=scalar_b)
     scratch = {}
     if not config.warp_specialized:
         transforms = swizzled(out_dtype, config.tile_n)
@@ -246,10 +257,11 @@ def scaled_matmul(
 
         config = tuning.dense_config(m, n, kp, out_dtype)
     check_smem(config, out_dtype, kp // TILE_K)
-    operands = _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows)
+    scalar_b = config.scalar_b_scale and b_block_rows == TILE
+    operands = _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows, scalar_b)
     m_out, n_out = out_shape(m, n, out_dtype, config)
     tiles = (pl.cdiv(m, config.tile_m), pl.cdiv(n, config.tile_n))
-    out = _gemm_call((m_out, n_out), out_dtype, config, tiles)(*operands)
+    out = _gemm_call((m_out, n_out), out_dtype, config, tiles, scalar_b=scalar_b)(*operands)
     return out if (m_out, n_out) == (m, n) else out[:m, :n]
 
 def lower_scaled_matmul(

@@ -103,7 +103,8 @@ def _kernel(a: Fp8Tensor, b: Fp8Tensor, b_block_rows: int, out_dtype, config=Non
 SIMPLE = gemm.GemmConfig.simple()
 FAST = gemm.GemmConfig()
 CLUSTER = dataclasses.replace(FAST, cluster_m=2)  # 2-CTA clusters along M, b multicast
-CONFIGS = {"simple": SIMPLE, "fast": FAST, "cluster": CLUSTER}
+SCALAR_B = dataclasses.replace(FAST, scalar_b_scale=True)  # b's block scale as one scalar
+CONFIGS = {"simple": SIMPLE, "fast": FAST, "cluster": CLUSTER, "scalar-b": SCALAR_B}
 
 # (M, N, K, b_block_rows, out_dtype): M/N tails within and past one tile, b with padded rows
 # (N=200 and 136 under 128x128 blocks), K tails (K=200 -> 2 chunks), 1 and 4 chunks (more
@@ -122,7 +123,9 @@ EXACT_CASES = [
     [(*case, "simple") for case in EXACT_CASES]
     # The fast form's other combinations (tile-scaled b with f32 output, several chunks per
     # stage) are covered by the tests below.
-    + [(*EXACT_CASES[1], "fast"), (*EXACT_CASES[3], "fast")],
+    + [(*EXACT_CASES[1], "fast"), (*EXACT_CASES[3], "fast")]
+    # the scalar b scale with block-scaled b, and tile-scaled b (which keeps the vector)
+    + [(*EXACT_CASES[1], "scalar-b"), (*EXACT_CASES[2], "scalar-b")],
 )
 def test_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype, config):
     seed = _seed()
@@ -147,6 +150,24 @@ def test_bit_identical_with_other_tilings(config, k):
     seed = _seed()
     a, b = _operands(seed, 130, 100, k, 1, exact=True)
     out = _interpret(_kernel, a, b, 1, jnp.float32, config)
+    _assert_bitwise_equal(out, _reference(a, b, jnp.float32), seed)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dataclasses.replace(SCALAR_B, tile_n=64),  # two column tiles per weight block
+        dataclasses.replace(SIMPLE, scalar_b_scale=True, tile_n=32),  # one warpgroup, four
+        dataclasses.replace(CLUSTER, scalar_b_scale=True, tile_n=32, max_concurrent_steps=2),
+    ],
+    ids=["ws-64", "one-warpgroup-32", "cluster-32"],
+)
+def test_scalar_b_scale_picks_each_tiles_block(config):
+    """With `scalar_b_scale` each column tile reads the scale of the weight block it lies in
+    (tile ni in block ni // (128 / tile_n)); N = 300 ends inside a third, partial block."""
+    seed = _seed()
+    a, b = _operands(seed, 330, 300, 384, TILE, exact=True)
+    out = _interpret(_kernel, a, b, TILE, jnp.float32, config)
     _assert_bitwise_equal(out, _reference(a, b, jnp.float32), seed)
 
 
@@ -293,6 +314,8 @@ def test_invalid_inputs_raise(change, error, match):
         dict(cluster_m=3),
         dict(cluster_m=0),
         dict(cluster_m=2, tile_m=64, warp_specialized=False),  # the simple pipeline cannot multicast
+        dict(scalar_b_scale=True, tile_n=256),  # a tile spanning two weight blocks
+        dict(scalar_b_scale=True, tile_n=48),
     ],
 )
 def test_invalid_config_raises(fields):
@@ -346,6 +369,7 @@ def test_each_change_lowers_for_hopper(config):
         (dataclasses.replace(FAST, tile_n=48), jnp.bfloat16, 2),  # 2 of the 4 stages allocated
         (gemm.GemmConfig(256, 16, 3, warp_specialized=False, persistent=False), jnp.float32, 9),
         (CLUSTER, jnp.bfloat16, 7),  # cluster barriers are mbarriers too
+        (dataclasses.replace(SCALAR_B, tile_n=64), jnp.float32, 5),  # a 16-byte b-scale box
     ],
 )
 def test_smem_estimate_equals_mosaic_count(config, out_dtype, chunks, monkeypatch):

@@ -218,7 +218,9 @@ def test_tuner_candidates_start_with_the_rule_and_fit(tune, m, n, k):
     # 2-CTA clusters are tried where there are two row tiles to share b, and named apart
     clustered = [c for c in found if c.cluster_m == 2]
     assert bool(clustered) == (m > 128), clustered
-    assert all(tune.config_name(c).endswith("-c2") for c in clustered)
+    assert all("-c2" in tune.config_name(c) for c in clustered)
+    assert any(c.scalar_b_scale for c in found)
+    assert all(tune.config_name(c).endswith("-sb") == c.scalar_b_scale for c in found)
     assert len({tune.config_name(c) for c in found}) == len(found)
 
 
