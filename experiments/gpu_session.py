@@ -108,7 +108,8 @@ BISECT_SHAPES = GEMM_SHAPES[:1] + tuple(s for s in GEMM_SHAPES if s.startswith("
 BISECT_CONFIGS = ("warp_specialized=false,persistent=false,tile_m=64,grid_tile_group=1,max_concurrent_steps=2",
                   "persistent=false", "grid_tile_group=1", "tile_n=64", "max_concurrent_steps=3",
                   "max_concurrent_steps=5", "tile_m=256", "cluster_m=2", "scalar_b_scale=true",
-                  "cluster_m=2,scalar_b_scale=true")
+                  "cluster_m=2,scalar_b_scale=true", "early_scale_loads=true",
+                  "cluster_m=2,scalar_b_scale=true,early_scale_loads=true")
 PROFILE_SHAPE = "8192x8192x8192"
 # What the sanitizer stages run (one kernel each).
 SANITIZED = {"memcheck": ("memcheck", "gemm_default"), "racecheck": ("racecheck", "gemm_default"),

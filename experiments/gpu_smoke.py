@@ -230,6 +230,8 @@ KERNELS = {
                      lambda rng, i: _dense(rng, i, gemm.GemmConfig(cluster_m=2))),
     "gemm_scalar_b": ("dense tile x block, GemmConfig(scalar_b_scale=True): b's block scale as one scalar (issue 19)",
                       lambda rng, i: _dense(rng, i, gemm.GemmConfig(scalar_b_scale=True))),
+    "gemm_early_scales": ("dense tile x block, GemmConfig(early_scale_loads=True): scales read before the wgmma (issue 19)",
+                          lambda rng, i: _dense(rng, i, gemm.GemmConfig(early_scale_loads=True))),
 }
 
 

@@ -90,7 +90,7 @@ def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmCon
     found = [tuning.rule_config(m, n, kp, out_dtype, num_sms), GemmConfig()]
     one_wg = dataclasses.replace(GemmConfig.simple(), tile_m=64)
     for tile_n in (32, 64, 128) if m <= 64 else (64, 128):
-        for stages in (2, 4, 6, 8):
+        for stages in (2, 4, 5, 6, 8):
             found.append(dataclasses.replace(one_wg, tile_n=tile_n, max_concurrent_steps=stages))
             if m > 64:
                 found.append(GemmConfig(tile_n=tile_n, max_concurrent_steps=stages))
@@ -99,6 +99,8 @@ def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmCon
     # b's block scale as one scalar (the tuner's b is 128 x 128-block-scaled, as in Fprop/Dgrad)
     found += [dataclasses.replace(c, scalar_b_scale=True) for c in found
               if c.max_concurrent_steps in (4, 6) and jfp8.TILE % c.tile_n == 0]
+    if m > 64:  # scale loads issued before the wgmma, on the default form with either b scale
+        found += [GemmConfig(early_scale_loads=True), GemmConfig(early_scale_loads=True, scalar_b_scale=True)]
     unique = list(dict.fromkeys(found))
     return [c for c in unique if smem_bytes(c, out_dtype, chunks) <= SMEM_BYTES]
 
@@ -129,8 +131,9 @@ def config_name(config) -> str:
     persistent = "p" if config.persistent else ""
     cluster = f"-c{config.cluster_m}" if getattr(config, "cluster_m", 1) > 1 else ""
     scalar = "-sb" if getattr(config, "scalar_b_scale", False) else ""
+    early = "-es" if getattr(config, "early_scale_loads", False) else ""
     return (f"{form}{persistent}-{config.tile_m}x{config.tile_n}-s{config.max_concurrent_steps}"
-            f"-g{config.grid_tile_group}{cluster}{scalar}")
+            f"-g{config.grid_tile_group}{cluster}{scalar}{early}")
 
 
 def best_entries(rows: list[dict]) -> list[dict]:

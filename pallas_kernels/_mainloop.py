@@ -25,32 +25,44 @@ from pallas_kernels.configs import GemmConfig
 from pallas_kernels.fp8_math import FP8_DTYPE
 
 
-def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool = False) -> jax.Array:
+def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool = False,
+            early_scales: bool = False) -> jax.Array:
     """One K chunk for one warpgroup: fresh FP32 wgmma, then `out + partial * (sa * sb)`.
 
     a_smem [rows, TILE_K], b_smem [tile_n, TILE_K] (K-major), sa_smem [rows], sb_smem [tile_n]
     (one scale per output column), or with `scalar_b` [SCALE_BOX] whose element 0 is the one
     scale of the tile's weight block (`GemmConfig.scalar_b_scale`); out [rows, tile_n] f32 in
     registers, rows a multiple of 64. Either way each element gets `partial * (sa[r] * sb[c])`
-    with the same f32 values, so the bits do not depend on the form.
+    with the same f32 values, so the bits do not depend on the form. With `early_scales`
+    (`GemmConfig.early_scale_loads`) the scale vectors are read from SMEM before the wgmma is
+    issued, so that their latency overlaps it, instead of after its wait.
     """
     rows, cols = out.shape
     wgmma_layout = plgpu.Layout.WGMMA
+
+    def load_scales():
+        sa = plgpu.load(sa_smem, layout=wgmma_layout.reduce(1))  # [rows] per output row
+        if scalar_b:  # one weight block: scale the row vector (broadcast along the columns later)
+            return sa * sb_smem[0], None
+        return sa, plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [cols] per output column
 
     def chunk_product(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))  # b is K-major: pass b.T
         plgpu.wgmma_wait(0)  # the promotion needs the finished partial sum
         return acc_ref[...]
 
+    if early_scales:
+        with jax.named_scope("scales"):
+            sa, sb = load_scales()
     # The named scopes are the regions `_mgpu.profile` times per warpgroup (nothing otherwise).
     with jax.named_scope("wgmma"):
         partial = pl.run_scoped(chunk_product, plgpu.ACC((rows, cols), jnp.float32))  # zeroed
     with jax.named_scope("promote"):
-        sa = plgpu.load(sa_smem, layout=wgmma_layout.reduce(1))  # [rows] per output row
-        if scalar_b:  # one weight block: scale the row vector, then broadcast along the columns
-            out = out + partial * lax.broadcast_in_dim(sa * sb_smem[0], out.shape, [0])
+        if not early_scales:
+            sa, sb = load_scales()
+        if sb is None:
+            out = out + partial * lax.broadcast_in_dim(sa, out.shape, [0])
         else:
-            sb = plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [cols] per output column
             sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
             out = out + partial * (sa * sb)
         # The pipeline hands this stage back to TMA next. The scale loads above are generic-proxy
@@ -199,7 +211,8 @@ def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transfo
                 a_rows = a_smem.at[rows]
                 if before_chunk is not None:
                     before_chunk(idx[0], a_rows)
-                return promote(a_rows, b_smem, sa_smem.at[rows], sb_smem, out, scalar_b=scalar_b)
+                return promote(a_rows, b_smem, sa_smem.at[rows], sb_smem, out, scalar_b=scalar_b,
+                               early_scales=getattr(config, "early_scale_loads", False))
 
             def compute_context(run_pipeline):
                 epilogue(run_pipeline(zeros((wm, tn))), out_smem.at[rows])

@@ -64,6 +64,9 @@ class GemmConfig:
         vector (a 128-float copy, a layout load and a [rows, tile_n] multiply, holding about 32
         more registers per consumer thread). Needs the tile's columns in one weight block:
         128 % tile_n == 0. Tile-scaled b (Wgrad) keeps the vector. Off by default until measured.
+      early_scale_loads: read a K step's scales from SMEM before issuing its wgmma (their latency
+        then overlaps the tensor cores) instead of after the wgmma's wait; the scale vectors are
+        then live across the wgmma. Off by default until measured.
     """
 
     tile_m: int = 128
@@ -74,6 +77,7 @@ class GemmConfig:
     grid_tile_group: int = 8
     cluster_m: int = 1
     scalar_b_scale: bool = False
+    early_scale_loads: bool = False
 
     def __post_init__(self):
         rows = WGMMA_M * (WS_CONSUMER_WGS if self.warp_specialized else 1)

@@ -34,6 +34,8 @@ Launch structure, two forms selected by `GemmConfig`:
   CTAs along M that share each K step's b chunk, loaded half by each and TMA-multicast to both.
 - `GemmConfig(scalar_b_scale=True)` (off by default until measured): for 128 x 128-block-scaled
   b, the tile's one block scale per K step is read as a scalar instead of a per-column vector.
+- `GemmConfig(early_scale_loads=True)` (off by default until measured): a K step's scales are
+  read from SMEM before its wgmma is issued rather than after its wait.
 
 In both, the fp8 tiles are in the 128-byte swizzle that wgmma needs, b is stored K-major, `(N, K)`,
 and handed to wgmma transposed (fp8 wgmma takes no other B layout), and each warpgroup casts its
@@ -106,7 +108,8 @@ def _simple_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem, *, conf
     def tile(mi, ni):
         out = plgpu.emit_pipeline(
             lambda _, a_smem, b_smem, sa_smem, sb_smem, out: promote(
-                a_smem, b_smem, sa_smem, sb_smem, out, scalar_b=scalar_b
+                a_smem, b_smem, sa_smem, sb_smem, out, scalar_b=scalar_b,
+                early_scales=config.early_scale_loads,
             ),
             grid=(a_gmem.shape[1] // TILE_K,),
             in_specs=in_specs(config, mi, ni, scalar_b=scalar_b),

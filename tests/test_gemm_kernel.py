@@ -104,7 +104,8 @@ SIMPLE = gemm.GemmConfig.simple()
 FAST = gemm.GemmConfig()
 CLUSTER = dataclasses.replace(FAST, cluster_m=2)  # 2-CTA clusters along M, b multicast
 SCALAR_B = dataclasses.replace(FAST, scalar_b_scale=True)  # b's block scale as one scalar
-CONFIGS = {"simple": SIMPLE, "fast": FAST, "cluster": CLUSTER, "scalar-b": SCALAR_B}
+EARLY = dataclasses.replace(FAST, early_scale_loads=True)  # scales read before the wgmma
+CONFIGS = {"simple": SIMPLE, "fast": FAST, "cluster": CLUSTER, "scalar-b": SCALAR_B, "early-scales": EARLY}
 
 # (M, N, K, b_block_rows, out_dtype): M/N tails within and past one tile, b with padded rows
 # (N=200 and 136 under 128x128 blocks), K tails (K=200 -> 2 chunks), 1 and 4 chunks (more
@@ -125,7 +126,8 @@ EXACT_CASES = [
     # stage) are covered by the tests below.
     + [(*EXACT_CASES[1], "fast"), (*EXACT_CASES[3], "fast")]
     # the scalar b scale with block-scaled b, and tile-scaled b (which keeps the vector)
-    + [(*EXACT_CASES[1], "scalar-b"), (*EXACT_CASES[2], "scalar-b")],
+    + [(*EXACT_CASES[1], "scalar-b"), (*EXACT_CASES[2], "scalar-b")]
+    + [(*EXACT_CASES[2], "early-scales"), (*EXACT_CASES[4], "early-scales")],
 )
 def test_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype, config):
     seed = _seed()
@@ -159,8 +161,10 @@ def test_bit_identical_with_other_tilings(config, k):
         dataclasses.replace(SCALAR_B, tile_n=64),  # two column tiles per weight block
         dataclasses.replace(SIMPLE, scalar_b_scale=True, tile_n=32),  # one warpgroup, four
         dataclasses.replace(CLUSTER, scalar_b_scale=True, tile_n=32, max_concurrent_steps=2),
+        dataclasses.replace(SIMPLE, scalar_b_scale=True, early_scale_loads=True),
+        dataclasses.replace(SCALAR_B, early_scale_loads=True, cluster_m=2),
     ],
-    ids=["ws-64", "one-warpgroup-32", "cluster-32"],
+    ids=["ws-64", "one-warpgroup-32", "cluster-32", "one-warpgroup-early", "cluster-early"],
 )
 def test_scalar_b_scale_picks_each_tiles_block(config):
     """With `scalar_b_scale` each column tile reads the scale of the weight block it lies in
@@ -216,8 +220,11 @@ def test_interpreter_poisons_unwritten_output():
         (dataclasses.replace(CLUSTER, max_concurrent_steps=2, grid_tile_group=2), 330, 200, 2),
         # ... and one cluster per cluster tile.
         (dataclasses.replace(CLUSTER, max_concurrent_steps=2, persistent=False), 330, 200, None),
+        # The promotion variants: the scalar b scale read before the wgmma, in clusters.
+        (dataclasses.replace(CLUSTER, max_concurrent_steps=2, scalar_b_scale=True, early_scale_loads=True),
+         330, 200, 2),
     ],
-    ids=["ws", "one-warpgroup", "cluster-persistent", "cluster"],
+    ids=["ws", "one-warpgroup", "cluster-persistent", "cluster", "cluster-scalar-early"],
 )
 def test_persistent_ctas_walk_every_tile_without_races(config, m, n, num_sms):
     """CTAs that each own several tiles write every output element (the outputs start as NaN),
@@ -225,10 +232,11 @@ def test_persistent_ctas_walk_every_tile_without_races(config, m, n, num_sms):
     producer, the consumers, TMA and the reused SMEM."""
     seed = _seed()
     a, b = _operands(seed, m, n, 3 * TILE, TILE, exact=True)
-    operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, TILE)
+    scalar_b = config.scalar_b_scale  # b is block-scaled here
+    operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, TILE, scalar_b)
     shape = out_shape(m, n, jnp.float32, config)
     tiles = (-(-m // config.tile_m), -(-n // config.tile_n))
-    call = gemm._gemm_call(shape, jnp.float32, config, tiles, num_sms=num_sms)
+    call = gemm._gemm_call(shape, jnp.float32, config, tiles, num_sms=num_sms, scalar_b=scalar_b)
     out, races = _interpret_detecting_races(call, *operands)
     assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
     _assert_bitwise_equal(np.asarray(out)[:m, :n], _reference(a, b, jnp.float32), seed)

@@ -220,7 +220,8 @@ def test_tuner_candidates_start_with_the_rule_and_fit(tune, m, n, k):
     assert bool(clustered) == (m > 128), clustered
     assert all("-c2" in tune.config_name(c) for c in clustered)
     assert any(c.scalar_b_scale for c in found)
-    assert all(tune.config_name(c).endswith("-sb") == c.scalar_b_scale for c in found)
+    assert all(("-sb" in tune.config_name(c)) == c.scalar_b_scale for c in found)
+    assert all(("-es" in tune.config_name(c)) == c.early_scale_loads for c in found)
     assert len({tune.config_name(c) for c in found}) == len(found)
 
 
