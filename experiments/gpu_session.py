@@ -25,7 +25,9 @@ Stages:
   bench_*        experiments/bench_{gemm,grouped,quantize,linear}.py at the DeepSeek-V3 shapes,
                  every row checked against its reference before it is timed
   bisect_gemm    bench_gemm at 8192^3 and 4096x7168x16384 with one row per GemmConfig variant
-                 (warp_specialized, persistent, tile_n, stages, tile order)
+                 (issue 19's switches, warp_specialized, persistent, tile_n, stages, tile order)
+  bisect_grouped bench_grouped at the first grouped shape with one row per GroupedGemmConfig
+                 variant (issue 19's switches: clusters along N, scalar weight scale, early loads)
   ncu            Nsight Compute on the default dense kernel at 8192^3 (one launch after a warm-up):
                  speed of light, tensor pipe, L2/DRAM throughput, clocks
   profile        the same launch with the Mosaic GPU profiler: time in the `wgmma` and `promote`
@@ -73,14 +75,14 @@ from pallas_kernels import shapes  # noqa: E402  (plain tuples: no jax)
 COMMANDS = {
     "smoke": ("env", "smoke", "pytest_gpu"),
     "bench": ("bench_gemm", "bench_grouped", "bench_quantize", "bench_linear"),
-    "bisect": ("bisect_gemm", "ncu", "profile", "memcheck", "racecheck", "memcheck_grouped"),
+    "bisect": ("bisect_gemm", "bisect_grouped", "ncu", "profile", "memcheck", "racecheck", "memcheck_grouped"),
     "tune_gemm": ("tune_gemm",),
     "tune_grouped": ("tune_grouped",),
 }
 # The first-contact plan: these three, in this order, each a device call of its own.
 PLAN = ("smoke", "bench", "bisect")
 TIMEOUTS = dict(env=45, smoke=270, pytest_gpu=150, bench_gemm=170, bench_grouped=110,
-                bench_quantize=70, bench_linear=90, bisect_gemm=240, ncu=90, profile=60,
+                bench_quantize=70, bench_linear=90, bisect_gemm=200, bisect_grouped=90, ncu=90, profile=60,
                 memcheck=60, racecheck=60, memcheck_grouped=50, tune_gemm=450, tune_grouped=450)
 SMOKE_KERNEL_TIMEOUT = 45.0
 SMOKE_FIRST_TIMEOUT = 75.0  # the first kernel also pays for CUDA and jax start-up
@@ -106,11 +108,15 @@ LINEAR_SHAPES = tuple(_x(*s) for s in sorted(shapes.DENSE_SHAPES, key=_first) if
 BISECT_SHAPES = GEMM_SHAPES[:1] + tuple(s for s in GEMM_SHAPES if s.startswith("4096x7168x16384"))
 # One switch of the default GemmConfig() per row, then the simple form; issue 19's variants
 # (off by default, each alone and together) first, since a budget cut drops whole shapes.
-BISECT_CONFIGS = ("cluster_m=2", "scalar_b_scale=true", "early_scale_loads=true",
+BISECT_CONFIGS = ("cluster_m=2", "scalar_b_scale=true", "early_scale_loads=true", "cluster_n=2",
                   "cluster_m=2,scalar_b_scale=true", "cluster_m=2,scalar_b_scale=true,early_scale_loads=true",
                   "warp_specialized=false,persistent=false,tile_m=64,grid_tile_group=1,max_concurrent_steps=2",
                   "persistent=false", "grid_tile_group=1", "tile_n=64", "max_concurrent_steps=3",
                   "max_concurrent_steps=5", "tile_m=256")
+# The grouped kernels' switches (GroupedGemmConfig; the Wgrad ignores scalar_b_scale), each alone
+# and together, at the first grouped shape (8 experts x 4096 rows, N=4096, K=7168).
+GROUPED_BISECT_CONFIGS = ("cluster_n=2", "scalar_b_scale=true", "early_scale_loads=true",
+                          "cluster_n=2,scalar_b_scale=true,early_scale_loads=true")
 PROFILE_SHAPE = "8192x8192x8192"
 # What the sanitizer stages run (one kernel each).
 SANITIZED = {"memcheck": ("memcheck", "gemm_default"), "racecheck": ("racecheck", "gemm_default"),
@@ -126,6 +132,7 @@ QUICK_ARGS = {
     "bench_quantize": ["--shapes", "256x256:bfloat16", "--warmup", "1", "--repeats", "2"],
     "bench_linear": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
     "bisect_gemm": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
+    "bisect_grouped": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
 }
 # A rehearsal's smoke stage: a real form in the interpreter, a form whose compiler dump is a
 # committed sample (parsers end to end), a hang (the timeout and kill) and a crash.
@@ -307,6 +314,9 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
             # Its own folder: the record is bench_gemm's, and call 2 writes one too.
             extra = configs("--config", [*BISECT_CONFIGS, *args.gemm_config])
             stages.append(bench(name, "bench_gemm.py", BISECT_SHAPES, extra, out_dir=out / "bisect"))
+        elif name == "bisect_grouped":
+            extra = configs("--config", [*GROUPED_BISECT_CONFIGS, *args.grouped_config])
+            stages.append(bench(name, "bench_grouped.py", GROUPED_SHAPES[:1], extra, out_dir=out / "bisect"))
         elif name == "ncu":
             stages.append(Stage("ncu", [py, me, "--worker", "ncu"], TIMEOUTS["ncu"], skip=gpu_only))
         elif name == "profile":
@@ -478,8 +488,9 @@ def summarize(stage: Stage, text: str, ctx: Session, since: float) -> dict:
         tail = text.strip().splitlines()[-1:] or [""]
         return {"last_line": tail[0]}
     if stage.kind == "bench":
-        out = ctx.args.out / "bisect" if stage.name == "bisect_gemm" else ctx.args.out
-        name = "bench_gemm" if stage.name == "bisect_gemm" else stage.name
+        bisect = stage.name.startswith("bisect_")
+        out = ctx.args.out / "bisect" if bisect else ctx.args.out
+        name = stage.name.replace("bisect_", "bench_") if bisect else stage.name
         paths = [p for p in out.glob(f"{name}-*.json") if p.stat().st_mtime >= since - 1]
         if not paths:
             return {"record": None}
@@ -555,7 +566,7 @@ class Session:
             record["pytest_gpu"] = pytest_stage.summary
         try:
             record["targets"] = gpu_tables.target_verdicts(
-                {k: v for k, v in self.records().items() if k != "bisect_gemm"})
+                {k: v for k, v in self.records().items() if not k.startswith("bisect_")})
         except (KeyError, ValueError, TypeError) as e:  # a malformed record must not lose the rest
             record["targets"] = f"could not evaluate: {type(e).__name__}: {e}"
         tmp = self.summary_path.with_suffix(".json.tmp")
@@ -610,7 +621,8 @@ def final_table(ctx: Session, header: str) -> str:
     records = ctx.records()
     for name, table in (("bench_gemm", gpu_tables.gemm_table), ("bench_grouped", gpu_tables.grouped_table),
                         ("bench_quantize", gpu_tables.quantize_table), ("bench_linear", gpu_tables.linear_table),
-                        ("bisect_gemm", gpu_tables.gemm_table), ("tune_gemm", gpu_tables.tune_table),
+                        ("bisect_gemm", gpu_tables.gemm_table), ("bisect_grouped", gpu_tables.grouped_table),
+                        ("tune_gemm", gpu_tables.tune_table),
                         ("tune_grouped", gpu_tables.tune_table)):
         if name in records:
             lines.append("")
@@ -622,7 +634,7 @@ def final_table(ctx: Session, header: str) -> str:
         lines.append("")
         try:
             lines += gpu_tables.targets_table(gpu_tables.target_verdicts(
-                {k: v for k, v in records.items() if k != "bisect_gemm"}))
+                {k: v for k, v in records.items() if not k.startswith("bisect_")}))
         except (KeyError, ValueError, TypeError) as e:
             lines.append(f"targets: could not evaluate: {type(e).__name__}: {e}")
     lines.append(f"\nresults in {ctx.args.out}")

@@ -232,6 +232,15 @@ KERNELS = {
                       lambda rng, i: _dense(rng, i, gemm.GemmConfig(scalar_b_scale=True))),
     "gemm_early_scales": ("dense tile x block, GemmConfig(early_scale_loads=True): scales read before the wgmma (issue 19)",
                           lambda rng, i: _dense(rng, i, gemm.GemmConfig(early_scale_loads=True))),
+    "gemm_cluster_n": ("dense tile x block, GemmConfig(cluster_n=2): 2-CTA clusters along N, a multicast (issue 19)",
+                       lambda rng, i: _dense(rng, i, gemm.GemmConfig(cluster_n=2))),
+    "grouped_fprop_switches": (
+        "grouped Fprop/Dgrad, GroupedGemmConfig(cluster_n=2, scalar_b_scale=True, early_scale_loads=True) (issue 19)",
+        lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig(
+            cluster_n=2, scalar_b_scale=True, early_scale_loads=True))),
+    "grouped_wgrad_cluster_n": (
+        "grouped Wgrad, GroupedGemmConfig(cluster_n=2, early_scale_loads=True): a multicast (issue 19)",
+        lambda rng, i: _grouped_wgrad(rng, grouped_gemm.GroupedGemmConfig(cluster_n=2, early_scale_loads=True))),
 }
 
 

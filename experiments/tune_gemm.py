@@ -96,6 +96,8 @@ def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmCon
                 found.append(GemmConfig(tile_n=tile_n, max_concurrent_steps=stages))
             if m > 128 and stages in (4, 6):  # 2-CTA clusters need two row tiles to share b
                 found.append(GemmConfig(tile_n=tile_n, max_concurrent_steps=stages, cluster_m=2))
+            if m > 64 and n > tile_n and stages in (4, 6):  # ... or two column tiles to share a
+                found.append(GemmConfig(tile_n=tile_n, max_concurrent_steps=stages, cluster_n=2))
     # b's block scale as one scalar (the tuner's b is 128 x 128-block-scaled, as in Fprop/Dgrad)
     found += [dataclasses.replace(c, scalar_b_scale=True) for c in found
               if c.max_concurrent_steps in (4, 6) and jfp8.TILE % c.tile_n == 0]
@@ -119,6 +121,14 @@ def grouped_candidates(rows: int, n: int, kp: int, out_dtype, num_sms: int) -> l
             for group in (1, 8):
                 found.append(GroupedGemmConfig(tile_n=tile_n, max_concurrent_steps=stages,
                                                grid_tile_group=group))
+    # Issue 19's switches on the 4-stage forms: clusters along N (where there are two column
+    # tiles to share a), the scalar weight scale, early scale loads, and all three.
+    for base in [c for c in found if c.warp_specialized and c.max_concurrent_steps == 4]:
+        found.append(dataclasses.replace(base, scalar_b_scale=True))
+        found.append(dataclasses.replace(base, early_scale_loads=True))
+        if n > base.tile_n:
+            found.append(dataclasses.replace(base, cluster_n=2))
+            found.append(dataclasses.replace(base, cluster_n=2, scalar_b_scale=True, early_scale_loads=True))
     unique = list(dict.fromkeys(found))
     # The simple form's few SMEM slots always fit; the warp-specialized one is the dense budget.
     return [c for c in unique
@@ -130,6 +140,7 @@ def config_name(config) -> str:
     form = "ws" if config.warp_specialized else "1wg"
     persistent = "p" if config.persistent else ""
     cluster = f"-c{config.cluster_m}" if getattr(config, "cluster_m", 1) > 1 else ""
+    cluster += f"-n{config.cluster_n}" if config.cluster_n > 1 else ""
     scalar = "-sb" if getattr(config, "scalar_b_scale", False) else ""
     early = "-es" if getattr(config, "early_scale_loads", False) else ""
     return (f"{form}{persistent}-{config.tile_m}x{config.tile_n}-s{config.max_concurrent_steps}"

@@ -72,32 +72,36 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
         plgpu.commit_smem()
     return out
 
-def cluster_m(config) -> int:
-    """CTAs per cluster along M (`GemmConfig.cluster_m`; the grouped configs have no clusters)."""
-    return getattr(config, "cluster_m", 1)
+def cluster_shape(config) -> tuple[int, int]:
+    """CTAs per thread-block cluster along (M, N): `cluster_m` row tiles of one column tile share
+    b; `cluster_n` column tiles of one row tile share a. At most one of them exceeds 1."""
+    return getattr(config, "cluster_m", 1), getattr(config, "cluster_n", 1)
 
 
 def in_specs(config, mi, ni, k_first=0, *, scalar_b: bool = False) -> list[plgpu.BlockSpec]:
     """K step k of output tile (mi, ni): a, b (128-byte swizzled fp8) and their scales, from K
     chunk `k_first + k` on (a group's first chunk in the grouped Wgrad). In a cluster along M
-    the CTAs share (ni, k), so b and its scales are collective: one multicast load per cluster.
+    the CTAs share (ni, k), so b and its scales are collective: one multicast load per cluster;
+    along N they share (mi, k), and a and its scales are.
 
     b's scales: per output column, `[C, N']`; with `scalar_b`, per weight block, `[C, blocks *
     SCALE_BOX]` (each block's scale repeated to one 16-byte TMA box), the box of the tile's block.
     That box is too small to split between a cluster's CTAs, so each loads its own."""
     tm, tn = config.tile_m, config.tile_n
     fp8_tile = swizzled(FP8_DTYPE, TILE_K)
-    shared = ("cluster",) if cluster_m(config) > 1 else ()
+    cm, cn = cluster_shape(config)
+    shared_a, shared_b = (("cluster",) if c > 1 else () for c in (cn, cm))
     if scalar_b:
         tiles_per_block = TILE_K // tn
         sb_spec = plgpu.BlockSpec((None, SCALE_BOX), lambda k: (k_first + k, ni // tiles_per_block))
     else:
-        sb_spec = plgpu.BlockSpec((None, tn), lambda k: (k_first + k, ni), collective_axes=shared)
+        sb_spec = plgpu.BlockSpec((None, tn), lambda k: (k_first + k, ni), collective_axes=shared_b)
     return [
-        plgpu.BlockSpec((tm, TILE_K), lambda k: (mi, k_first + k), transforms=fp8_tile),
+        plgpu.BlockSpec((tm, TILE_K), lambda k: (mi, k_first + k), transforms=fp8_tile,
+                        collective_axes=shared_a),
         plgpu.BlockSpec((tn, TILE_K), lambda k: (ni, k_first + k), transforms=fp8_tile,
-                        collective_axes=shared),
-        plgpu.BlockSpec((None, tm), lambda k: (k_first + k, mi)),
+                        collective_axes=shared_b),
+        plgpu.BlockSpec((None, tm), lambda k: (k_first + k, mi), collective_axes=shared_a),
         sb_spec,
     ]
 
@@ -112,25 +116,33 @@ def tile_at(lin, tiles: tuple[int, int], config: GemmConfig) -> tuple[jax.Array,
     return plgpu.planar_snake(lin, tiles, 0, group)  # minor dim 0: groups of row tiles
 
 def cluster_tiles(config, tiles: tuple[int, int]) -> tuple[int, int]:
-    """The grid of cluster tiles: `cluster_m` row tiles of one column tile per cluster."""
-    return pl.cdiv(tiles[0], cluster_m(config)), tiles[1]
+    """The grid of cluster tiles: `cluster_m` row tiles of one column tile, or `cluster_n` column
+    tiles of one row tile, per cluster."""
+    cm, cn = cluster_shape(config)
+    return pl.cdiv(tiles[0], cm), pl.cdiv(tiles[1], cn)
 
 
 def for_each_tile(config: GemmConfig, tiles: tuple[int, int], tile_fn) -> None:
     """Calls `tile_fn(mi, ni)` for this CTA's output tiles: non-persistent, CTA i computes tile
     i of `tile_at`; persistent, CTA i computes tiles i, i + #CTAs, i + 2 #CTAs, ...
 
-    In clusters along M (`cluster_m` = 2) the walk is over cluster tiles (grid axis "sm" counts
-    clusters) and CTA c of a cluster computes row tile `cluster_m * i + c`. Both CTAs run every
-    step, because each loads half of the shared b: when the row tiles are odd, the last cluster's
-    second CTA computes a tile wholly past M, whose loads TMA zero-fills and whose store it drops.
+    In clusters (`cluster_m` or `cluster_n` = 2) the walk is over cluster tiles (grid axis "sm"
+    counts clusters) and CTA c of a cluster computes row tile `cluster_m * i + c` of column tile
+    j (along M), or column tile `cluster_n * j + c` of row tile i (along N). Both CTAs run every
+    step, because each loads half of the shared operand: when the tiles along the cluster's axis
+    are odd, the last cluster's second CTA computes a tile wholly past the output, whose loads TMA
+    zero-fills and whose store it drops.
     """
-    c = cluster_m(config)
+    cm, cn = cluster_shape(config)
     grid = cluster_tiles(config, tiles)
 
     def cta_tile(lin):
         mi, ni = tile_at(lin, grid, config)
-        return (mi * c + lax.axis_index("cluster"), ni) if c > 1 else (mi, ni)
+        if cm > 1:
+            return mi * cm + lax.axis_index("cluster"), ni
+        if cn > 1:
+            return mi, ni * cn + lax.axis_index("cluster")
+        return mi, ni
 
     if not config.persistent:
         tile_fn(*cta_tile(lax.axis_index("sm")))
@@ -224,12 +236,13 @@ def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transfo
     plgpu.wait_smem_to_gmem(0)
 
 def launch_tiles(kernel, out_type, config, num_tiles: int, num_sms: int | None = None, **kwargs):
-    """`plgpu.kernel` over `num_tiles` output tiles (cluster tiles with `cluster_m` > 1): one CTA
-    (cluster) per tile, or with `config.persistent` one CTA per SM (`num_sms`, the device's when
-    None; fewer for fewer tiles), on grid axis "sm", and cluster axis "cluster" of `cluster_m`
-    CTAs; with `config.warp_specialized`, `WS_CONSUMER_WGS + 1` warpgroups on thread axis "wg"."""
+    """`plgpu.kernel` over `num_tiles` output tiles (cluster tiles, `cluster_tiles`, in clusters):
+    one CTA (cluster) per tile, or with `config.persistent` one CTA per SM (`num_sms`, the
+    device's when None; fewer for fewer tiles), on grid axis "sm", and cluster axis "cluster" of
+    `cluster_m * cluster_n` CTAs; with `config.warp_specialized`, `WS_CONSUMER_WGS + 1` warpgroups on thread axis "wg"."""
     num_sms = _mgpu.num_sms() if num_sms is None else num_sms
-    c = cluster_m(config)
+    cm, cn = cluster_shape(config)
+    c = cm * cn
     units = min(num_tiles, num_sms // c) if config.persistent else num_tiles  # CTAs, or clusters
     if c > 1:
         kwargs.update(cluster=(c,), cluster_names=("cluster",))

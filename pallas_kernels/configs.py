@@ -58,6 +58,11 @@ class GemmConfig:
         it into both CTAs' SMEM, halving b's L2 -> SMEM traffic. A stage is then freed only when
         both CTAs have consumed it (a cluster barrier). Needs `warp_specialized` (the simple
         pipeline has no collective copies). Off by default until a GPU run measures it.
+      cluster_n: CTAs per cluster along N: 1 or 2. At 2 the two CTAs compute column tiles 2j and
+        2j + 1 of the same row tile and share each K step's a chunk and a scales the same way
+        (a multicast): the choice where b is the panel re-read less, and the only one for the
+        grouped kernels, whose neighbouring row tiles may belong to different groups' weights.
+        At most one of `cluster_m`, `cluster_n` exceeds 1; needs `warp_specialized`.
       scalar_b_scale: when b is block-scaled (128 x 128 weights: Fprop, Dgrad), read its scale
         for a K step as the one scalar it is over the tile (one 16-byte TMA box and one SMEM load;
         `sa * sb` on the row vector before broadcasting) instead of a tile_n-wide per-column
@@ -76,6 +81,7 @@ class GemmConfig:
     persistent: bool = True
     grid_tile_group: int = 8
     cluster_m: int = 1
+    cluster_n: int = 1
     scalar_b_scale: bool = False
     early_scale_loads: bool = False
 
@@ -94,13 +100,18 @@ class GemmConfig:
             raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
         if self.grid_tile_group < 1:
             raise ValueError(f"grid_tile_group={self.grid_tile_group} must be >= 1")
-        if self.cluster_m not in (1, 2):
-            raise ValueError(f"cluster_m={self.cluster_m} must be 1 (no clusters) or 2")
+        for axis in ("cluster_m", "cluster_n"):
+            if getattr(self, axis) not in (1, 2):
+                raise ValueError(f"{axis}={getattr(self, axis)} must be 1 (no clusters) or 2")
+        if self.cluster_m > 1 and self.cluster_n > 1:
+            raise ValueError("cluster_m=2 with cluster_n=2 (a 2 x 2 cluster) is not built: "
+                             "set one of them to 1")
         if self.scalar_b_scale and TILE % self.tile_n:
             raise ValueError(f"scalar_b_scale needs each tile's columns in one {TILE}-row weight "
                              f"block: tile_n must divide {TILE}, got {self.tile_n}")
-        if self.cluster_m > 1 and not self.warp_specialized:
-            raise ValueError("cluster_m=2 needs warp_specialized=True: the simple pipeline has no "
+        if max(self.cluster_m, self.cluster_n) > 1 and not self.warp_specialized:
+            axis = "cluster_m" if self.cluster_m > 1 else "cluster_n"
+            raise ValueError(f"{axis}=2 needs warp_specialized=True: the simple pipeline has no "
                              "multicast (collective) copies")
 
     @classmethod
@@ -139,6 +150,17 @@ class GroupedGemmConfig:
         `warp_specialized` (the simple kernels launch one CTA per tile).
       grid_tile_group: row tiles (work items) walked together along the tile order (L2 reuse of a
         group's weight and of the token rows); 1 walks them row by row.
+      cluster_n: 2 runs the CTAs in clusters of two along N (`GemmConfig.cluster_n`): column tiles
+        2j and 2j + 1 of one work item (Fprop/Dgrad: one row tile of one group) or of one (group,
+        K tile) (Wgrad) share each step's a chunk by TMA multicast. Both CTAs of a cluster then
+        run the same group's K loop, which clusters along M could not promise (neighbouring row
+        tiles may be different groups'). Warp-specialized form only; off until measured.
+      scalar_b_scale: `grouped_scaled_matmul` reads each weight block's scale as one scalar per K
+        step (`GemmConfig.scalar_b_scale`; needs 128 % tile_n == 0). The Wgrad's b is
+        tile-scaled and keeps its per-column vector. Warp-specialized form only; off until measured.
+      early_scale_loads: read a K step's scales before issuing its wgmma
+        (`GemmConfig.early_scale_loads`), both kernels. Warp-specialized form only; off until
+        measured.
     """
 
     tile_m: int = 128
@@ -147,13 +169,21 @@ class GroupedGemmConfig:
     warp_specialized: bool = True
     persistent: bool = True
     grid_tile_group: int = 8
+    cluster_n: int = 1
+    scalar_b_scale: bool = False
+    early_scale_loads: bool = False
 
     def __post_init__(self):
         if self.warp_specialized:
             # The dense kernel's rules: the same main loop runs both.
-            GemmConfig(self.tile_m, self.tile_n, self.max_concurrent_steps, True,
-                            self.persistent, self.grid_tile_group)
+            GemmConfig(self.tile_m, self.tile_n, self.max_concurrent_steps, True, self.persistent,
+                       self.grid_tile_group, cluster_n=self.cluster_n,
+                       scalar_b_scale=self.scalar_b_scale, early_scale_loads=self.early_scale_loads)
             return
+        for field in ("cluster_n", "scalar_b_scale", "early_scale_loads"):
+            if getattr(self, field) != getattr(GroupedGemmConfig, field):
+                raise ValueError(f"{field}={getattr(self, field)} needs warp_specialized=True (the "
+                                 "simple grouped kernels run their own pipeline)")
         if not 0 < self.tile_m <= WGMMA_MAX_N or self.tile_m % WGMMA_M:
             raise ValueError(f"tile_m={self.tile_m} must be a multiple of {WGMMA_M} up to 256")
         if not 0 < self.tile_n <= WGMMA_MAX_N or self.tile_n % LANE_SCALE_STEP:

@@ -31,7 +31,8 @@ Launch structure, two forms selected by `GemmConfig`:
   `plgpu.planar_snake`). The stages are allocated once per CTA and reused by every tile.
   The four changes are independent fields, so each can be measured alone.
 - `GemmConfig(cluster_m=2)` (off by default until measured): the fast form in clusters of two
-  CTAs along M that share each K step's b chunk, loaded half by each and TMA-multicast to both.
+  CTAs along M that share each K step's b chunk, loaded half by each and TMA-multicast to both;
+  `GemmConfig(cluster_n=2)`: along N, sharing a's chunk instead.
 - `GemmConfig(scalar_b_scale=True)` (off by default until measured): for 128 x 128-block-scaled
   b, the tile's one block scale per K step is read as a scalar instead of a per-column vector.
 - `GemmConfig(early_scale_loads=True)` (off by default until measured): a K step's scales are

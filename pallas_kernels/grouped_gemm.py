@@ -33,6 +33,10 @@ Two forms, selected by the frozen `GroupedGemmConfig`:
   * Wgrad walks the (group, K tile, N tile) tiles with a dynamic K loop over the group's own
     token chunks; each consumer masks the other groups' tokens out of its rows of a shared
     chunk before its wgmma; an empty group's tiles store zeros.
+  Issue 19's switches, each a `GroupedGemmConfig` field of the fast form and off until measured:
+  `cluster_n=2` (column-tile pairs of one work item share its token rows by TMA multicast),
+  `scalar_b_scale` (Fprop/Dgrad: a weight block's scale read as one scalar per K step) and
+  `early_scale_loads`.
   Nothing here has been timed; what each form is predicted to change is in `docs/gpu.md`.
 
 Both forms give the same bits: each output element gets the same chunk products promoted in the
@@ -52,6 +56,7 @@ from pallas_kernels import tuning
 from pallas_kernels._hopper import (
     FP8_TRANSFORMS,
     LANE_SEMANTICS,
+    SCALE_BOX,
     WS_CONSUMER_WGS,
     cdiv,
     check_fp8,
@@ -62,7 +67,13 @@ from pallas_kernels._hopper import (
     store_width,
     zeros,
 )
-from pallas_kernels._mainloop import chunk_product, for_each_tile, launch_tiles, warp_specialized_tiles
+from pallas_kernels._mainloop import (
+    chunk_product,
+    cluster_tiles,
+    for_each_tile,
+    launch_tiles,
+    warp_specialized_tiles,
+)
 from pallas_kernels.configs import GroupedGemmConfig, check_smem, out_shape
 from pallas_kernels.fp8_math import TILE
 from pallas_kernels.schedule import check_group_sizes, row_tile_work
@@ -149,12 +160,14 @@ def _ws_matmul_kernel(
     a_gmem,  # [T (8-aligned), Kp] e4m3
     sa_gmem,  # [C, Tpad] f32: lhs scales, chunk-major
     b_gmem,  # [G, Np, Kp] e4m3
-    sb_gmem,  # [G, C, Np] f32: each weight block's scale repeated over its 128 columns
+    sb_gmem,  # [G, C, Np] f32: each weight block's scale repeated over its 128 columns, or with
+    #           `scalar_b` [G, C, Np // 128 * SCALE_BOX]: each block's scale as one 16-byte box
     o_gmem,  # [T, n padded to the output tile's swizzle width (`out_shape`)]
     *,
     config: GroupedGemmConfig,
     groups: int,
     n: int,
+    scalar_b: bool,
 ):
     """Warp-specialized, optionally persistent `grouped_scaled_matmul`: the dense kernel's main
     loop (`warp_specialized_tiles`) over the (work item, column tile) pairs.
@@ -162,6 +175,8 @@ def _ws_matmul_kernel(
     A work item of group g < G is the dense tile (its row tile, ni) with g's weight and scales;
     each consumer then stores only its rows inside the item's `[lo, hi)`. Items of the
     pseudo-group G (rows past the groups) store zeros without a K loop; unused items do nothing.
+    In clusters along N (`cluster_n`) both CTAs of a cluster take the same item, so they run the
+    same branch and the same K loop, which their shared (multicast) loads of a require.
     """
     tm, tn = config.tile_m, config.tile_n
     wm = tm // WS_CONSUMER_WGS
@@ -190,7 +205,7 @@ def _ws_matmul_kernel(
 
         for_each_tile(config, (group_ref.shape[0], cdiv(n, tn)), tile)
 
-    warp_specialized_tiles(config, operands, o_gmem.dtype, schedule)
+    warp_specialized_tiles(config, operands, o_gmem.dtype, schedule, scalar_b=scalar_b)
 
 def grouped_scaled_matmul(
     lhs_data: jax.Array,
@@ -272,15 +287,19 @@ def _grouped_matmul_call(
         # The row stores tile the output's columns like the SMEM tile (Mosaic's layout for it).
         width = out_shape(rows, n, out_dtype, config)[1]
         out_type = jax.ShapeDtypeStruct((rows, width), out_dtype)
-        # Each weight block's scale repeated over its 128 columns, chunk-major: [G, C, Np]. One
-        # vector per K step and column tile, as the dense kernel loads (1/32 of the fp8 bytes).
-        sb_cols = jnp.repeat(rhs_scale, TILE, axis=1).transpose(0, 2, 1)
-        num_tiles = work[0].shape[0] * cdiv(n, config.tile_n)
+        scalar_b = config.scalar_b_scale
+        if scalar_b:  # each block's scale as one 16-byte box, chunk-major: [G, C, blocks * 4]
+            sb = jnp.repeat(rhs_scale.transpose(0, 2, 1), SCALE_BOX, axis=2)
+        else:
+            # Each weight block's scale repeated over its 128 columns, chunk-major: [G, C, Np]. One
+            # vector per K step and column tile, as the dense kernel loads (1/32 of the fp8 bytes).
+            sb = jnp.repeat(rhs_scale, TILE, axis=1).transpose(0, 2, 1)
+        grid = cluster_tiles(config, (work[0].shape[0], cdiv(n, config.tile_n)))
         kernel = launch_tiles(
-            functools.partial(_ws_matmul_kernel, config=config, groups=groups, n=n),
-            out_type, config, num_tiles, num_sms,
+            functools.partial(_ws_matmul_kernel, config=config, groups=groups, n=n, scalar_b=scalar_b),
+            out_type, config, grid[0] * grid[1], num_sms,
         )
-        out = kernel(*work, pad_rows(lhs_data), sa_t, rhs_data, sb_cols)
+        out = kernel(*work, pad_rows(lhs_data), sa_t, rhs_data, sb)
     else:
         width = store_width(n, out_dtype)
         kernel = plgpu.kernel(

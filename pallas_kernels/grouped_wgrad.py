@@ -32,7 +32,14 @@ from pallas_kernels._hopper import (
     swizzled,
     zeros,
 )
-from pallas_kernels._mainloop import chunk_product, for_each_tile, launch_tiles, store_tile, warp_specialized_tiles
+from pallas_kernels._mainloop import (
+    chunk_product,
+    cluster_tiles,
+    for_each_tile,
+    launch_tiles,
+    store_tile,
+    warp_specialized_tiles,
+)
 from pallas_kernels.configs import GroupedGemmConfig, check_smem, out_shape
 from pallas_kernels.fp8_math import TILE
 from pallas_kernels.schedule import check_group_sizes, group_bounds, tiles_touched
@@ -239,10 +246,11 @@ def _grouped_wgrad_call(
     operands = (starts, ends, first, count, pad_rows(lhs_t_data), sa_t, pad_rows(rhs_t_data), sb_t)
     if config.warp_specialized:
         k_out, n_out = out_shape(kdim, n, out_dtype, config)  # the swizzled store's extents
-        num_tiles = groups * cdiv(kdim, tm) * cdiv(n, tn)
+        grid = cluster_tiles(config, (groups * cdiv(kdim, tm), cdiv(n, tn)))
         kernel = launch_tiles(
             functools.partial(_ws_wgrad_kernel, config=config, kdim=kdim, n=n),
-            jax.ShapeDtypeStruct((groups, k_out, n_out), out_dtype), config, num_tiles, num_sms,
+            jax.ShapeDtypeStruct((groups, k_out, n_out), out_dtype), config, grid[0] * grid[1],
+            num_sms,
         )
         out = kernel(*operands)
         return out if (k_out, n_out) == (kdim, n) else out[:, :kdim, :n]

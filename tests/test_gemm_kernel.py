@@ -103,9 +103,11 @@ def _kernel(a: Fp8Tensor, b: Fp8Tensor, b_block_rows: int, out_dtype, config=Non
 SIMPLE = gemm.GemmConfig.simple()
 FAST = gemm.GemmConfig()
 CLUSTER = dataclasses.replace(FAST, cluster_m=2)  # 2-CTA clusters along M, b multicast
+CLUSTER_N = dataclasses.replace(FAST, cluster_n=2)  # 2-CTA clusters along N, a multicast
 SCALAR_B = dataclasses.replace(FAST, scalar_b_scale=True)  # b's block scale as one scalar
 EARLY = dataclasses.replace(FAST, early_scale_loads=True)  # scales read before the wgmma
-CONFIGS = {"simple": SIMPLE, "fast": FAST, "cluster": CLUSTER, "scalar-b": SCALAR_B, "early-scales": EARLY}
+CONFIGS = {"simple": SIMPLE, "fast": FAST, "cluster": CLUSTER, "cluster-n": CLUSTER_N,
+           "scalar-b": SCALAR_B, "early-scales": EARLY}
 
 # (M, N, K, b_block_rows, out_dtype): M/N tails within and past one tile, b with padded rows
 # (N=200 and 136 under 128x128 blocks), K tails (K=200 -> 2 chunks), 1 and 4 chunks (more
@@ -163,8 +165,12 @@ def test_bit_identical_with_other_tilings(config, k):
         dataclasses.replace(CLUSTER, scalar_b_scale=True, tile_n=32, max_concurrent_steps=2),
         dataclasses.replace(SIMPLE, scalar_b_scale=True, early_scale_loads=True),
         dataclasses.replace(SCALAR_B, early_scale_loads=True, cluster_m=2),
+        # clusters along N: the two CTAs' column tiles in one block (64) or in two blocks (128)
+        dataclasses.replace(CLUSTER_N, scalar_b_scale=True, tile_n=64, max_concurrent_steps=2),
+        dataclasses.replace(CLUSTER_N, scalar_b_scale=True, early_scale_loads=True, persistent=False),
     ],
-    ids=["ws-64", "one-warpgroup-32", "cluster-32", "one-warpgroup-early", "cluster-early"],
+    ids=["ws-64", "one-warpgroup-32", "cluster-32", "one-warpgroup-early", "cluster-early",
+         "cluster-n-64", "cluster-n-128-early"],
 )
 def test_scalar_b_scale_picks_each_tiles_block(config):
     """With `scalar_b_scale` each column tile reads the scale of the weight block it lies in
@@ -223,8 +229,13 @@ def test_interpreter_poisons_unwritten_output():
         # The promotion variants: the scalar b scale read before the wgmma, in clusters.
         (dataclasses.replace(CLUSTER, max_concurrent_steps=2, scalar_b_scale=True, early_scale_loads=True),
          330, 200, 2),
+        # Clusters along N: 2 row tiles x 3 column tiles (odd: the last cluster's second CTA
+        # computes a tile wholly past N) = 2 x 2 cluster tiles, a multicast, persistent and not.
+        (dataclasses.replace(CLUSTER_N, max_concurrent_steps=2, grid_tile_group=2), 200, 330, 2),
+        (dataclasses.replace(CLUSTER_N, max_concurrent_steps=2, persistent=False), 200, 330, None),
     ],
-    ids=["ws", "one-warpgroup", "cluster-persistent", "cluster", "cluster-scalar-early"],
+    ids=["ws", "one-warpgroup", "cluster-persistent", "cluster", "cluster-scalar-early",
+         "cluster-n-persistent", "cluster-n"],
 )
 def test_persistent_ctas_walk_every_tile_without_races(config, m, n, num_sms):
     """CTAs that each own several tiles write every output element (the outputs start as NaN),
@@ -322,6 +333,9 @@ def test_invalid_inputs_raise(change, error, match):
         dict(cluster_m=3),
         dict(cluster_m=0),
         dict(cluster_m=2, tile_m=64, warp_specialized=False),  # the simple pipeline cannot multicast
+        dict(cluster_n=3),
+        dict(cluster_n=2, tile_m=64, warp_specialized=False),
+        dict(cluster_m=2, cluster_n=2),  # a 2 x 2 cluster is not built
         dict(scalar_b_scale=True, tile_n=256),  # a tile spanning two weight blocks
         dict(scalar_b_scale=True, tile_n=48),
     ],
@@ -359,6 +373,7 @@ PARTIAL_CONFIGS = {
     "ws-only": dataclasses.replace(SIMPLE, tile_m=128, warp_specialized=True),
     "persistent-grouped-only": dataclasses.replace(SIMPLE, persistent=True, grid_tile_group=8),
     "ws-cluster-only": dataclasses.replace(SIMPLE, tile_m=128, warp_specialized=True, cluster_m=2),
+    "ws-cluster-n-only": dataclasses.replace(SIMPLE, tile_m=128, warp_specialized=True, cluster_n=2),
 }
 
 
@@ -377,6 +392,7 @@ def test_each_change_lowers_for_hopper(config):
         (dataclasses.replace(FAST, tile_n=48), jnp.bfloat16, 2),  # 2 of the 4 stages allocated
         (gemm.GemmConfig(256, 16, 3, warp_specialized=False, persistent=False), jnp.float32, 9),
         (CLUSTER, jnp.bfloat16, 7),  # cluster barriers are mbarriers too
+        (CLUSTER_N, jnp.float32, 3),
         (dataclasses.replace(SCALAR_B, tile_n=64), jnp.float32, 5),  # a 16-byte b-scale box
     ],
 )

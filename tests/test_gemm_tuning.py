@@ -219,6 +219,10 @@ def test_tuner_candidates_start_with_the_rule_and_fit(tune, m, n, k):
     clustered = [c for c in found if c.cluster_m == 2]
     assert bool(clustered) == (m > 128), clustered
     assert all("-c2" in tune.config_name(c) for c in clustered)
+    # ... and along N where there are two column tiles to share a
+    along_n = [c for c in found if c.cluster_n == 2]
+    assert bool(along_n) == (m > 64 and n > 128), along_n
+    assert all(("-n2" in tune.config_name(c)) == (c.cluster_n == 2) for c in found)
     assert any(c.scalar_b_scale for c in found)
     assert all(("-sb" in tune.config_name(c)) == c.scalar_b_scale for c in found)
     assert all(("-es" in tune.config_name(c)) == c.early_scale_loads for c in found)
@@ -301,6 +305,11 @@ def test_grouped_tuner_candidates_start_with_the_rule_and_fit(tune, shape):
     assert len(set(found)) == len(found) > 4
     assert all(gemm.smem_bytes(c, jnp.float32, kp // TILE) <= SMEM_BYTES
                for c in found if c.warp_specialized)
+    # issue 19's switches are tried, named apart; clusters along N only over two column tiles
+    assert any(c.scalar_b_scale for c in found) and any(c.early_scale_loads for c in found)
+    along_n = [c for c in found if c.cluster_n == 2]
+    assert along_n and all(n > c.tile_n for c in along_n), along_n
+    assert len({tune.config_name(c) for c in found}) == len(found)
 
 
 def test_grouped_problems_with_the_same_rows_stay_apart(tune):

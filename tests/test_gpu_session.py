@@ -161,6 +161,7 @@ def test_dry_run_plans_three_calls_smoke_first(session, tmp_path, capsys):
     bisect = json.loads(next(tmp_path.glob("gpu_session-*-bisect.json")).read_text())
     assert [s["name"] for s in bisect["stages"]] == list(session.COMMANDS["bisect"])
     assert bisect["stages"][0]["argv"].count("--config") == len(session.BISECT_CONFIGS) + 1
+    assert bisect["stages"][1]["argv"].count("--config") == len(session.GROUPED_BISECT_CONFIGS)
 
 
 def test_rehearsal_of_the_smoke_call(session, tmp_path):
@@ -206,6 +207,8 @@ def test_rehearsal_of_the_bench_and_bisect_calls(session, tmp_path):
     stages = {s["name"]: s for s in summary["stages"]}
     assert stages["bisect_gemm"]["status"] == "ok"
     assert stages["bisect_gemm"]["summary"]["record"].startswith("bisect/bench_gemm-")
+    assert stages["bisect_grouped"]["status"] == "ok"
+    assert stages["bisect_grouped"]["summary"]["record"].startswith("bisect/bench_grouped-")
     for name in ("ncu", "profile", "memcheck", "racecheck", "memcheck_grouped"):
         assert stages[name]["status"] == "skipped" and stages[name]["skip"]
     log = next(tmp_path.glob("gpu_session-cpu-*-bisect.log")).read_text()

@@ -64,6 +64,12 @@ EXACT_RANGE = 16
 SIMPLE = GroupedGemmConfig.simple()
 SIMPLE_FIELDS = dataclasses.asdict(SIMPLE)
 FAST = GroupedGemmConfig()
+# Issue 19's switches of the warp-specialized form, each alone (measured side by side on a GPU).
+VARIANTS = {
+    "cluster-n": dataclasses.replace(FAST, cluster_n=2),  # column-tile pairs share a (multicast)
+    "scalar-b": dataclasses.replace(FAST, scalar_b_scale=True),  # Fprop: one weight scale per step
+    "early-scales": dataclasses.replace(FAST, early_scale_loads=True),  # scales read before wgmma
+}
 # Summation-order tolerance, relative to sum |a_i b_i|.
 ORDER_RTOL = 1e-6
 
@@ -145,6 +151,13 @@ EXACT_MATMUL_CASES = [
     (130, 128, 128, [0, 130, 0], 0, jnp.bfloat16, SIMPLE),
     (1, 1, 24, [0, 1], 0, jnp.bfloat16, FAST),
     (260, 256, 200, 4, 0, jnp.bfloat16, dataclasses.replace(FAST, tile_n=64, max_concurrent_steps=2)),
+    # issue 19's switches together: 3 column tiles in clusters along N (the last cluster's
+    # second CTA past N), the scalar weight scale and early scale loads; then the scalar scale
+    # with two 64-column tiles per weight block
+    (203, 384, 330, 3, 9, jnp.bfloat16,
+     dataclasses.replace(FAST, cluster_n=2, scalar_b_scale=True, early_scale_loads=True)),
+    (260, 256, 200, 4, 0, jnp.float32,
+     dataclasses.replace(FAST, tile_n=64, scalar_b_scale=True, max_concurrent_steps=2, persistent=False)),
 ]
 
 
@@ -227,6 +240,9 @@ EXACT_WGRAD_CASES = [
     (256, 64, 128, [0, 256, 0], 0, jnp.bfloat16, SIMPLE),
     (1, 64, 8, [1], 0, jnp.float32, dataclasses.replace(FAST, tile_n=32)),
     (400, 200, 128, 4, 0, jnp.bfloat16, FAST),
+    # clusters along N over 3 column tiles, with early scale loads
+    (300, 128, 72, 3, 20, jnp.float32,
+     dataclasses.replace(FAST, tile_n=32, cluster_n=2, early_scale_loads=True)),
 ]
 
 
@@ -285,6 +301,29 @@ def test_persistent_ctas_walk_every_tile_without_races():
     lhs_t, rhs_t, sizes = _token_operands(seed, 300, 200, 64, [150, 0, 130], exact=True)
     call = functools.partial(_grouped_wgrad_call, out_dtype=jnp.float32,
                              config=dataclasses.replace(config, tile_n=32), num_sms=2)
+    out, races = _interpret_detecting_races(call, lhs_t.data, lhs_t.scale, rhs_t.data, rhs_t.scale, sizes)
+    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
+    _assert_bitwise_equal(out, _wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32), seed)
+
+
+def test_clusters_along_n_walk_every_tile_without_races():
+    """Issue 19's switches on 1 persistent cluster of 2 CTAs (2 "SMs"), each walking several
+    cluster tiles: column tiles 2j and 2j + 1 of one work item share a's chunks, and with 3
+    column tiles the last cluster's second CTA computes a tile past N. Forward with the scalar
+    weight scale and early scale loads; Wgrad (dynamic K loops, masked shared chunks) with early
+    loads. Every output written, bit-identical, no race."""
+    seed = _seed()
+    config = dataclasses.replace(FAST, cluster_n=2, max_concurrent_steps=2, grid_tile_group=2,
+                                 scalar_b_scale=True, early_scale_loads=True)
+    lhs, rhs, sizes = _row_operands(seed, 200, 384, 330, [100, 0, 90], exact=True)
+    call = functools.partial(_grouped_matmul_call, n=330, out_dtype=jnp.float32, config=config, num_sms=2)
+    out, races = _interpret_detecting_races(call, lhs.data, lhs.scale, rhs.data, rhs.scale, sizes)
+    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
+    _assert_bitwise_equal(out, _matmul_reference(lhs, rhs, sizes, jnp.float32), seed)
+
+    lhs_t, rhs_t, sizes = _token_operands(seed, 300, 200, 72, [150, 0, 130], exact=True)
+    config = dataclasses.replace(config, tile_n=32, scalar_b_scale=False)
+    call = functools.partial(_grouped_wgrad_call, out_dtype=jnp.float32, config=config, num_sms=2)
     out, races = _interpret_detecting_races(call, lhs_t.data, lhs_t.scale, rhs_t.data, rhs_t.scale, sizes)
     assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
     _assert_bitwise_equal(out, _wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32), seed)
@@ -390,6 +429,11 @@ def test_wgrad_invalid_inputs_raise(change, error, match):
         (dict(SIMPLE_FIELDS, tile_n=48), "multiple of 32"), (dict(SIMPLE_FIELDS, tile_n=288), "up to 256"),
         (dict(SIMPLE_FIELDS, max_concurrent_steps=0), "max_concurrent_steps"),
         (dict(SIMPLE_FIELDS, persistent=True), "needs warp_specialized"),
+        # issue 19's switches: the fast form's rules; the simple form has none of them
+        (dict(cluster_n=3), "cluster_n=3"), (dict(scalar_b_scale=True, tile_n=256), "tile_n must divide"),
+        (dict(SIMPLE_FIELDS, cluster_n=2), "cluster_n=2 needs warp_specialized"),
+        (dict(SIMPLE_FIELDS, scalar_b_scale=True), "scalar_b_scale=True needs warp_specialized"),
+        (dict(SIMPLE_FIELDS, early_scale_loads=True), "early_scale_loads=True needs warp_specialized"),
     ],
 )
 def test_invalid_config_raises(fields, match):
@@ -442,14 +486,16 @@ WGRAD_LOWERING_CASES = [
 ]
 
 
+@pytest.mark.parametrize("variant", ["chosen", *VARIANTS])  # chosen: `tuning.grouped_config`
 @pytest.mark.parametrize("groups,t,n,k,out_dtype", MATMUL_LOWERING_CASES)
-def test_matmul_lowers_for_hopper(groups, t, n, k, out_dtype):
-    assert "mosaic_gpu" in _lower_matmul(groups, t, n, k, out_dtype)
+def test_matmul_lowers_for_hopper(groups, t, n, k, out_dtype, variant):
+    assert "mosaic_gpu" in _lower_matmul(groups, t, n, k, out_dtype, VARIANTS.get(variant))
 
 
+@pytest.mark.parametrize("variant", ["chosen", "cluster-n", "early-scales"])  # b is tile-scaled
 @pytest.mark.parametrize("groups,t,n,k,out_dtype", WGRAD_LOWERING_CASES)
-def test_wgrad_lowers_for_hopper(groups, t, n, k, out_dtype):
-    assert "mosaic_gpu" in _lower_wgrad(groups, t, n, k, out_dtype)
+def test_wgrad_lowers_for_hopper(groups, t, n, k, out_dtype, variant):
+    assert "mosaic_gpu" in _lower_wgrad(groups, t, n, k, out_dtype, VARIANTS.get(variant))
 
 
 def test_lowers_with_other_tilings():
@@ -474,7 +520,7 @@ def test_lowering_rejects_a_config_over_the_smem_budget(config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", [FAST, SIMPLE], ids=["fast", "simple"])
+@pytest.mark.parametrize("config", [FAST, SIMPLE, *VARIANTS.values()], ids=["fast", "simple", *VARIANTS])
 def test_on_gpu_matches_reference(config):
     """Hardware sums each 128-chunk with ~14 bits: each kernel is held to the simulated
     accumulator's error on its own operands (`jfp8.accumulation`), against a CPU reference."""
