@@ -68,6 +68,10 @@ ARMS = {
     "small-clipped-lr30": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=30",
     "small-clipped-lr50": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=50",
     "small-clipped-1e-1": "bias_rule=clipped,bias_schedule=constant,bias_gamma=0.1",
+    "small-clipped-lr100": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=100",
+    "small-clipped-lr15-g4": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=15,bias_gain=4",
+    "small-clipped-lr50-g4": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=50,bias_gain=4",
+    "small-clipped-3e-2": "bias_rule=clipped,bias_schedule=constant,bias_gamma=0.03",
 }
 
 

@@ -44,16 +44,28 @@ def test_unknown_arm_is_refused_with_the_choices(bal, tmp_path, capsys):
     assert "small-clipped-lr99" in err and "small-clipped-lr50" in err
 
 
+def _number_or_str(value: str):
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
 def test_committed_small_summary_follows_from_its_metrics(bal, tmp_path):
     committed = json.loads((RESULTS / "summary.json").read_text())["runs"]
     out = tmp_path / "balancing-small"
     shutil.copytree(RESULTS / "runs", out / "runs")
-    bal.main(["--out", str(out), "--arms", "small-clipped-lr15,small-clipped-lr50", "--summarize-only"])
+    seed0 = [arm for arm in bal.ARMS if bal.preset(arm) == "small"]
+    bal.main(["--out", str(out), "--arms", ",".join(seed0), "--summarize-only"])
     bal.main(["--out", str(out), "--arms", "small-clipped-lr15,small-clipped-lr50", "--seed", "1", "--summarize-only"])
     again = json.loads((out / "summary.json").read_text())["runs"]
-    assert set(again) == {"small-clipped-lr15-bf16", "small-clipped-lr50-bf16",
-                          "small-clipped-lr15-bf16-s1", "small-clipped-lr50-bf16-s1"}
-    for name, run in again.items():
+    assert set(again) == set(committed) == {f"{arm}-bf16" for arm in seed0} | {
+        "small-clipped-lr15-bf16-s1", "small-clipped-lr50-bf16-s1"}
+    for name, run in again.items():  # each run was trained with its arm's overrides, on the protocol
+        config = json.loads((out / "runs" / name / "config.json").read_text())
+        want = dict(kv.split("=") for kv in bal.ARMS[run["arm"]].split(","))
+        assert config["model_overrides"] == {k: _number_or_str(v) for k, v in want.items()}, name
+        assert (config["preset"], config["steps"], config["seed"]) == ("small", 100, run["seed"]), name
         for key in ("last_quarter_load_max_over_mean", "last_quarter_dead_experts_max", "final_val_ce", "steps"):
             assert run[key] == committed[name][key], (name, key)
     assert (out / "table.md").exists() and (out / "balance.png").stat().st_size > 0

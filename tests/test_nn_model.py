@@ -151,6 +151,9 @@ def test_router_bias_is_state_not_param_and_updates(mtp_model):
     model.config = MTP_CFG.replace(bias_rule="clipped")  # the config's rule: γ·clip((5 − load)/5, ±1)
     update_router_biases(model, jnp.array([[10, 5, 0, 5]], jnp.int32), gamma=0.5)
     np.testing.assert_allclose(layers[0].router_bias[...], [-1.0, 0.5, g + 0.5, -g], rtol=1e-6)
+    model.config = MTP_CFG.replace(bias_rule="clipped", bias_gain=4.0)  # γ·clip(4·(5 − load)/5, ±1)
+    update_router_biases(model, jnp.array([[6, 5, 4, 5]], jnp.int32), gamma=0.5)
+    np.testing.assert_allclose(layers[0].router_bias[...], [-1.4, 0.5, g + 0.9, -g], rtol=1e-6)
     with pytest.raises(ValueError, match="one row per MoE layer"):
         update_router_biases(model, jnp.ones((2, MTP_CFG.n_routed), jnp.int32))
 

@@ -283,6 +283,23 @@ def test_update_bias_clipped_is_proportional_and_bounded():
         update_bias(bias, loads[:8], 0.1, "tanh")
 
 
+def test_update_bias_gain_scales_below_saturation_and_tends_to_the_sign_rule():
+    rng, seed = _rng()
+    loads = jnp.asarray(rng.integers(0, 50, 16))
+    mean = float(np.mean(np.asarray(loads)))
+    deviation = (mean - np.asarray(loads, np.float64)) / max(mean, 1.0)
+    for gain in (0.5, 4.0):
+        got = np.asarray(update_bias(jnp.zeros(16), loads, 0.1, "clipped", gain))
+        np.testing.assert_allclose(got, 0.1 * np.clip(gain * deviation, -1, 1), rtol=1e-5, atol=1e-7,
+                                   err_msg=f"seed {seed}, gain {gain}")
+    huge = np.asarray(update_bias(jnp.zeros(16), loads, 0.1, "clipped", 1e9))
+    np.testing.assert_allclose(huge, np.asarray(update_bias(jnp.zeros(16), loads, 0.1, "sign")), err_msg=f"seed {seed}")
+    sign = np.asarray(update_bias(jnp.zeros(16), loads, 0.1, "sign", gain=4.0))  # the sign rule ignores the gain
+    np.testing.assert_array_equal(sign, np.asarray(update_bias(jnp.zeros(16), loads, 0.1, "sign")))
+    with pytest.raises(ValueError, match="bias_gain must be > 0"):
+        ModelConfig.tiny(bias_gain=0.0)
+
+
 def test_bias_update_speed_follows_lr_and_freezes():
     total, f = 200, 0.03
     assert ModelConfig().bias_lr_ratio == pytest.approx(1e-3 / 2.2e-4) == DEEPSEEK_V3_BIAS_LR_RATIO  # κ default

@@ -80,6 +80,8 @@ class ModelConfig:
       balance_alpha: α of the complementary sequence-wise balance loss (eq. 17).
       bias_rule: auxiliary-loss-free bias update (§2.1.2): "sign", b_i += γ_t sign(mean − load_i)
         as in the report, or "clipped", b_i += γ_t clip((mean − load_i) / mean, ±1).
+      bias_gain: the "clipped" rule's gain, b_i += γ_t clip(gain · (mean − load_i) / mean, ±1):
+        how far below saturation it responds in full (gain → ∞ is the sign rule).
       bias_schedule: γ_t = `bias_gamma` ("constant") or `bias_lr_ratio` · lr_t ("lr").
       bias_gamma: γ of the "constant" schedule.
       bias_lr_ratio: κ of the "lr" schedule; default DeepSeek-V3's γ / peak LR = 1e-3 / 2.2e-4.
@@ -116,6 +118,7 @@ class ModelConfig:
     route_scale: float = 1.0
     balance_alpha: float = 1e-4
     bias_rule: BiasRule = "sign"
+    bias_gain: float = 1.0
     bias_schedule: BiasSchedule = "lr"
     bias_gamma: float = 1e-3
     bias_lr_ratio: float = DEEPSEEK_V3_BIAS_LR_RATIO
@@ -158,6 +161,8 @@ class ModelConfig:
             raise ValueError(f"bias_rule must be one of {BIAS_RULES}, got {self.bias_rule!r}")
         if self.bias_schedule not in BIAS_SCHEDULES:
             raise ValueError(f"bias_schedule must be one of {BIAS_SCHEDULES}, got {self.bias_schedule!r}")
+        if not self.bias_gain > 0:
+            raise ValueError(f"bias_gain must be > 0, got {self.bias_gain}")
         for field in ("route_scale", "bias_gamma", "bias_lr_ratio", "gate_init_std", "init_std"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")

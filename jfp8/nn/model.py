@@ -247,7 +247,7 @@ def update_router_biases(
             )
         gamma = cfg.bias_gamma
     for moe, loads in zip(layers, expert_loads):
-        moe.router_bias[...] = update_bias(moe.router_bias[...], loads, gamma, cfg.bias_rule)
+        moe.router_bias[...] = update_bias(moe.router_bias[...], loads, gamma, cfg.bias_rule, cfg.bias_gain)
 
 
 def router_biases(model: Transformer) -> jax.Array:

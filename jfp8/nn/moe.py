@@ -181,21 +181,24 @@ def sequence_balance_loss(scores: jax.Array, k: int, alpha: float) -> jax.Array:
     return alpha * jnp.mean(jnp.sum(f * p, axis=-1))
 
 
-def update_bias(bias: jax.Array, loads: jax.Array, gamma: float | jax.Array, rule: BiasRule = "sign") -> jax.Array:
+def update_bias(bias: jax.Array, loads: jax.Array, gamma: float | jax.Array, rule: BiasRule = "sign",
+                gain: float = 1.0) -> jax.Array:
     """Auxiliary-loss-free balancing step, moving each b_i toward under-loaded experts.
 
-      "sign"     b_i += γ · sign(mean − load_i)                     (DeepSeek-V3 §2.1.2)
-      "clipped"  b_i += γ · clip((mean − load_i) / mean, −1, 1)     (proportional, |step| <= γ)
+      "sign"     b_i += γ · sign(mean − load_i)                          (DeepSeek-V3 §2.1.2)
+      "clipped"  b_i += γ · clip(gain · (mean − load_i) / mean, −1, 1)   (|step| <= γ)
 
-    Overloaded experts (load above the mean) become less likely to be selected, underloaded ones
-    more. bias [E] FP32, loads [E] (counts), γ >= 0 -> [E] FP32.
+    The clipped rule is proportional near balance and saturates at γ; a larger `gain` saturates
+    earlier (gain → ∞ is the sign rule). Overloaded experts (load above the mean) become less
+    likely to be selected, underloaded ones more. bias [E] FP32, loads [E] (counts), γ >= 0 ->
+    [E] FP32.
     """
     loads = loads.astype(jnp.float32)
     mean = jnp.mean(loads)
     if rule == "sign":
         step = jnp.sign(mean - loads)
     elif rule == "clipped":
-        step = jnp.clip((mean - loads) / jnp.maximum(mean, 1.0), -1.0, 1.0)
+        step = jnp.clip(gain * (mean - loads) / jnp.maximum(mean, 1.0), -1.0, 1.0)
     else:
         raise ValueError(f"bias rule must be one of {BIAS_RULES}, got {rule!r}")
     return bias + gamma * step
