@@ -4,6 +4,7 @@
     python experiments/bench_grouped.py --shapes 8x4096x4096x7168
     python experiments/bench_grouped.py --mgpu-config block_m=128,block_n=128,max_concurrent_steps=4
     python experiments/bench_grouped.py --config warp_specialized=false,persistent=false,tile_m=64,max_concurrent_steps=2
+    python experiments/bench_grouped.py --op wgrad            # the MoE Wgrad, grouped along tokens
 
 A problem GxRxNxK is G experts with R tokens each (equal groups, T = G*R rows sorted by expert),
 x (T, K) times one weight per expert, N outputs. Implementations (rows), output bf16:
@@ -18,6 +19,17 @@ x (T, K) times one weight per expert, N outputs. Implementations (rows), output 
 The bf16 baselines get the weights in their preferred (G, K, N) layout; jfp8 stores them (G, N, K)
 as its kernel needs. FLOPs are the useful 2*T*N*K for every row. Checks, timing and the record
 (`<out>/bench_grouped-<device>-<date>.json`) work as in bench_gemm.py.
+
+`--op wgrad` measures the same problems' weight gradient instead, dW_g (N, K) = dy_g^T x_g,
+contracted over the group's R tokens (K grouped along the tokens), output float32 as in training:
+  xla-bf16-einsum     per-expert "gmn,gmk->gnk" on bf16 (equal groups): the baseline
+  xla-ragged-dot-bf16 jax.lax.ragged_dot_general with the ragged dimension contracted
+  mgpu-transposed-ragged-dot-bf16  jax's Pallas Mosaic GPU transposed_ragged_dot on bf16 (Hopper
+                      only; its output is bf16)
+  jfp8-<impl>         jfp8.grouped_wgrad_matmul: dy^T and x^T scaled per 128 tokens, FP32
+                      promotion per 128-token chunk (the operands quantized outside the timing)
+  jfp8-mosaic[<config>]  pallas_kernels.grouped_wgrad.grouped_wgrad with GroupedGemmConfig(<config>)
+Its record is `<out>/bench_grouped_wgrad-<device>-<date>.json`.
 """
 
 from __future__ import annotations
@@ -169,6 +181,96 @@ def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict,
     return cases, skips
 
 
+MGPU_WGRAD = "mgpu-transposed-ragged-dot-bf16"
+WGRAD_BASELINES = ("xla-bf16-einsum", "xla-ragged-dot-bf16", MGPU_WGRAD)
+
+
+@jax.jit
+def _wgrad_operands(x: jax.Array, dy: jax.Array) -> dict:
+    """x (T, K) and dy (T, N) in bf16, and both transposed and scaled per 128 tokens for jfp8."""
+    return dict(xb=x.astype(jnp.bfloat16), dyb=dy.astype(jnp.bfloat16),
+                a_t=jfp8.quantize(dy, (jfp8.TILE, 1)).mT, b_t=jfp8.quantize(x, (jfp8.TILE, 1)).mT)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _wgrad_f32_reference(groups, x, dy):
+    t = x.shape[0]
+    return jnp.einsum("gmn,gmk->gnk", dy.reshape(groups, t // groups, -1), x.reshape(groups, t // groups, -1),
+                      precision="highest")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _wgrad_einsum_bf16(groups, xb, dyb):
+    t = xb.shape[0]
+    return jnp.einsum("gmn,gmk->gnk", dyb.reshape(groups, t // groups, -1), xb.reshape(groups, t // groups, -1),
+                      preferred_element_type=jnp.float32)
+
+
+@jax.jit
+def _wgrad_ragged_bf16(xb, dyb, sizes):
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    return jax.lax.ragged_dot_general(dyb, xb, sizes, dims, preferred_element_type=jnp.float32)
+
+
+@jax.jit
+def _wgrad_fp8_reference(a_t, b_t, sizes):
+    return jfp8.grouped_wgrad_reference(a_t, b_t, sizes, jnp.float32)
+
+
+def _wgrad_cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict, configs: list[str]):
+    """The Wgrad rows of one problem: dW_g (N, K) = dy_g^T x_g over each group's R tokens."""
+    g, r, n, k = shape
+    sizes = jnp.full((g,), r, jnp.int32)
+    x, dy = random_normal(seed, (g * r, k)), random_normal(seed + 1, (g * r, n)) / np.sqrt(r)
+    ops = _wgrad_operands(x, dy)
+    xb, dyb, a_t, b_t = (ops[key] for key in ("xb", "dyb", "a_t", "b_t"))
+    cases, skips = [], []
+
+    bf16_ref = functools.cache(lambda: _wgrad_f32_reference(g, x, dy))
+    cases.append(Case(BASELINE, lambda: _wgrad_einsum_bf16(g, xb, dyb), _check(bf16_ref), TOL_BF16_OPERANDS, "bf16"))
+    cases.append(Case("xla-ragged-dot-bf16", lambda: _wgrad_ragged_bf16(xb, dyb, sizes), _check(bf16_ref),
+                      TOL_BF16_OPERANDS, "bf16"))
+    if not use_kernels:
+        skips.append(Skip(MGPU_WGRAD, "needs a Hopper GPU"))
+    else:
+        try:
+            from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+        except Exception as e:  # noqa: BLE001 - recorded as the reason
+            skips.append(Skip(MGPU_WGRAD, f"import failed: {type(e).__name__}: {e}"))
+        else:
+            config = {**MGPU_DEFAULTS, **mgpu_config}
+            fn = jax.jit(functools.partial(transposed_ragged_dot_mgpu.transposed_ragged_dot, **config))
+            cases.append(Case(MGPU_WGRAD, lambda: fn(dyb, xb, group_sizes=sizes), _check(bf16_ref),
+                              TOL_BF16_OPERANDS, "bf16"))
+
+    ref = functools.cache(lambda: _wgrad_fp8_reference(a_t, b_t, sizes))
+    impl = "mosaic" if use_kernels else "xla"
+    wgrad = jax.jit(lambda a_t, b_t, s: jfp8.grouped_wgrad_matmul(a_t, b_t, s, impl=impl))
+    cases.append(Case(f"jfp8-{impl}", lambda: wgrad(a_t, b_t, sizes), _check(ref), TOL_FP8_OUTPUT, "fp8"))
+
+    if configs:
+        from pallas_kernels import grouped_wgrad
+
+        t, tp = g * r, -(-g * r // jfp8.TILE) * jfp8.TILE
+        lay_out = jax.jit(chunk_operand, static_argnums=1)
+        (ad, sa), (bd, sb) = lay_out(a_t, tp), lay_out(b_t, tp)  # outside the timed call
+        for text in configs:
+            name = f"jfp8-mosaic[{config_label(text)}]"
+            config = parse_config(text, grouped_wgrad.GroupedGemmConfig)  # fails here on any machine
+            if not use_kernels:
+                skips.append(Skip(name, "needs a Hopper GPU"))
+                continue
+            kernel = jax.jit(lambda ad, sa, bd, sb, s, config=config: grouped_wgrad.grouped_wgrad(
+                ad, sa, bd, sb, s, t=t, config=config))
+            cases.append(Case(name, lambda kernel=kernel: kernel(ad, sa, bd, sb, sizes), _check(ref),
+                              TOL_FP8_OUTPUT, "fp8"))
+    return cases, skips
+
+
+OPS = {"fprop": ("bench_grouped", _cases, BASELINES), "wgrad": ("bench_grouped_wgrad", _wgrad_cases, WGRAD_BASELINES)}
+
+
 def print_rows(rows: list[dict]) -> None:
     print(f"\n{'impl':24s} {'GxRxNxK':>20s} {'TFLOP/s':>9} {'x bf16':>7} {'fp8 peak':>8}")
     for r in rows:
@@ -185,6 +287,8 @@ def main(argv=None) -> int:
                    help=f"ragged_dot_mgpu tiling overrides (defaults {MGPU_DEFAULTS})")
     p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE,...",
                    help="a GroupedGemmConfig for jfp8's grouped kernel, benched as its own row (repeatable)")
+    p.add_argument("--op", choices=tuple(OPS), default="fprop",
+                   help="fprop: y = x W_g^T per group (default); wgrad: dW_g = dy_g^T x_g, grouped along tokens")
     add_common_args(p)
     args = p.parse_args(argv)
     if args.config:
@@ -199,16 +303,18 @@ def main(argv=None) -> int:
     timing = timing_from_args(args, on_gpu)
     print(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}")
     if not use_kernels:
-        print("no Hopper GPU: the jfp8 row is the XLA reference path and ragged_dot_mgpu is skipped.")
+        print("no Hopper GPU: the jfp8 row is the XLA reference path and the Mosaic GPU rows are skipped.")
 
     start = time.perf_counter()
     rows, failed, skipped = [], [], []
     key = lambda r: (r["groups"], r["m"], r["n"], r["k"])  # noqa: E731
 
+    record_name, make_cases, baselines = OPS[args.op]
+
     def save():
-        add_ratios(rows, BASELINE, BASELINES, key=key)
+        add_ratios(rows, BASELINE, baselines, key=key)
         return write_record(
-            "bench_grouped", rows, args.out, timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
+            record_name, rows, args.out, op=args.op, timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
             peak_source=PEAK_SOURCE, target_vs_bf16=TARGET_GROUPED_VS_BF16,
             mgpu_config={**MGPU_DEFAULTS, **args.mgpu_config}, configs=args.config, failed=failed,
             skipped=skipped,
@@ -216,7 +322,7 @@ def main(argv=None) -> int:
 
     for shape, label in within_budget(shapes, shape_label, args.budget_s, start, skipped):
         try:
-            cases, skips = _cases(shape, use_kernels, args.seed, args.mgpu_config, args.config)
+            cases, skips = make_cases(shape, use_kernels, args.seed, args.mgpu_config, args.config)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
             failed.append(error_entry("(operands)", label, e))
             continue

@@ -28,6 +28,10 @@ Stages:
                  (issue 19's switches, warp_specialized, persistent, tile_n, stages, tile order)
   bisect_grouped bench_grouped at the first grouped shape with one row per GroupedGemmConfig
                  variant (issue 19's switches: clusters along N, scalar weight scale, early loads)
+  bench_grouped_wgrad, bisect_grouped_wgrad
+                 bench_grouped --op wgrad: the MoE Wgrad beside bf16 einsum, ragged_dot_general and
+                 jax's transposed_ragged_dot_mgpu (last in the bench call), and its variants at the
+                 first grouped shape (last in the bisect call)
   ncu            Nsight Compute on the default dense kernel at 8192^3 (one launch after a warm-up):
                  speed of light, tensor pipe, L2/DRAM throughput, clocks
   profile        the same launch with the Mosaic GPU profiler: time in the `wgmma` and `promote`
@@ -74,16 +78,18 @@ from pallas_kernels import shapes  # noqa: E402  (plain tuples: no jax)
 
 COMMANDS = {
     "smoke": ("env", "smoke", "pytest_gpu"),
-    "bench": ("bench_gemm", "bench_grouped", "bench_quantize", "bench_linear"),
-    "bisect": ("bisect_gemm", "bisect_grouped", "ncu", "profile", "memcheck", "racecheck", "memcheck_grouped"),
+    "bench": ("bench_gemm", "bench_grouped", "bench_quantize", "bench_linear", "bench_grouped_wgrad"),
+    "bisect": ("bisect_gemm", "bisect_grouped", "ncu", "profile", "memcheck", "racecheck", "memcheck_grouped",
+               "bisect_grouped_wgrad"),
     "tune_gemm": ("tune_gemm",),
     "tune_grouped": ("tune_grouped",),
 }
 # The first-contact plan: these three, in this order, each a device call of its own.
 PLAN = ("smoke", "bench", "bisect")
 TIMEOUTS = dict(env=45, smoke=270, pytest_gpu=150, bench_gemm=170, bench_grouped=110,
-                bench_quantize=70, bench_linear=90, bisect_gemm=200, bisect_grouped=90, ncu=90, profile=60,
-                memcheck=60, racecheck=60, memcheck_grouped=50, tune_gemm=450, tune_grouped=450)
+                bench_quantize=70, bench_linear=90, bench_grouped_wgrad=60, bisect_gemm=200, bisect_grouped=90,
+                ncu=90, profile=60, memcheck=60, racecheck=60, memcheck_grouped=50, bisect_grouped_wgrad=60,
+                tune_gemm=450, tune_grouped=450)
 SMOKE_KERNEL_TIMEOUT = 45.0
 SMOKE_FIRST_TIMEOUT = 75.0  # the first kernel also pays for CUDA and jax start-up
 PYTEST_TEST_TIMEOUT = 90
@@ -117,6 +123,8 @@ BISECT_CONFIGS = ("cluster_m=2", "scalar_b_scale=true", "early_scale_loads=true"
 # and together, at the first grouped shape (8 experts x 4096 rows, N=4096, K=7168).
 GROUPED_BISECT_CONFIGS = ("cluster_n=2", "scalar_b_scale=true", "early_scale_loads=true",
                           "cluster_n=2,scalar_b_scale=true,early_scale_loads=true")
+# The grouped Wgrad's (its b is tile-scaled: no scalar scale), last in the bisect call.
+WGRAD_BISECT_CONFIGS = ("cluster_n=2", "early_scale_loads=true", "cluster_n=2,early_scale_loads=true")
 PROFILE_SHAPE = "8192x8192x8192"
 # What the sanitizer stages run (one kernel each).
 SANITIZED = {"memcheck": ("memcheck", "gemm_default"), "racecheck": ("racecheck", "gemm_default"),
@@ -133,6 +141,8 @@ QUICK_ARGS = {
     "bench_linear": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
     "bisect_gemm": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
     "bisect_grouped": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
+    "bench_grouped_wgrad": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
+    "bisect_grouped_wgrad": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
 }
 # A rehearsal's smoke stage: a real form in the interpreter, a form whose compiler dump is a
 # committed sample (parsers end to end), a hang (the timeout and kill) and a crash.
@@ -305,6 +315,8 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
         elif name == "bench_grouped":
             stages.append(bench(name, "bench_grouped.py", args.grouped_shapes,
                                 configs("--config", args.grouped_config)))
+        elif name == "bench_grouped_wgrad":
+            stages.append(bench(name, "bench_grouped.py", args.grouped_shapes, ["--op", "wgrad"]))
         elif name == "bench_quantize":
             stages.append(bench(name, "bench_quantize.py", args.quantize_shapes,
                                 configs("--config", args.quantize_config)))
@@ -316,6 +328,9 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
             stages.append(bench(name, "bench_gemm.py", BISECT_SHAPES, extra, out_dir=out / "bisect"))
         elif name == "bisect_grouped":
             extra = configs("--config", [*GROUPED_BISECT_CONFIGS, *args.grouped_config])
+            stages.append(bench(name, "bench_grouped.py", GROUPED_SHAPES[:1], extra, out_dir=out / "bisect"))
+        elif name == "bisect_grouped_wgrad":
+            extra = ["--op", "wgrad", *configs("--config", WGRAD_BISECT_CONFIGS)]
             stages.append(bench(name, "bench_grouped.py", GROUPED_SHAPES[:1], extra, out_dir=out / "bisect"))
         elif name == "ncu":
             stages.append(Stage("ncu", [py, me, "--worker", "ncu"], TIMEOUTS["ncu"], skip=gpu_only))
@@ -609,11 +624,11 @@ def stage_line(s: Stage) -> str:
         note = " ".join(f"{k} {v['per_warpgroup_us']:.0f} us/wg" for k, v in sm["regions"].items())
     elif s.name == "ncu" and sm.get("launches") is not None:
         note = f"{len(sm['launches'])} launch(es) profiled" + (f"; {sm['note']}" if sm.get("note") else "")
-    return f"{s.name:17s} {s.status:8s} {s.seconds:7.1f}  {note}"
+    return f"{s.name:20s} {s.status:8s} {s.seconds:7.1f}  {note}"
 
 
 def final_table(ctx: Session, header: str) -> str:
-    lines = [f"== gpu_session {ctx.command}: {header} ==", f"{'stage':17s} {'status':8s} {'secs':>7}  summary"]
+    lines = [f"== gpu_session {ctx.command}: {header} ==", f"{'stage':20s} {'status':8s} {'secs':>7}  summary"]
     lines += [stage_line(s) for s in ctx.stages]
     smoke = next((s for s in ctx.stages if s.name == "smoke"), None)
     if smoke is not None and smoke.summary.get("rows"):
@@ -621,7 +636,9 @@ def final_table(ctx: Session, header: str) -> str:
     records = ctx.records()
     for name, table in (("bench_gemm", gpu_tables.gemm_table), ("bench_grouped", gpu_tables.grouped_table),
                         ("bench_quantize", gpu_tables.quantize_table), ("bench_linear", gpu_tables.linear_table),
+                        ("bench_grouped_wgrad", gpu_tables.grouped_table),
                         ("bisect_gemm", gpu_tables.gemm_table), ("bisect_grouped", gpu_tables.grouped_table),
+                        ("bisect_grouped_wgrad", gpu_tables.grouped_table),
                         ("tune_gemm", gpu_tables.tune_table),
                         ("tune_grouped", gpu_tables.tune_table)):
         if name in records:

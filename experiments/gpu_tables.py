@@ -35,9 +35,16 @@ def gemm_table(record: dict) -> list[str]:
     return lines
 
 
+MGPU_ROW = {"fprop": "mgpu-ragged-dot-bf16", "wgrad": "mgpu-transposed-ragged-dot-bf16"}
+
+
 def grouped_table(record: dict) -> list[str]:
+    """bench_grouped's record, Fprop (`op` absent or "fprop") or the grouped Wgrad ("wgrad")."""
     rows = record.get("rows", [])
-    lines = [f"grouped GEMM, TFLOP/s    {'einsum':>7} {'ragged':>7} {'mgpu':>7} | {'jfp8':>7} "
+    op = record.get("op", "fprop")
+    mgpu = MGPU_ROW[op]
+    title = "grouped GEMM" if op == "fprop" else "grouped Wgrad"
+    lines = [f"{title + ', TFLOP/s':24s} {'einsum':>7} {'ragged':>7} {'mgpu':>7} | {'jfp8':>7} "
              f"{'x einsum':>8} {'x ragged':>8} {'x mgpu':>6} {'%fp8pk':>6}"]
     for key in dict.fromkeys((r["groups"], r["m"], r["n"], r["k"]) for r in rows):
         at = {r["impl"]: r for r in rows if (r["groups"], r["m"], r["n"], r["k"]) == key}
@@ -49,9 +56,9 @@ def grouped_table(record: dict) -> list[str]:
             rv = r.get("ratio_vs", {})
             lines.append(
                 f"{grouped_label(g, m, n, k):24s} {fmt(t('xla-bf16-einsum'), '.4g'):>7} {fmt(t('xla-ragged-dot-bf16'), '.4g'):>7} "
-                f"{fmt(t('mgpu-ragged-dot-bf16'), '.4g'):>7} | {fmt(r['tflops'], '.4g'):>7} "
+                f"{fmt(t(mgpu), '.4g'):>7} | {fmt(r['tflops'], '.4g'):>7} "
                 f"{fmt(rv.get('xla-bf16-einsum'), '.2f'):>8} {fmt(rv.get('xla-ragged-dot-bf16'), '.2f'):>8} "
-                f"{fmt(rv.get('mgpu-ragged-dot-bf16'), '.2f'):>6} {fmt(r.get('frac_fp8_peak') and 100 * r['frac_fp8_peak']):>6}")
+                f"{fmt(rv.get(mgpu), '.2f'):>6} {fmt(r.get('frac_fp8_peak') and 100 * r['frac_fp8_peak']):>6}")
     return lines
 
 

@@ -56,6 +56,9 @@ def records(tmp_path_factory, benches):
     assert rc == 0
     rc = benches["bench_grouped"].main(["--shapes", "2x128x128x256", "--config", GROUPED_SIMPLE, "--out", str(out), *FAST])
     assert rc == 0
+    rc = benches["bench_grouped"].main(
+        ["--op", "wgrad", "--shapes", "2x128x128x256", "--config", GROUPED_SIMPLE, "--out", str(out), *FAST])
+    assert rc == 0
     rc = benches["bench_quantize"].main(
         ["--shapes", "128x256:bfloat16", "--config", "swizzle=false", "--out", str(out), *FAST]
     )
@@ -84,6 +87,21 @@ def test_grouped_record(records):
         assert GEMM_KEYS <= set(r) and r["groups"] == 2 and r["m"] == 256
     skipped = {s["impl"]: s["reason"] for s in record["skipped"]}
     assert f"jfp8-mosaic[{GROUPED_SIMPLE}]" in skipped and record["configs"] == [GROUPED_SIMPLE]  # no GPU here
+
+
+def test_grouped_wgrad_record(records):
+    """--op wgrad: dW_g = dy_g^T x_g per group; every row passed its check (bf16 rows against the
+    f32 einsum, jfp8's against the FP8 reference) before it was timed."""
+    record = _record(records, "bench_grouped_wgrad")
+    assert record["op"] == "wgrad" and record["failed"] == []
+    rows = {r["impl"]: r for r in record["rows"]}
+    assert set(rows) == {"xla-bf16-einsum", "xla-ragged-dot-bf16", "jfp8-xla"}
+    for r in rows.values():
+        assert GEMM_KEYS <= set(r) and (r["groups"], r["m"], r["n"], r["k"]) == (2, 256, 128, 256)
+    assert rows["jfp8-xla"]["rel_error"] == 0.0  # the XLA path is the reference
+    assert 0 < rows["xla-ragged-dot-bf16"]["rel_error"] < 1e-2 and 0 < rows["xla-bf16-einsum"]["rel_error"] < 1e-2
+    skipped = {s["impl"] for s in record["skipped"]}
+    assert skipped == {"mgpu-transposed-ragged-dot-bf16", f"jfp8-mosaic[{GROUPED_SIMPLE}]"}  # no GPU here
 
 
 def test_quantize_record(records):
@@ -207,6 +225,8 @@ def test_session_tables_read_the_records(records):
     table = tables.gemm_table(json.loads(next(records.glob("bench_gemm-*.json")).read_text()))
     assert any("jfp8-xla" in line for line in table)
     assert tables.grouped_table(json.loads(next(records.glob("bench_grouped-*.json")).read_text()))[0]
+    wgrad = tables.grouped_table(json.loads(next(records.glob("bench_grouped_wgrad-*.json")).read_text()))
+    assert wgrad[0].startswith("grouped Wgrad") and wgrad[1].startswith("2x128x128x256")
     assert tables.quantize_table(json.loads(next(records.glob("bench_quantize-*.json")).read_text()))[1:]
     assert tables.linear_table(json.loads(next(records.glob("bench_linear-*.json")).read_text()))[1:]
 

@@ -162,6 +162,10 @@ def test_dry_run_plans_three_calls_smoke_first(session, tmp_path, capsys):
     assert [s["name"] for s in bisect["stages"]] == list(session.COMMANDS["bisect"])
     assert bisect["stages"][0]["argv"].count("--config") == len(session.BISECT_CONFIGS) + 1
     assert bisect["stages"][1]["argv"].count("--config") == len(session.GROUPED_BISECT_CONFIGS)
+    wgrad = bisect["stages"][-1]["argv"]  # the grouped Wgrad's variants, last
+    assert wgrad[wgrad.index("--op") + 1] == "wgrad" and wgrad.count("--config") == len(session.WGRAD_BISECT_CONFIGS)
+    bench_wgrad = bench["stages"][-1]["argv"]
+    assert bench["stages"][-1]["name"] == "bench_grouped_wgrad" and bench_wgrad[bench_wgrad.index("--op") + 1] == "wgrad"
 
 
 def test_rehearsal_of_the_smoke_call(session, tmp_path):
@@ -209,7 +213,9 @@ def test_rehearsal_of_the_bench_and_bisect_calls(session, tmp_path):
     assert stages["bisect_gemm"]["summary"]["record"].startswith("bisect/bench_gemm-")
     assert stages["bisect_grouped"]["status"] == "ok"
     assert stages["bisect_grouped"]["summary"]["record"].startswith("bisect/bench_grouped-")
+    assert stages["bisect_grouped_wgrad"]["status"] == "ok"
+    assert stages["bisect_grouped_wgrad"]["summary"]["record"].startswith("bisect/bench_grouped_wgrad-")
     for name in ("ncu", "profile", "memcheck", "racecheck", "memcheck_grouped"):
         assert stages[name]["status"] == "skipped" and stages[name]["skip"]
     log = next(tmp_path.glob("gpu_session-cpu-*-bisect.log")).read_text()
-    assert "dense GEMM, TFLOP/s" in log  # the final table is in the log too
+    assert "dense GEMM, TFLOP/s" in log and "grouped Wgrad, TFLOP/s" in log  # the final tables are in the log too
