@@ -114,8 +114,9 @@ LINEAR_SHAPES = tuple(_x(*s) for s in sorted(shapes.DENSE_SHAPES, key=_first) if
 BISECT_SHAPES = GEMM_SHAPES[:1] + tuple(s for s in GEMM_SHAPES if s.startswith("4096x7168x16384"))
 # One switch of the default GemmConfig() per row, then the simple form; issue 19's variants
 # (off by default, each alone and together) first, since a budget cut drops whole shapes.
-BISECT_CONFIGS = ("cluster_m=2", "scalar_b_scale=true", "early_scale_loads=true", "cluster_n=2",
+BISECT_CONFIGS = ("cluster_m=2", "scalar_b_scale=true", "early_scale_loads=true", "cluster_n=2", "run_ahead=true",
                   "cluster_m=2,scalar_b_scale=true", "cluster_m=2,scalar_b_scale=true,early_scale_loads=true",
+                  "cluster_m=2,scalar_b_scale=true,early_scale_loads=true,run_ahead=true",
                   "warp_specialized=false,persistent=false,tile_m=64,grid_tile_group=1,max_concurrent_steps=2",
                   "persistent=false", "grid_tile_group=1", "tile_n=64", "max_concurrent_steps=3",
                   "max_concurrent_steps=5", "tile_m=256")

@@ -234,6 +234,8 @@ KERNELS = {
                           lambda rng, i: _dense(rng, i, gemm.GemmConfig(early_scale_loads=True))),
     "gemm_cluster_n": ("dense tile x block, GemmConfig(cluster_n=2): 2-CTA clusters along N, a multicast (issue 19)",
                        lambda rng, i: _dense(rng, i, gemm.GemmConfig(cluster_n=2))),
+    "gemm_run_ahead": ("dense tile x block, GemmConfig(run_ahead=True): one pipeline over each CTA's tiles (issue 19)",
+                       lambda rng, i: _dense(rng, i, gemm.GemmConfig(run_ahead=True))),
     "grouped_fprop_switches": (
         "grouped Fprop/Dgrad, GroupedGemmConfig(cluster_n=2, scalar_b_scale=True, early_scale_loads=True) (issue 19)",
         lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig(

@@ -103,6 +103,8 @@ def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmCon
               if c.max_concurrent_steps in (4, 6) and jfp8.TILE % c.tile_n == 0]
     if m > 64:  # scale loads issued before the wgmma, on the default form with either b scale
         found += [GemmConfig(early_scale_loads=True), GemmConfig(early_scale_loads=True, scalar_b_scale=True)]
+        # one pipeline over each CTA's tiles, alone and with the promotion switches
+        found += [GemmConfig(run_ahead=True), GemmConfig(run_ahead=True, scalar_b_scale=True, early_scale_loads=True)]
     unique = list(dict.fromkeys(found))
     return [c for c in unique if smem_bytes(c, out_dtype, chunks) <= SMEM_BYTES]
 
@@ -143,6 +145,7 @@ def config_name(config) -> str:
     cluster += f"-n{config.cluster_n}" if config.cluster_n > 1 else ""
     scalar = "-sb" if getattr(config, "scalar_b_scale", False) else ""
     early = "-es" if getattr(config, "early_scale_loads", False) else ""
+    early += "-ra" if getattr(config, "run_ahead", False) else ""
     return (f"{form}{persistent}-{config.tile_m}x{config.tile_n}-s{config.max_concurrent_steps}"
             f"-g{config.grid_tile_group}{cluster}{scalar}{early}")
 

@@ -1,10 +1,9 @@
 """The GEMM main loop shared by the dense and the grouped kernels: one K chunk's wgmma and FP32
 promotion (`promote`), the TMA block specs of a K step, the persistent tile walk, the output
-tile's store, and the warp-specialized pipeline (`warp_specialized_tiles`) that runs them."""
+tile's store, and the warp-specialized pipeline (`warp_specialized_tiles`) that runs them, or
+one pipeline over all of a persistent CTA's tiles (`run_ahead_tiles`)."""
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -79,10 +78,16 @@ def cluster_shape(config) -> tuple[int, int]:
 
 
 def in_specs(config, mi, ni, k_first=0, *, scalar_b: bool = False) -> list[plgpu.BlockSpec]:
-    """K step k of output tile (mi, ni): a, b (128-byte swizzled fp8) and their scales, from K
-    chunk `k_first + k` on (a group's first chunk in the grouped Wgrad). In a cluster along M
-    the CTAs share (ni, k), so b and its scales are collective: one multicast load per cluster;
-    along N they share (mi, k), and a and its scales are.
+    """K step k of output tile (mi, ni), from K chunk `k_first + k` on (a group's first chunk in
+    the grouped Wgrad): `step_specs` with a fixed tile."""
+    return step_specs(config, lambda k: (mi, ni, k_first + k), scalar_b=scalar_b)
+
+
+def step_specs(config, locate, *, scalar_b: bool = False) -> list[plgpu.BlockSpec]:
+    """The TMA block specs of pipeline step s, which reads K chunk c of output tile (mi, ni) for
+    `(mi, ni, c) = locate(s)`: a, b (128-byte swizzled fp8) and their scales. In a cluster along
+    M the CTAs share (ni, c), so b and its scales are collective: one multicast load per
+    cluster; along N they share (mi, c), and a and its scales are.
 
     b's scales: per output column, `[C, N']`; with `scalar_b`, per weight block, `[C, blocks *
     SCALE_BOX]` (each block's scale repeated to one 16-byte TMA box), the box of the tile's block.
@@ -91,17 +96,21 @@ def in_specs(config, mi, ni, k_first=0, *, scalar_b: bool = False) -> list[plgpu
     fp8_tile = swizzled(FP8_DTYPE, TILE_K)
     cm, cn = cluster_shape(config)
     shared_a, shared_b = (("cluster",) if c > 1 else () for c in (cn, cm))
+
+    def at(index):  # block index from (mi, ni, c)
+        return lambda s: index(*locate(s))
+
     if scalar_b:
         tiles_per_block = TILE_K // tn
-        sb_spec = plgpu.BlockSpec((None, SCALE_BOX), lambda k: (k_first + k, ni // tiles_per_block))
+        sb_spec = plgpu.BlockSpec((None, SCALE_BOX), at(lambda mi, ni, c: (c, ni // tiles_per_block)))
     else:
-        sb_spec = plgpu.BlockSpec((None, tn), lambda k: (k_first + k, ni), collective_axes=shared_b)
+        sb_spec = plgpu.BlockSpec((None, tn), at(lambda mi, ni, c: (c, ni)), collective_axes=shared_b)
     return [
-        plgpu.BlockSpec((tm, TILE_K), lambda k: (mi, k_first + k), transforms=fp8_tile,
+        plgpu.BlockSpec((tm, TILE_K), at(lambda mi, ni, c: (mi, c)), transforms=fp8_tile,
                         collective_axes=shared_a),
-        plgpu.BlockSpec((tn, TILE_K), lambda k: (ni, k_first + k), transforms=fp8_tile,
+        plgpu.BlockSpec((tn, TILE_K), at(lambda mi, ni, c: (ni, c)), transforms=fp8_tile,
                         collective_axes=shared_b),
-        plgpu.BlockSpec((None, tm), lambda k: (k_first + k, mi), collective_axes=shared_a),
+        plgpu.BlockSpec((None, tm), at(lambda mi, ni, c: (c, mi)), collective_axes=shared_a),
         sb_spec,
     ]
 
@@ -133,24 +142,25 @@ def for_each_tile(config: GemmConfig, tiles: tuple[int, int], tile_fn) -> None:
     are odd, the last cluster's second CTA computes a tile wholly past the output, whose loads TMA
     zero-fills and whose store it drops.
     """
-    cm, cn = cluster_shape(config)
     grid = cluster_tiles(config, tiles)
-
-    def cta_tile(lin):
-        mi, ni = tile_at(lin, grid, config)
-        if cm > 1:
-            return mi * cm + lax.axis_index("cluster"), ni
-        if cn > 1:
-            return mi, ni * cn + lax.axis_index("cluster")
-        return mi, ni
-
     if not config.persistent:
-        tile_fn(*cta_tile(lax.axis_index("sm")))
+        tile_fn(*cta_tile(config, tiles, lax.axis_index("sm")))
         return
 
     @plgpu.nd_loop((grid[0] * grid[1],), collective_axes="sm")
     def _(loop_info):
-        tile_fn(*cta_tile(loop_info.index[0]))
+        tile_fn(*cta_tile(config, tiles, loop_info.index[0]))
+
+
+def cta_tile(config, tiles: tuple[int, int], lin) -> tuple[jax.Array, jax.Array]:
+    """This CTA's (row tile, column tile) of cluster tile number `lin` (`for_each_tile`)."""
+    cm, cn = cluster_shape(config)
+    mi, ni = tile_at(lin, cluster_tiles(config, tiles), config)
+    if cm > 1:
+        return mi * cm + lax.axis_index("cluster"), ni
+    if cn > 1:
+        return mi, ni * cn + lax.axis_index("cluster")
+    return mi, ni
 
 def store_tile(out: jax.Array, out_smem, out_gmem_tile) -> None:
     """Registers -> swizzled SMEM -> TMA store, which drops rows/columns past the output's edge.
@@ -192,29 +202,7 @@ def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transfo
     wm = tm // WS_CONSUMER_WGS
     chunks = operands[0].shape[1] // TILE_K
 
-    def pipeline(mi, ni, k_first=0, k_steps=chunks, body=None, compute_context=None):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_steps,),
-            memory_registers=WS_PRODUCER_REGISTERS,
-            in_specs=in_specs(config, mi, ni, k_first, scalar_b=scalar_b),
-            wg_axis="wg",
-            num_compute_wgs=WS_CONSUMER_WGS,
-            max_concurrent_steps=config.max_concurrent_steps,
-            compute_context=compute_context,
-        )
-
-    # A static grid shorter than the pipeline allocates fewer stages; a dynamic one allocates all.
-    alloc_steps = max(chunks, config.max_concurrent_steps) if dynamic_k else chunks
-    out_tile = plgpu.SMEM((tm, tn), out_dtype, transforms=out_transforms)
-
-    @functools.partial(
-        pl.run_scoped,
-        stages=pipeline(0, 0, k_steps=alloc_steps).get_allocations(*operands),
-        out_smem=out_tile,
-        collective_axes="wg",
-    )
-    def _(stages, out_smem):
+    def scoped(stages, out_smem):
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * wm, wm)  # this consumer's rows of the tile
 
@@ -223,27 +211,113 @@ def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transfo
                 a_rows = a_smem.at[rows]
                 if before_chunk is not None:
                     before_chunk(idx[0], a_rows)
-                return promote(a_rows, b_smem, sa_smem.at[rows], sb_smem, out, scalar_b=scalar_b,
-                               early_scales=getattr(config, "early_scale_loads", False))
+                return _promote_rows(config, rows, a_smem, b_smem, sa_smem, sb_smem, out, scalar_b)
 
             def compute_context(run_pipeline):
                 epilogue(run_pipeline(zeros((wm, tn))), out_smem.at[rows])
 
-            pipeline(mi, ni, k_first, k_steps, body, compute_context)(*views, allocations=stages)
+            specs = in_specs(config, mi, ni, k_first, scalar_b=scalar_b)
+            _ws_pipeline(config, specs, k_steps, body, compute_context)(*views, allocations=stages)
 
         schedule(run_tile, wg, out_smem.at[rows])
 
+    # A static grid shorter than the pipeline allocates fewer stages; a dynamic one allocates all.
+    alloc_steps = max(chunks, config.max_concurrent_steps) if dynamic_k else chunks
+    _with_ws_scratch(config, operands, out_dtype, out_transforms, alloc_steps, scalar_b, scoped)
+
+
+def run_ahead_tiles(config, operands, out_dtype, tiles: tuple[int, int], units: int, epilogue, *,
+                    out_transforms=(), scalar_b=False):
+    """The persistent warp-specialized dense loop as one pipeline over all of this CTA's (tile, K
+    chunk) steps (`GemmConfig.run_ahead`), so that the producer loads the next tile's first
+    chunks while the consumers finish this one, instead of the pipeline draining at every tile.
+
+    Step s of CTA (or cluster) `sm` is chunk s % C of its tile s // C, cluster tile number
+    `sm + (s // C) * units` of the `for_each_tile` walk (`units` CTAs or clusters, as launched).
+    Each consumer carries its rows' FP32 result across the steps; after a tile's last chunk it
+    runs `epilogue(out, out_rows, mi, ni, wg)` and carries zeros into the next tile. The
+    additions are the same as `warp_specialized_tiles`', in the same order."""
+    tm, tn = config.tile_m, config.tile_n
+    wm = tm // WS_CONSUMER_WGS
+    chunks = operands[0].shape[1] // TILE_K
+    grid = cluster_tiles(config, tiles)
+    first = lax.axis_index("sm")
+    my_tiles = lax.div(grid[0] * grid[1] - first + units - 1, units)  # >= 1: units <= tiles
+
+    def locate(step):
+        mi, ni = cta_tile(config, tiles, first + lax.div(step, chunks) * units)
+        return mi, ni, lax.rem(step, chunks)
+
+    def scoped(stages, out_smem):
+        wg = lax.axis_index("wg")
+        rows = pl.ds(wg * wm, wm)
+
+        def body(idx, a_smem, b_smem, sa_smem, sb_smem, out):
+            out = _promote_rows(config, rows, a_smem, b_smem, sa_smem, sb_smem, out, scalar_b)
+            mi, ni, chunk = locate(idx[0])
+
+            def finish_tile(out):  # store it; the next tile starts from zero
+                epilogue(out, out_smem.at[rows], mi, ni, wg)
+                return zeros((wm, tn))
+
+            return lax.cond(chunk == chunks - 1, finish_tile, lambda out: out, out)
+
+        def compute_context(run_pipeline):
+            run_pipeline(zeros((wm, tn)))
+
+        specs = step_specs(config, locate, scalar_b=scalar_b)
+        _ws_pipeline(config, specs, my_tiles * chunks, body, compute_context)(*operands, allocations=stages)
+
+    # The grid is dynamic (the CTA's tile count), so the pipeline allocates every stage.
+    alloc_steps = max(chunks, config.max_concurrent_steps)
+    _with_ws_scratch(config, operands, out_dtype, out_transforms, alloc_steps, scalar_b, scoped)
+
+
+def _promote_rows(config, rows, a_smem, b_smem, sa_smem, sb_smem, out, scalar_b):
+    """`promote` on one consumer's rows of a K step's SMEM tiles."""
+    return promote(a_smem.at[rows], b_smem, sa_smem.at[rows], sb_smem, out, scalar_b=scalar_b,
+                   early_scales=getattr(config, "early_scale_loads", False))
+
+
+def _ws_pipeline(config, specs, steps, body=None, compute_context=None):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=WS_PRODUCER_REGISTERS,
+        in_specs=specs,
+        wg_axis="wg",
+        num_compute_wgs=WS_CONSUMER_WGS,
+        max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+
+def _with_ws_scratch(config, operands, out_dtype, out_transforms, alloc_steps, scalar_b, fn) -> None:
+    """`fn(stages, out_smem)` on every warpgroup, with the SMEM stages and the output tile
+    allocated once for all the CTA's tiles (a scoped allocation per tile would synchronise the
+    three warpgroups at every tile); then waits for the last output store."""
+    specs = in_specs(config, 0, 0, scalar_b=scalar_b)
+    out_tile = plgpu.SMEM((config.tile_m, config.tile_n), out_dtype, transforms=out_transforms)
+    pl.run_scoped(fn, stages=_ws_pipeline(config, specs, alloc_steps).get_allocations(*operands),
+                  out_smem=out_tile, collective_axes="wg")
     plgpu.wait_smem_to_gmem(0)
+
+
+def persistent_units(config, num_tiles: int, num_sms: int | None = None) -> int:
+    """CTAs (clusters, in clusters) that `launch_tiles` launches for `num_tiles` (cluster) tiles."""
+    num_sms = _mgpu.num_sms() if num_sms is None else num_sms
+    cm, cn = cluster_shape(config)
+    return min(num_tiles, num_sms // (cm * cn)) if config.persistent else num_tiles
+
 
 def launch_tiles(kernel, out_type, config, num_tiles: int, num_sms: int | None = None, **kwargs):
     """`plgpu.kernel` over `num_tiles` output tiles (cluster tiles, `cluster_tiles`, in clusters):
     one CTA (cluster) per tile, or with `config.persistent` one CTA per SM (`num_sms`, the
     device's when None; fewer for fewer tiles), on grid axis "sm", and cluster axis "cluster" of
     `cluster_m * cluster_n` CTAs; with `config.warp_specialized`, `WS_CONSUMER_WGS + 1` warpgroups on thread axis "wg"."""
-    num_sms = _mgpu.num_sms() if num_sms is None else num_sms
     cm, cn = cluster_shape(config)
     c = cm * cn
-    units = min(num_tiles, num_sms // c) if config.persistent else num_tiles  # CTAs, or clusters
+    units = persistent_units(config, num_tiles, num_sms)  # CTAs, or clusters
     if c > 1:
         kwargs.update(cluster=(c,), cluster_names=("cluster",))
     if config.warp_specialized:

@@ -72,6 +72,13 @@ class GemmConfig:
       early_scale_loads: read a K step's scales from SMEM before issuing its wgmma (their latency
         then overlaps the tensor cores) instead of after the wgmma's wait; the scale vectors are
         then live across the wgmma. Off by default until measured.
+      run_ahead: run each persistent CTA's tiles as one pipeline over all its (tile, K step)
+        pairs, so that the producer loads the next tile's first chunks while the consumers
+        finish this one, instead of the pipeline filling and draining at every tile. Each
+        consumer stores a tile after its last chunk and carries zeros into the next. The grid is
+        then dynamic (the CTA's tile count), so all `max_concurrent_steps` stages are allocated
+        even for fewer K steps. Needs `persistent` and `warp_specialized`. Off by default until
+        measured.
     """
 
     tile_m: int = 128
@@ -84,6 +91,7 @@ class GemmConfig:
     cluster_n: int = 1
     scalar_b_scale: bool = False
     early_scale_loads: bool = False
+    run_ahead: bool = False
 
     def __post_init__(self):
         rows = WGMMA_M * (WS_CONSUMER_WGS if self.warp_specialized else 1)
@@ -109,6 +117,9 @@ class GemmConfig:
         if self.scalar_b_scale and TILE % self.tile_n:
             raise ValueError(f"scalar_b_scale needs each tile's columns in one {TILE}-row weight "
                              f"block: tile_n must divide {TILE}, got {self.tile_n}")
+        if self.run_ahead and not (self.persistent and self.warp_specialized):
+            raise ValueError("run_ahead=True needs persistent=True and warp_specialized=True: it "
+                             "pipelines one persistent CTA's tiles through its producer warpgroup")
         if max(self.cluster_m, self.cluster_n) > 1 and not self.warp_specialized:
             axis = "cluster_m" if self.cluster_m > 1 else "cluster_n"
             raise ValueError(f"{axis}=2 needs warp_specialized=True: the simple pipeline has no "
@@ -208,11 +219,13 @@ def smem_bytes(config: GemmConfig, out_dtype, chunks: int) -> int:
     Per stage a [tile_m, 128] and b [tile_n, 128] fp8 tile and their f32 scales, plus the output
     tile and the pipeline's mbarriers (one per stage, two with warp specialization: "produced"
     and "consumed"); each buffer starts on a 1024-byte boundary. The pipelines allocate no more
-    stages than there are K steps. This reproduces Mosaic GPU's own count
+    stages than there are K steps (all of them with `run_ahead`). This reproduces Mosaic GPU's own count
     (`tests/test_gemm_kernel.py` checks it), so a config is rejected before lowering, in the
     interpreter too, with the fields to change.
     """
     stages = min(config.max_concurrent_steps, chunks)
+    if getattr(config, "run_ahead", False):  # a dynamic grid: every stage
+        stages = config.max_concurrent_steps
     tm, tn = config.tile_m, config.tile_n
     f32 = jnp.dtype(jnp.float32).itemsize
     buffers = (

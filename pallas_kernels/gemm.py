@@ -37,6 +37,9 @@ Launch structure, two forms selected by `GemmConfig`:
   b, the tile's one block scale per K step is read as a scalar instead of a per-column vector.
 - `GemmConfig(early_scale_loads=True)` (off by default until measured): a K step's scales are
   read from SMEM before its wgmma is issued rather than after its wait.
+- `GemmConfig(run_ahead=True)` (off by default until measured): one pipeline over all of a
+  persistent CTA's (tile, K step) pairs, so that the producer loads the next tile's chunks while
+  the consumers finish the current one, instead of the pipeline draining at every tile.
 
 In both, the fp8 tiles are in the 128-byte swizzle that wgmma needs, b is stored K-major, `(N, K)`,
 and handed to wgmma transposed (fp8 wgmma takes no other B layout), and each warpgroup casts its
@@ -85,7 +88,9 @@ from pallas_kernels._mainloop import (
     for_each_tile,
     in_specs,
     launch_tiles,
+    persistent_units,
     promote,
+    run_ahead_tiles,
     store_tile,
     warp_specialized_tiles,
 )
@@ -122,12 +127,22 @@ def _simple_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem, *, conf
     for_each_tile(config, tiles, tile)
     plgpu.wait_smem_to_gmem(0)
 
-def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles, scalar_b):
-    """Warp-specialized dense GEMM (`warp_specialized_tiles`) over the tiles of `for_each_tile`.
-    Refs as in `_simple_kernel`."""
+def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles, scalar_b, units):
+    """Warp-specialized dense GEMM (`warp_specialized_tiles`) over the tiles of `for_each_tile`,
+    or with `run_ahead` one pipeline over all of them (`run_ahead_tiles`; `units` CTAs or
+    clusters launched). Refs as in `_simple_kernel`."""
     tm, tn = config.tile_m, config.tile_n
     wm = tm // WS_CONSUMER_WGS
     operands = (a_gmem, b_gmem, sa_gmem, sb_gmem)
+    out_transforms = swizzled(out_gmem.dtype, tn)
+
+    if config.run_ahead:
+        def store(out, out_rows, mi, ni, wg):
+            store_tile(out, out_rows, out_gmem.at[pl.ds(mi * tm + wg * wm, wm), pl.ds(ni * tn, tn)])
+
+        run_ahead_tiles(config, operands, out_gmem.dtype, tiles, units, store,
+                        out_transforms=out_transforms, scalar_b=scalar_b)
+        return
 
     def schedule(run_tile, wg, _):
         def tile(mi, ni):
@@ -139,10 +154,8 @@ def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles, sca
 
         for_each_tile(config, tiles, tile)
 
-    warp_specialized_tiles(
-        config, operands, out_gmem.dtype, schedule, out_transforms=swizzled(out_gmem.dtype, tn),
-        scalar_b=scalar_b,
-    )
+    warp_specialized_tiles(config, operands, out_gmem.dtype, schedule, out_transforms=out_transforms,
+                           scalar_b=scalar_b)
 
 def _check_inputs(a_data, a_scale, b_data, b_scale, n, b_block_rows, out_dtype) -> None:
     for name, x in (("a_data", a_data), ("b_data", b_data)):
@@ -213,13 +226,14 @@ def _gemm_call(
     """The Mosaic GPU kernel over `tiles = (row tiles, column tiles)` output tiles; `scalar_b`:
     b's scales are laid out per block (`_kernel_operands`)."""
     out_type = jax.ShapeDtypeStruct(out_shape, out_dtype)
-    kernel = _ws_kernel if config.warp_specialized else _simple_kernel
-    kernel = functools.partial(kernel, config=config, tiles=tiles, scalar_b=scalar_b)
-    scratch = {}
-    if not config.warp_specialized:
+    grid = cluster_tiles(config, tiles)
+    kernel, scratch = functools.partial(_simple_kernel, config=config, tiles=tiles, scalar_b=scalar_b), {}
+    if config.warp_specialized:
+        units = persistent_units(config, grid[0] * grid[1], num_sms)
+        kernel = functools.partial(_ws_kernel, config=config, tiles=tiles, scalar_b=scalar_b, units=units)
+    else:
         transforms = swizzled(out_dtype, config.tile_n)
         scratch["out_smem"] = plgpu.SMEM((config.tile_m, config.tile_n), out_dtype, transforms=transforms)
-    grid = cluster_tiles(config, tiles)
     return launch_tiles(kernel, out_type, config, grid[0] * grid[1], num_sms, scratch_types=scratch)
 
 def scaled_matmul(

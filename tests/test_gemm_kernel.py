@@ -106,8 +106,9 @@ CLUSTER = dataclasses.replace(FAST, cluster_m=2)  # 2-CTA clusters along M, b mu
 CLUSTER_N = dataclasses.replace(FAST, cluster_n=2)  # 2-CTA clusters along N, a multicast
 SCALAR_B = dataclasses.replace(FAST, scalar_b_scale=True)  # b's block scale as one scalar
 EARLY = dataclasses.replace(FAST, early_scale_loads=True)  # scales read before the wgmma
+RUN_AHEAD = dataclasses.replace(FAST, run_ahead=True)  # one pipeline over a CTA's tiles
 CONFIGS = {"simple": SIMPLE, "fast": FAST, "cluster": CLUSTER, "cluster-n": CLUSTER_N,
-           "scalar-b": SCALAR_B, "early-scales": EARLY}
+           "scalar-b": SCALAR_B, "early-scales": EARLY, "run-ahead": RUN_AHEAD}
 
 # (M, N, K, b_block_rows, out_dtype): M/N tails within and past one tile, b with padded rows
 # (N=200 and 136 under 128x128 blocks), K tails (K=200 -> 2 chunks), 1 and 4 chunks (more
@@ -129,7 +130,8 @@ EXACT_CASES = [
     + [(*EXACT_CASES[1], "fast"), (*EXACT_CASES[3], "fast")]
     # the scalar b scale with block-scaled b, and tile-scaled b (which keeps the vector)
     + [(*EXACT_CASES[1], "scalar-b"), (*EXACT_CASES[2], "scalar-b")]
-    + [(*EXACT_CASES[2], "early-scales"), (*EXACT_CASES[4], "early-scales")],
+    + [(*EXACT_CASES[2], "early-scales"), (*EXACT_CASES[4], "early-scales")]
+    + [(*EXACT_CASES[1], "run-ahead"), (*EXACT_CASES[4], "run-ahead")],
 )
 def test_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype, config):
     seed = _seed()
@@ -233,9 +235,17 @@ def test_interpreter_poisons_unwritten_output():
         # computes a tile wholly past N) = 2 x 2 cluster tiles, a multicast, persistent and not.
         (dataclasses.replace(CLUSTER_N, max_concurrent_steps=2, grid_tile_group=2), 200, 330, 2),
         (dataclasses.replace(CLUSTER_N, max_concurrent_steps=2, persistent=False), 200, 330, None),
+        # One pipeline over each CTA's tiles: 3 row x 2 column tiles on 4 CTAs (2, 2, 1, 1 tiles),
+        # the producer loading a tile's chunks while the consumers finish the previous tile ...
+        (dataclasses.replace(RUN_AHEAD, max_concurrent_steps=2, grid_tile_group=2), 330, 200, 4),
+        # ... with every variant on top, in clusters along M and along N.
+        (dataclasses.replace(RUN_AHEAD, max_concurrent_steps=2, cluster_m=2, scalar_b_scale=True,
+                             early_scale_loads=True), 330, 200, 2),
+        (dataclasses.replace(RUN_AHEAD, cluster_n=2), 200, 330, 2),  # 4 stages, 3 K steps a tile
     ],
     ids=["ws", "one-warpgroup", "cluster-persistent", "cluster", "cluster-scalar-early",
-         "cluster-n-persistent", "cluster-n"],
+         "cluster-n-persistent", "cluster-n", "run-ahead", "run-ahead-cluster-scalar-early",
+         "run-ahead-cluster-n"],
 )
 def test_persistent_ctas_walk_every_tile_without_races(config, m, n, num_sms):
     """CTAs that each own several tiles write every output element (the outputs start as NaN),
@@ -338,6 +348,8 @@ def test_invalid_inputs_raise(change, error, match):
         dict(cluster_m=2, cluster_n=2),  # a 2 x 2 cluster is not built
         dict(scalar_b_scale=True, tile_n=256),  # a tile spanning two weight blocks
         dict(scalar_b_scale=True, tile_n=48),
+        dict(run_ahead=True, persistent=False),  # one tile per CTA: nothing to run ahead into
+        dict(run_ahead=True, tile_m=64, warp_specialized=False),
     ],
 )
 def test_invalid_config_raises(fields):
@@ -394,6 +406,7 @@ def test_each_change_lowers_for_hopper(config):
         (CLUSTER, jnp.bfloat16, 7),  # cluster barriers are mbarriers too
         (CLUSTER_N, jnp.float32, 3),
         (dataclasses.replace(SCALAR_B, tile_n=64), jnp.float32, 5),  # a 16-byte b-scale box
+        (RUN_AHEAD, jnp.bfloat16, 2),  # a dynamic grid allocates all 4 stages for 2 K steps
     ],
 )
 def test_smem_estimate_equals_mosaic_count(config, out_dtype, chunks, monkeypatch):

@@ -226,6 +226,8 @@ def test_tuner_candidates_start_with_the_rule_and_fit(tune, m, n, k):
     assert any(c.scalar_b_scale for c in found)
     assert all(("-sb" in tune.config_name(c)) == c.scalar_b_scale for c in found)
     assert all(("-es" in tune.config_name(c)) == c.early_scale_loads for c in found)
+    assert all(("-ra" in tune.config_name(c)) == c.run_ahead for c in found)
+    assert any(c.run_ahead for c in found) == (m > 64)
     assert len({tune.config_name(c) for c in found}) == len(found)
 
 
