@@ -117,6 +117,7 @@ BISECT_SHAPES = GEMM_SHAPES[:1] + tuple(s for s in GEMM_SHAPES if s.startswith("
 BISECT_CONFIGS = ("cluster_m=2", "scalar_b_scale=true", "early_scale_loads=true", "cluster_n=2", "run_ahead=true",
                   "cluster_m=2,scalar_b_scale=true", "cluster_m=2,scalar_b_scale=true,early_scale_loads=true",
                   "cluster_m=2,scalar_b_scale=true,early_scale_loads=true,run_ahead=true",
+                  "tile_n=192,scalar_b_scale=true", "tile_n=256,scalar_b_scale=true,max_concurrent_steps=3",
                   "warp_specialized=false,persistent=false,tile_m=64,grid_tile_group=1,max_concurrent_steps=2",
                   "persistent=false", "grid_tile_group=1", "tile_n=64", "max_concurrent_steps=3",
                   "max_concurrent_steps=5", "tile_m=256")

@@ -236,6 +236,10 @@ KERNELS = {
                        lambda rng, i: _dense(rng, i, gemm.GemmConfig(cluster_n=2))),
     "gemm_run_ahead": ("dense tile x block, GemmConfig(run_ahead=True): one pipeline over each CTA's tiles (issue 19)",
                        lambda rng, i: _dense(rng, i, gemm.GemmConfig(run_ahead=True))),
+    "gemm_wide_tiles": ("dense tile x block, GemmConfig(tile_n=192, scalar_b_scale=True, max_concurrent_steps=2): "
+                        "128 x 192 tiles, a scalar per 64-column slice (issue 19)",
+                        lambda rng, i: _dense(rng, i, gemm.GemmConfig(tile_n=192, scalar_b_scale=True,
+                                                                      max_concurrent_steps=2))),
     "grouped_fprop_switches": (
         "grouped Fprop/Dgrad, GroupedGemmConfig(cluster_n=2, scalar_b_scale=True, early_scale_loads=True) (issue 19)",
         lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig(

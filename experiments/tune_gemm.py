@@ -105,6 +105,10 @@ def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmCon
         found += [GemmConfig(early_scale_loads=True), GemmConfig(early_scale_loads=True, scalar_b_scale=True)]
         # one pipeline over each CTA's tiles, alone and with the promotion switches
         found += [GemmConfig(run_ahead=True), GemmConfig(run_ahead=True, scalar_b_scale=True, early_scale_loads=True)]
+    if m > 64 and n > 128:  # 128 x 192 / 256 tiles, which the scalar b scale makes fit in registers
+        found += [GemmConfig(tile_n=192, scalar_b_scale=True, max_concurrent_steps=stages) for stages in (3, 4)]
+        found += [GemmConfig(tile_n=256, scalar_b_scale=True, max_concurrent_steps=3),
+                  GemmConfig(tile_n=192, scalar_b_scale=True, early_scale_loads=True, run_ahead=True)]
     unique = list(dict.fromkeys(found))
     return [c for c in unique if smem_bytes(c, out_dtype, chunks) <= SMEM_BYTES]
 

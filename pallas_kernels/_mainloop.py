@@ -20,7 +20,7 @@ from pallas_kernels._hopper import (
     swizzled,
     zeros,
 )
-from pallas_kernels.configs import GemmConfig
+from pallas_kernels.configs import GemmConfig, block_pieces
 from pallas_kernels.fp8_math import FP8_DTYPE
 
 
@@ -29,8 +29,9 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
     """One K chunk for one warpgroup: fresh FP32 wgmma, then `out + partial * (sa * sb)`.
 
     a_smem [rows, TILE_K], b_smem [tile_n, TILE_K] (K-major), sa_smem [rows], sb_smem [tile_n]
-    (one scale per output column), or with `scalar_b` [SCALE_BOX] whose element 0 is the one
-    scale of the tile's weight block (`GemmConfig.scalar_b_scale`); out [rows, tile_n] f32 in
+    (one scale per output column), or with `scalar_b` [SCALE_BOX] whose element p is the scale
+    of the weight block under column slice p of `block_pieces(tile_n)` (one slice unless the tile
+    is wider than a block; `GemmConfig.scalar_b_scale`); out [rows, tile_n] f32 in
     registers, rows a multiple of 64. Either way each element gets `partial * (sa[r] * sb[c])`
     with the same f32 values, so the bits do not depend on the form. With `early_scales`
     (`GemmConfig.early_scale_loads`) the scale vectors are read from SMEM before the wgmma is
@@ -38,11 +39,12 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
     """
     rows, cols = out.shape
     wgmma_layout = plgpu.Layout.WGMMA
+    width, pieces = block_pieces(cols)
 
     def load_scales():
         sa = plgpu.load(sa_smem, layout=wgmma_layout.reduce(1))  # [rows] per output row
-        if scalar_b:  # one weight block: scale the row vector (broadcast along the columns later)
-            return sa * sb_smem[0], None
+        if scalar_b:  # scale the row vector by each slice's block scale (broadcast later)
+            return [sa * sb_smem[p] for p in range(pieces)], None
         return sa, plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [cols] per output column
 
     def chunk_product(acc_ref):
@@ -59,8 +61,13 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
     with jax.named_scope("promote"):
         if not early_scales:
             sa, sb = load_scales()
-        if sb is None:
-            out = out + partial * lax.broadcast_in_dim(sa, out.shape, [0])
+        if sb is None and pieces == 1:
+            out = out + partial * lax.broadcast_in_dim(sa[0], out.shape, [0])
+        elif sb is None:  # a tile over two weight blocks: each slice with its own scalar
+            part = [slice(p * width, (p + 1) * width) for p in range(pieces)]
+            out = jnp.concatenate(
+                [out[:, c] + partial[:, c] * lax.broadcast_in_dim(s, (rows, width), [0])
+                 for c, s in zip(part, sa)], axis=1)
         else:
             sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
             out = out + partial * (sa * sb)
@@ -90,8 +97,10 @@ def step_specs(config, locate, *, scalar_b: bool = False) -> list[plgpu.BlockSpe
     cluster; along N they share (mi, c), and a and its scales are.
 
     b's scales: per output column, `[C, N']`; with `scalar_b`, per weight block, `[C, blocks *
-    SCALE_BOX]` (each block's scale repeated to one 16-byte TMA box), the box of the tile's block.
-    That box is too small to split between a cluster's CTAs, so each loads its own."""
+    SCALE_BOX]` (each block's scale repeated to one 16-byte TMA box), the box of the tile's block,
+    or for tiles wider than a block per column tile, `[C, tiles * SCALE_BOX]`, box j holding the
+    block scales of tile j's `block_pieces`. A box is too small to split between a cluster's
+    CTAs, so each loads its own."""
     tm, tn = config.tile_m, config.tile_n
     fp8_tile = swizzled(FP8_DTYPE, TILE_K)
     cm, cn = cluster_shape(config)
@@ -100,7 +109,9 @@ def step_specs(config, locate, *, scalar_b: bool = False) -> list[plgpu.BlockSpe
     def at(index):  # block index from (mi, ni, c)
         return lambda s: index(*locate(s))
 
-    if scalar_b:
+    if scalar_b and tn > TILE_K:  # one box per column tile: its slices' block scales
+        sb_spec = plgpu.BlockSpec((None, SCALE_BOX), at(lambda mi, ni, c: (c, ni)))
+    elif scalar_b:  # one box per weight block, shared by its column tiles
         tiles_per_block = TILE_K // tn
         sb_spec = plgpu.BlockSpec((None, SCALE_BOX), at(lambda mi, ni, c: (c, ni // tiles_per_block)))
     else:

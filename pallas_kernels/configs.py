@@ -8,6 +8,7 @@ lowering (in the interpreter too), and `out_shape` is the padded output the TMA 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -31,6 +32,19 @@ from pallas_kernels._hopper import (
 from pallas_kernels.fp8_math import TILE
 
 
+# The narrowest column slice `scalar_b_scale` promotes with its own scalar in a tile wider than
+# one weight block (a 192-wide tile starts at column 0 or 64 of a block).
+SCALE_PIECE = 64
+
+
+def block_pieces(tile_n: int) -> tuple[int, int]:
+    """(width, count) of the column slices of a tile that each lie in one 128-column weight block
+    wherever the tile starts (tiles start at multiples of tile_n): the whole tile when it divides
+    128; 64 x 3 for 192; 128 x 2 for 256."""
+    width = math.gcd(tile_n, TILE)
+    return width, tile_n // width
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """Tiling and launch structure of the kernel. The defaults are the fast form (see the module
@@ -43,7 +57,8 @@ class GemmConfig:
         a swizzled bf16 output row). A warpgroup computing r rows holds f32 register tiles of
         r x tile_n (`partial`, the scale product, `out`), each 64 registers/thread at 64 x 128;
         at tile_n = 256 they take 3 x 128, more than a thread has (232 for a warp-specialized
-        consumer, 255 otherwise), and spill.
+        consumer, 255 otherwise), and spill. `scalar_b_scale` drops the scale product: 2 x 96
+        at 192.
       max_concurrent_steps: SMEM stages: K steps whose TMA copies may be in flight at once.
       warp_specialized: one producer warpgroup issues the TMA copies and `WS_CONSUMER_WGS`
         consumer warpgroups run wgmma and the promotion on their rows of the tile; otherwise one
@@ -67,8 +82,11 @@ class GemmConfig:
         for a K step as the one scalar it is over the tile (one 16-byte TMA box and one SMEM load;
         `sa * sb` on the row vector before broadcasting) instead of a tile_n-wide per-column
         vector (a 128-float copy, a layout load and a [rows, tile_n] multiply, holding about 32
-        more registers per consumer thread). Needs the tile's columns in one weight block:
-        128 % tile_n == 0. Tile-scaled b (Wgrad) keeps the vector. Off by default until measured.
+        more registers per consumer thread). Needs 128 % tile_n == 0 (the tile's columns in one
+        weight block) or tile_n a multiple of 64: then a 192- or 256-wide tile, which spans two
+        weight blocks, is promoted in `block_pieces` (64- or 128-column slices, each in one
+        block) with one scalar each, all read from one 16-byte box per K step. Tile-scaled b
+        (Wgrad) keeps the vector. Off by default until measured.
       early_scale_loads: read a K step's scales from SMEM before issuing its wgmma (their latency
         then overlaps the tensor cores) instead of after the wgmma's wait; the scale vectors are
         then live across the wgmma. Off by default until measured.
@@ -114,9 +132,10 @@ class GemmConfig:
         if self.cluster_m > 1 and self.cluster_n > 1:
             raise ValueError("cluster_m=2 with cluster_n=2 (a 2 x 2 cluster) is not built: "
                              "set one of them to 1")
-        if self.scalar_b_scale and TILE % self.tile_n:
-            raise ValueError(f"scalar_b_scale needs each tile's columns in one {TILE}-row weight "
-                             f"block: tile_n must divide {TILE}, got {self.tile_n}")
+        if self.scalar_b_scale and TILE % self.tile_n and self.tile_n % SCALE_PIECE:
+            raise ValueError(f"scalar_b_scale needs tile_n to divide {TILE} (one weight block per "
+                             f"tile) or to be a multiple of {SCALE_PIECE} (slices of one block "
+                             f"each), got {self.tile_n}")
         if self.run_ahead and not (self.persistent and self.warp_specialized):
             raise ValueError("run_ahead=True needs persistent=True and warp_specialized=True: it "
                              "pipelines one persistent CTA's tiles through its producer warpgroup")
@@ -190,6 +209,9 @@ class GroupedGemmConfig:
             GemmConfig(self.tile_m, self.tile_n, self.max_concurrent_steps, True, self.persistent,
                        self.grid_tile_group, cluster_n=self.cluster_n,
                        scalar_b_scale=self.scalar_b_scale, early_scale_loads=self.early_scale_loads)
+            if self.scalar_b_scale and TILE % self.tile_n:
+                raise ValueError(f"the grouped kernels' scalar_b_scale needs tile_n to divide {TILE} "
+                                 f"(one weight block per tile), got {self.tile_n}")
             return
         for field in ("cluster_n", "scalar_b_scale", "early_scale_loads"):
             if getattr(self, field) != getattr(GroupedGemmConfig, field):

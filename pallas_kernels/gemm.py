@@ -34,7 +34,9 @@ Launch structure, two forms selected by `GemmConfig`:
   CTAs along M that share each K step's b chunk, loaded half by each and TMA-multicast to both;
   `GemmConfig(cluster_n=2)`: along N, sharing a's chunk instead.
 - `GemmConfig(scalar_b_scale=True)` (off by default until measured): for 128 x 128-block-scaled
-  b, the tile's one block scale per K step is read as a scalar instead of a per-column vector.
+  b, the tile's one block scale per K step is read as a scalar instead of a per-column vector;
+  a 192- or 256-wide tile, which spans two weight blocks, is promoted in 64- or 128-column
+  slices with one scalar each.
 - `GemmConfig(early_scale_loads=True)` (off by default until measured): a K step's scales are
   read from SMEM before its wgmma is issued rather than after its wait.
 - `GemmConfig(run_ahead=True)` (off by default until measured): one pipeline over all of a
@@ -66,6 +68,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -94,7 +97,7 @@ from pallas_kernels._mainloop import (
     store_tile,
     warp_specialized_tiles,
 )
-from pallas_kernels.configs import GemmConfig, check_smem, out_shape, smem_bytes
+from pallas_kernels.configs import GemmConfig, block_pieces, check_smem, out_shape, smem_bytes
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE
 
 __all__ = ["GemmConfig", "lower_scaled_matmul", "scaled_matmul", "smem_bytes"]
@@ -192,7 +195,7 @@ def _check_inputs(a_data, a_scale, b_data, b_scale, n, b_block_rows, out_dtype) 
             f" for b_data {b_data.shape} and b_block_rows={b_block_rows}, got {b_scale.shape}"
         )
 
-def _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows, scalar_b=False):
+def _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows, scalar_b=False, tile_n=TILE):
     """The layouts the kernel's TMA copies need.
 
     - Scales go K chunk-major, `[C, rows]`, so one K step's scales for a tile are one contiguous
@@ -200,13 +203,19 @@ def _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows, scalar_b
       over its rows), which serves both pairings with one kernel. Both are small (1/32 of the
       fp8 data) and padded to 16-byte rows for TMA. With `scalar_b` (block-scaled b,
       `GemmConfig.scalar_b_scale`) b's are one per block instead, each repeated to a 16-byte box:
-      `[C, blocks * SCALE_BOX]`.
+      `[C, blocks * SCALE_BOX]`; for `tile_n` wider than a block, one box per column tile,
+      holding the scales of the blocks under its `block_pieces`: `[C, tiles * SCALE_BOX]`.
     - The fp8 operands' rows are zero-padded to a multiple of 8 for the swizzled TMA: this copies
       a (or b) only when it has more than 8 rows and their count is not a multiple of 8.
     """
     f32_align = TMA_ALIGN_BYTES // 4
     sa = pad_axis(a_scale.T, 1, round_up(a_scale.shape[0], f32_align))  # [C, M']
-    if scalar_b:
+    if scalar_b and tile_n > TILE:
+        width, _ = block_pieces(tile_n)
+        starts = np.arange(pl.cdiv(n, tile_n))[:, None] * tile_n + np.arange(SCALE_BOX) * width
+        blocks = np.minimum(starts // TILE, b_scale.shape[0] - 1)  # past the tile's pieces: unused
+        sb = b_scale.T[:, blocks.reshape(-1)]  # [C, tiles * SCALE_BOX]
+    elif scalar_b:
         sb = jnp.repeat(b_scale.T, SCALE_BOX, axis=1)  # [C, blocks * SCALE_BOX]
     else:
         sb = jnp.repeat(b_scale, b_block_rows, axis=0)[:n] if b_block_rows > 1 else b_scale[:n]
@@ -276,7 +285,7 @@ def scaled_matmul(
         config = tuning.dense_config(m, n, kp, out_dtype)
     check_smem(config, out_dtype, kp // TILE_K)
     scalar_b = config.scalar_b_scale and b_block_rows == TILE
-    operands = _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows, scalar_b)
+    operands = _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows, scalar_b, config.tile_n)
     m_out, n_out = out_shape(m, n, out_dtype, config)
     tiles = (pl.cdiv(m, config.tile_m), pl.cdiv(n, config.tile_n))
     out = _gemm_call((m_out, n_out), out_dtype, config, tiles, scalar_b=scalar_b)(*operands)

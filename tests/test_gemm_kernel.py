@@ -107,8 +107,11 @@ CLUSTER_N = dataclasses.replace(FAST, cluster_n=2)  # 2-CTA clusters along N, a 
 SCALAR_B = dataclasses.replace(FAST, scalar_b_scale=True)  # b's block scale as one scalar
 EARLY = dataclasses.replace(FAST, early_scale_loads=True)  # scales read before the wgmma
 RUN_AHEAD = dataclasses.replace(FAST, run_ahead=True)  # one pipeline over a CTA's tiles
+# 128 x 192 tiles (over two weight blocks) with the scalar scale per 64-column slice; 2 stages
+# leave room for an f32 output tile.
+WIDE = dataclasses.replace(SCALAR_B, tile_n=192, max_concurrent_steps=2)
 CONFIGS = {"simple": SIMPLE, "fast": FAST, "cluster": CLUSTER, "cluster-n": CLUSTER_N,
-           "scalar-b": SCALAR_B, "early-scales": EARLY, "run-ahead": RUN_AHEAD}
+           "scalar-b": SCALAR_B, "early-scales": EARLY, "run-ahead": RUN_AHEAD, "wide": WIDE}
 
 # (M, N, K, b_block_rows, out_dtype): M/N tails within and past one tile, b with padded rows
 # (N=200 and 136 under 128x128 blocks), K tails (K=200 -> 2 chunks), 1 and 4 chunks (more
@@ -170,13 +173,21 @@ def test_bit_identical_with_other_tilings(config, k):
         # clusters along N: the two CTAs' column tiles in one block (64) or in two blocks (128)
         dataclasses.replace(CLUSTER_N, scalar_b_scale=True, tile_n=64, max_concurrent_steps=2),
         dataclasses.replace(CLUSTER_N, scalar_b_scale=True, early_scale_loads=True, persistent=False),
+        # tiles over two blocks, promoted in slices: 192 = 3 x 64 (tile 1 starts mid-block) ...
+        dataclasses.replace(SCALAR_B, tile_n=192, max_concurrent_steps=2),
+        dataclasses.replace(SCALAR_B, tile_n=192, max_concurrent_steps=2, early_scale_loads=True,
+                            cluster_n=2, run_ahead=True),
+        # ... and 256 = 2 x 128 (one warpgroup: two 128 x 256 f32 stages and tile leave no room)
+        dataclasses.replace(SIMPLE, scalar_b_scale=True, tile_n=256),
     ],
     ids=["ws-64", "one-warpgroup-32", "cluster-32", "one-warpgroup-early", "cluster-early",
-         "cluster-n-64", "cluster-n-128-early"],
+         "cluster-n-64", "cluster-n-128-early", "ws-192", "ws-192-cluster-n-early-run-ahead",
+         "one-warpgroup-256"],
 )
 def test_scalar_b_scale_picks_each_tiles_block(config):
     """With `scalar_b_scale` each column tile reads the scale of the weight block it lies in
-    (tile ni in block ni // (128 / tile_n)); N = 300 ends inside a third, partial block."""
+    (tile ni in block ni // (128 / tile_n)), or a wider tile each 64- or 128-column slice's
+    block; N = 300 ends inside a third, partial block."""
     seed = _seed()
     a, b = _operands(seed, 330, 300, 384, TILE, exact=True)
     out = _interpret(_kernel, a, b, TILE, jnp.float32, config)
@@ -254,7 +265,7 @@ def test_persistent_ctas_walk_every_tile_without_races(config, m, n, num_sms):
     seed = _seed()
     a, b = _operands(seed, m, n, 3 * TILE, TILE, exact=True)
     scalar_b = config.scalar_b_scale  # b is block-scaled here
-    operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, TILE, scalar_b)
+    operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, TILE, scalar_b, config.tile_n)
     shape = out_shape(m, n, jnp.float32, config)
     tiles = (-(-m // config.tile_m), -(-n // config.tile_n))
     call = gemm._gemm_call(shape, jnp.float32, config, tiles, num_sms=num_sms, scalar_b=scalar_b)
@@ -346,7 +357,7 @@ def test_invalid_inputs_raise(change, error, match):
         dict(cluster_n=3),
         dict(cluster_n=2, tile_m=64, warp_specialized=False),
         dict(cluster_m=2, cluster_n=2),  # a 2 x 2 cluster is not built
-        dict(scalar_b_scale=True, tile_n=256),  # a tile spanning two weight blocks
+        dict(scalar_b_scale=True, tile_n=160),  # slices of 32 columns: not built
         dict(scalar_b_scale=True, tile_n=48),
         dict(run_ahead=True, persistent=False),  # one tile per CTA: nothing to run ahead into
         dict(run_ahead=True, tile_m=64, warp_specialized=False),
@@ -376,6 +387,17 @@ def test_lowers_for_hopper(m, n, k, b_block_rows, out_dtype, config):
     text = gemm.lower_scaled_matmul(
         m, n, k, b_block_rows=b_block_rows, out_dtype=out_dtype, config=CONFIGS[config]
     )
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("config", [dataclasses.replace(SCALAR_B, tile_n=192),
+                                    dataclasses.replace(SCALAR_B, tile_n=256, max_concurrent_steps=3)],
+                         ids=["192x4", "256x3"])
+@pytest.mark.parametrize("shape", DENSE_SHAPES, ids=str)
+def test_wide_tiles_lower_at_the_benchmark_shapes(shape, config):
+    """The forms the bisect rows time (bf16 output, as many stages as fit)."""
+    text = gemm.lower_scaled_matmul(shape.m, shape.n, shape.k, b_block_rows=TILE,
+                                    out_dtype=jnp.bfloat16, config=config)
     assert "mosaic_gpu" in text
 
 

@@ -228,6 +228,8 @@ def test_tuner_candidates_start_with_the_rule_and_fit(tune, m, n, k):
     assert all(("-es" in tune.config_name(c)) == c.early_scale_loads for c in found)
     assert all(("-ra" in tune.config_name(c)) == c.run_ahead for c in found)
     assert any(c.run_ahead for c in found) == (m > 64)
+    wide = [c for c in found if c.tile_n > 128]
+    assert bool(wide) == (m > 64 and n > 128) and all(c.scalar_b_scale for c in wide), wide
     assert len({tune.config_name(c) for c in found}) == len(found)
 
 
