@@ -210,8 +210,8 @@ class GroupedGemmConfig:
                        self.grid_tile_group, cluster_n=self.cluster_n,
                        scalar_b_scale=self.scalar_b_scale, early_scale_loads=self.early_scale_loads)
             if self.scalar_b_scale and TILE % self.tile_n:
-                raise ValueError(f"the grouped kernels' scalar_b_scale needs tile_n to divide {TILE} "
-                                 f"(one weight block per tile), got {self.tile_n}")
+                raise ValueError(f"the grouped kernels' scalar_b_scale needs one weight block per "
+                                 f"tile: tile_n must divide {TILE}, got {self.tile_n}")
             return
         for field in ("cluster_n", "scalar_b_scale", "early_scale_loads"):
             if getattr(self, field) != getattr(GroupedGemmConfig, field):
