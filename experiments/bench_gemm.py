@@ -12,8 +12,13 @@ Implementations (rows), per shape MxNxK (x (M, K) times w (N, K), output bf16):
   torch-fp8-blockwise   torch scaled_mm with 1x128 (x) and 128x128 (w) FP32 scales: cuBLAS >= 12.9
                         on sm_90 (GPU with torch only; a failure is recorded, not raised)
   jfp8-<impl>           jfp8.scaled_matmul, the front door (impl "mosaic" on Hopper, else "xla")
+  jfp8-mosaic-kernel    with --config (Hopper only): the kernel `jfp8-mosaic` runs, timed alone on
+                        operands already in the kernel's TMA layouts (`gemm.split_scaled_matmul`):
+                        its gap to `jfp8-mosaic` is what the wrapper's XLA ops cost (issue 19's
+                        limiter 5, measured before the quantizers' output layout is changed for it)
   jfp8-mosaic[<config>] pallas_kernels.gemm.scaled_matmul with GemmConfig(<config>), per --config
-                        (Hopper only), on operands already laid out for the kernel
+                        (Hopper only), on operands already chunked for the kernel (its wrapper's
+                        scale layout ops included)
 
 Each implementation is checked against its reference before it is timed (a failed check is
 recorded and makes the exit status 1); timings are medians of `--repeats` samples after warm-up,
@@ -68,6 +73,7 @@ from jfp8.reference import chunk_operand
 from pallas_kernels.shapes import CPU_DENSE_SHAPES, DENSE_SHAPES, SMALL_M_SHAPES, GemmShape
 
 BASELINE = "xla-bf16"
+KERNEL_ONLY = "jfp8-mosaic-kernel"
 BASELINES = ("xla-bf16", "xla-fp8-per-tensor", "torch-bf16", "torch-fp8-blockwise")
 # The issue's target for the tile x block kernel against the bf16 baseline.
 # Tolerances of a bf16 output against an f32 reference: bf16 rounding (2^-9 relative) plus, for
@@ -239,6 +245,13 @@ def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], o
         # b's (128, 128) block scales as stored.
         kp = a.data.shape[1]
         a_data, a_scale = jax.jit(chunk_operand, static_argnums=1)(a, kp)
+        if use_kernels:  # the front door's kernel alone: every wrapper op done outside the timer
+            laid_out, kernel = gemm.split_scaled_matmul(a_data, a_scale, b.data, b.scale, n=n, b_block_rows=jfp8.TILE,
+                                                        out_dtype=jnp.bfloat16)
+            laid_out, kernel = jax.block_until_ready(laid_out), jax.jit(kernel)
+            cases.append(Case(KERNEL_ONLY, lambda: kernel(*laid_out), _jax_check(ref), TOL_FP8_OUTPUT, "fp8"))
+        else:
+            skips.append(Skip(KERNEL_ONLY, "needs a Hopper GPU"))
         for text in configs:
             name = f"jfp8-mosaic[{config_label(text)}]"
             config = parse_config(text, gemm.GemmConfig)  # bad fields fail here, on any machine

@@ -77,6 +77,7 @@ def test_gemm_record(records):
     assert "xla-bf16" in rows["jfp8-xla"]["ratio_vs"]
     skipped = {s["impl"]: s["reason"] for s in record["skipped"]}
     assert "torch-fp8-blockwise" in skipped and "jfp8-mosaic[max_concurrent_steps=2]" in skipped  # no GPU here
+    assert skipped["jfp8-mosaic-kernel"] == "needs a Hopper GPU"  # the wrapper-free row, with --config
 
 
 def test_grouped_record(records):

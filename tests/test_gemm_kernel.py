@@ -143,6 +143,28 @@ def test_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype, config):
     _assert_bitwise_equal(out, _reference(a, b, out_dtype), seed)
 
 
+@pytest.mark.parametrize("config", ["fast", "scalar-b"])
+def test_split_kernel_alone_is_the_whole_matmul(config):
+    """The benchmark's kernel-only row: `split_scaled_matmul`'s operands, laid out eagerly outside
+    the kernel's jit, then the kernel alone, give `scaled_matmul`'s bits (M = 65: a padded output
+    sliced back; N = 200: b's last block partial)."""
+    seed = _seed()
+    m, n, k, b_block_rows, out_dtype = EXACT_CASES[1]
+    a, b = _operands(seed, m, n, k, b_block_rows, exact=True)
+
+    def split_then_run():
+        operands, kernel = gemm.split_scaled_matmul(a.data, a.scale, b.data, b.scale, n=n, b_block_rows=b_block_rows,
+                                                    out_dtype=out_dtype, config=CONFIGS[config])
+        operands = jax.block_until_ready(operands)
+        return jax.jit(kernel)(*operands), operands
+
+    out, operands = _interpret(split_then_run)
+    chunks = a.scale.shape[1]
+    assert operands[2].shape == (chunks, 68)  # a's scales K-chunk-major, rows padded to 16 bytes
+    assert out.shape == (m, n)
+    _assert_bitwise_equal(out, _reference(a, b, out_dtype), seed)
+
+
 @pytest.mark.parametrize(
     "config,k",
     [
