@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The test suite, from a clean clone: sets up .venv (pinned jax 0.11.2, CPU) and runs pytest.
 # Tests marked `gpu` skip themselves without a Hopper GPU. Extra arguments go to pytest.
+# JFP8_TEST_WORKERS: pytest-xdist worker processes (default 2; 0 runs in this process). Each test
+# module stays on one worker (--dist loadscope), so module fixtures (a trained tiny run, the
+# benchmark records) are built once.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/scripts/env.sh"
 cd "$repo"
 set +e
-python -m pytest -q --durations=15 "$@"
+python -m pytest -q --durations=15 -n "${JFP8_TEST_WORKERS:-2}" --dist loadscope "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
