@@ -16,6 +16,7 @@ recipe ablation's protocol). An arm changes only the router-bias update:
   clipped-lrK   b += K·lr_t·clip((mean − load)/mean, ±1), frozen for the last 3 %
   clipped-3e-2  b += 3e-2·clip((mean − load)/mean, ±1), never frozen (the issue's CPU probe)
   clipped-1e-1  (small) b += 1e-1·clip((mean − load)/mean, ±1), frozen for the last 3 %
+  -gN / -aX     (small) the clipped rule's bias_gain N; the sequence-wise loss's balance_alpha X
 
 Reads each run's metrics.jsonl and writes DIR/summary.json and DIR/table.md: per MoE layer, the
 max/mean load averaged over the last quarter of training and the dead experts (mean and max over
@@ -72,6 +73,10 @@ ARMS = {
     "small-clipped-lr15-g4": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=15,bias_gain=4",
     "small-clipped-lr50-g4": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=50,bias_gain=4",
     "small-clipped-3e-2": "bias_rule=clipped,bias_schedule=constant,bias_gamma=0.03",
+    # κ = 50 plus a stronger complementary sequence-wise loss (eq. 17; DeepSeek-V3's α = 1e-4):
+    # its gradient reaches the gate, against the token-independent preference the bias must cancel.
+    "small-clipped-lr50-a1e-3": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=50,balance_alpha=0.001",
+    "small-clipped-lr50-a1e-2": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=50,balance_alpha=0.01",
 }
 
 
