@@ -320,6 +320,34 @@ def test_bias_update_speed_follows_lr_and_freezes():
     np.testing.assert_allclose(speeds, [lr_tied.bias_lr_ratio * 1e-3] * 2 + [0.0], rtol=1e-6)
 
 
+def test_lr_decay_bias_schedule_skips_the_warmup_and_then_follows_the_lr():
+    from jfp8.train.optim import OptimizerConfig, learning_rate_schedule
+    from jfp8.train.step import bias_gamma_schedule
+
+    total, warmup, peak, kappa = 100, 30, 2e-3, 50.0
+    opt = OptimizerConfig(peak_lr=peak, warmup_steps=warmup)
+    lr = learning_rate_schedule(opt, total)
+    decay = ModelConfig.tiny(bias_schedule="lr_decay", bias_lr_ratio=kappa)
+    tied = ModelConfig.tiny(bias_schedule="lr", bias_lr_ratio=kappa)
+    g_decay = jax.jit(jax.vmap(bias_gamma_schedule(decay, opt, total)))(jnp.arange(total + 5))
+    g_tied = jax.jit(jax.vmap(bias_gamma_schedule(tied, opt, total)))(jnp.arange(total + 5))
+    freeze = bias_freeze_step(decay, total)
+    assert 0 < warmup < freeze < total
+    # through the warmup γ sits at its peak κ·peak_lr, where "lr" climbs from 0
+    np.testing.assert_allclose(g_decay[: warmup + 1], kappa * peak, rtol=1e-6)
+    assert float(g_tied[0]) == 0.0 and float(g_tied[warmup // 2]) < kappa * peak / 1.5
+    # after it both are κ·lr_t, decaying, until the freeze
+    np.testing.assert_allclose(g_decay[warmup:freeze], g_tied[warmup:freeze], rtol=1e-6)
+    np.testing.assert_allclose(g_decay[warmup:freeze], kappa * np.asarray(jax.vmap(lr)(jnp.arange(warmup, freeze))), rtol=1e-6)
+    assert np.all(np.diff(np.asarray(g_decay[:freeze])) <= 0)
+    assert np.all(np.asarray(g_decay[freeze:]) == 0.0)
+    # a run shorter than its warmup clamps the warmup as the learning rate does
+    short = bias_gamma_schedule(decay, opt, 10)
+    assert float(short(0)) == pytest.approx(kappa * float(learning_rate_schedule(opt, 10)(9)), rel=1e-6)
+    with pytest.raises(ValueError, match="bias_schedule must be one of"):
+        ModelConfig.tiny(bias_schedule="warmup")
+
+
 def test_balance_statistics():
     loads = jnp.array([[4, 4, 4, 4], [16, 0, 0, 0], [6, 0, 5, 5]])
     biases = jnp.array([[0.0, 0.0, 0.0, 0.0], [-0.3, 0.1, 0.2, 0.0], [0.5, -0.5, 0.0, 0.0]])

@@ -13,9 +13,9 @@ from jfp8.recipe import Fp8Recipe
 _COMPUTE_DTYPES = ("bfloat16", "float32")
 
 BiasRule = Literal["sign", "clipped"]
-BiasSchedule = Literal["constant", "lr"]
+BiasSchedule = Literal["constant", "lr", "lr_decay"]
 BIAS_RULES: tuple[str, ...] = ("sign", "clipped")
-BIAS_SCHEDULES: tuple[str, ...] = ("constant", "lr")
+BIAS_SCHEDULES: tuple[str, ...] = ("constant", "lr", "lr_decay")
 # DeepSeek-V3 (§4.2): γ = 0.001 at a peak learning rate of 2.2e-4, a ratio of about 4.5.
 DEEPSEEK_V3_BIAS_LR_RATIO = 1e-3 / 2.2e-4
 # DeepSeek-V3 (§4.2) initialises every learnable parameter with this standard deviation.
@@ -82,9 +82,13 @@ class ModelConfig:
         as in the report, or "clipped", b_i += γ_t clip((mean − load_i) / mean, ±1).
       bias_gain: the "clipped" rule's gain, b_i += γ_t clip(gain · (mean − load_i) / mean, ±1):
         how far below saturation it responds in full (gain → ∞ is the sign rule).
-      bias_schedule: γ_t = `bias_gamma` ("constant") or `bias_lr_ratio` · lr_t ("lr").
+      bias_schedule: γ_t = `bias_gamma` ("constant"), `bias_lr_ratio` · lr_t ("lr"), or
+        `bias_lr_ratio` · lr_max(t, warmup) ("lr_decay": the learning rate's decay without its
+        warmup, so γ starts at its peak as in DeepSeek-V3, whose γ = 0.001 held from step 0 while
+        the learning rate warmed up; measured worse than "lr" on `small`, see
+        experiments/results/balancing-small/summary.md).
       bias_gamma: γ of the "constant" schedule.
-      bias_lr_ratio: κ of the "lr" schedule; default DeepSeek-V3's γ / peak LR = 1e-3 / 2.2e-4.
+      bias_lr_ratio: κ of the "lr" and "lr_decay" schedules; default DeepSeek-V3's γ / peak LR = 1e-3 / 2.2e-4.
       bias_freeze_frac: γ_t = 0 for this final fraction of training (DeepSeek-V3: the last
         500B of 14.8T tokens, 3.4 %).
       norm_eps: RMSNorm epsilon.

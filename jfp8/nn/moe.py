@@ -12,7 +12,7 @@ The routing is a chain of small pure functions, testable without Flax:
   expert_loads       tokens per expert                            [E]
   sequence_balance_loss   α Σ_i f_i P_i per sequence              ()       (eq. 17-20)
   update_bias        b_i += γ · sign(mean − load_i)  or  γ · clip((mean − load_i)/mean, ±1)   [E]
-  bias_update_speed  γ_t: constant, or κ · lr_t; 0 in the final `bias_freeze_frac` of training
+  bias_update_speed  γ_t: constant, κ · lr_t, or κ · lr after warmup; 0 in the final `bias_freeze_frac`
   balance_statistics max/mean load, dead experts, bias spread per layer
 
 Routing is dropless: every token reaches its K experts (no capacity factor).
@@ -213,8 +213,10 @@ def bias_freeze_step(cfg: ModelConfig, total_steps: int) -> int:
 def bias_update_speed(cfg: ModelConfig, step: jax.Array | int, lr: jax.Array | float, total_steps: int) -> jax.Array:
     """γ_t for the bias update after step `step` (0-based) of `total_steps`, whose learning rate is `lr`.
 
-    `bias_schedule="constant"`: γ_t = bias_gamma; `"lr"`: γ_t = bias_lr_ratio · lr (DeepSeek-V3's
-    γ/peak-LR ratio by default). Either way γ_t = 0 from `bias_freeze_step` on. Returns FP32 ().
+    `bias_schedule="constant"`: γ_t = bias_gamma; `"lr"` and `"lr_decay"`: γ_t = bias_lr_ratio · lr
+    (DeepSeek-V3's γ/peak-LR ratio by default), where for `"lr_decay"` the caller passes the
+    learning rate of step max(step, warmup), so γ skips the warmup (`jfp8.train.bias_gamma_schedule`
+    does). Every way γ_t = 0 from `bias_freeze_step` on. Returns FP32 ().
     """
     if cfg.bias_schedule == "constant":
         gamma = jnp.float32(cfg.bias_gamma)

@@ -71,9 +71,14 @@ def _step_functions(
     return tx, schedule, train_step, eval_step
 
 def bias_gamma_schedule(model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int):
-    """step -> γ_t of the router-bias update (`jfp8.nn.bias_update_speed` at that step's learning rate)."""
+    """step -> γ_t of the router-bias update (`jfp8.nn.bias_update_speed` at that step's learning
+    rate; with `bias_schedule="lr_decay"`, at the learning rate of step max(step, warmup), which
+    holds γ at its peak through the warmup)."""
     schedule = learning_rate_schedule(opt_cfg, total_steps)
-    return lambda step: bias_update_speed(model_cfg, step, schedule(step), total_steps)
+    if model_cfg.bias_schedule != "lr_decay":
+        return lambda step: bias_update_speed(model_cfg, step, schedule(step), total_steps)
+    warmup = min(opt_cfg.warmup_steps, max(total_steps - 1, 0))  # as learning_rate_schedule clamps it
+    return lambda step: bias_update_speed(model_cfg, step, schedule(jnp.maximum(step, warmup)), total_steps)
 
 def optimizer_step(
     graphdef, tx, loss_fn, params, rest, opt_state, tokens, loss_scale: float = 1.0, bias_gamma=None
