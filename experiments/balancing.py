@@ -8,7 +8,9 @@ Each arm is one `experiments/train_moe.py` run (the command is written into the 
 (or --seed). `e16-` and `e4-` arms: the tiny preset, 200 steps logged every step, with 16 routed
 experts top-2 (`e16-`) or the preset's 4 experts top-2 (`e4-`). `small-` arms: the small preset (16
 routed experts top-2), 100 steps of 8 x 256 bytes with 30 warmup steps, logged every 5 steps (the
-recipe ablation's protocol). An arm changes only the router-bias update:
+recipe ablation's protocol). `long-` arms: the same, 300 steps, logged every step (the last
+quarter of 100 steps still holds the recovery from the early collapse; see the summary). An arm
+changes only the router-bias update:
 
   const1e-3     the old rule: b += 1e-3·sign(mean − load) every step, never frozen
   sign-lr       b += κ·lr_t·sign(mean − load), κ = 1e-3/2.2e-4 (DeepSeek-V3's γ/peak LR), frozen
@@ -17,6 +19,7 @@ recipe ablation's protocol). An arm changes only the router-bias update:
   clipped-3e-2  b += 3e-2·clip((mean − load)/mean, ±1), never frozen (the issue's CPU probe)
   clipped-1e-1  (small) b += 1e-1·clip((mean − load)/mean, ±1), frozen for the last 3 %
   -gN / -aX     (small) the clipped rule's bias_gain N; the sequence-wise loss's balance_alpha X
+  -nw           (small) γ_t = K·lr_max(t, warmup): no warmup of γ (bias_schedule=lr_decay)
 
 Reads each run's metrics.jsonl and writes DIR/summary.json and DIR/table.md: per MoE layer, the
 max/mean load averaged over the last quarter of training and the dead experts (mean and max over
@@ -31,6 +34,17 @@ trained run, sets its router biases so that the loads pooled over 16 training ba
 DIR/floor.json the max/mean load per layer of 32 other batches, one batch at a time (the number
 the training log averages) and pooled, with the floor of independent tokens. What the per-batch
 number keeps above 1 is the batch's own content, which no bias can remove.
+
+    python experiments/balancing.py --out DIR --gate-probe RUN_DIR --probe-steps 30 40
+
+reads the gate at a run's checkpoints (one validation batch through the model) and writes to
+DIR/gate_probe.json per MoE layer: `preference_spread`, max − min over experts of the gate logit
+averaged over tokens (the token-independent preference the bias must cancel);
+`logit_token_std` and `score_token_std`, the spread over tokens of one expert's logit and
+sigmoid score (median over experts: how finely the bias can steer); `bias_spread`;
+`common_fraction`, the share of the gate input's energy in its mean over tokens; and the batch's
+`load_max_over_mean`. Early checkpoints of a full-length run come from `train_moe.py
+--ckpt-every 10 --keep-checkpoints 4 --stop-after 40`.
 """
 
 from __future__ import annotations
@@ -46,11 +60,14 @@ import numpy as np
 
 from jfp8.train.loop import last_quarter_balance, read_metrics, worst_load
 
-# preset -> (steps, the train_moe.py arguments besides precision, seed, model and out)
+_SMALL = ["--batch-size", "8", "--seq-len", "256", "--warmup", "30", "--log-every", "5"]
+# an arm's prefix -> (preset, steps, the train_moe.py arguments besides precision, seed, model, out)
 PROTOCOLS = {
-    "tiny": (200, ["--log-every", "1", "--ckpt-every", "200"]),
-    "small": (100, ["--batch-size", "8", "--seq-len", "256", "--warmup", "30", "--log-every", "5",
-                    "--eval-every", "100"]),
+    "e16": ("tiny", 200, ["--log-every", "1", "--ckpt-every", "200"]),
+    "e4": ("tiny", 200, ["--log-every", "1", "--ckpt-every", "200"]),
+    "small": ("small", 100, [*_SMALL, "--eval-every", "100"]),
+    # logged every step: the last-quarter average over every 5th step moved by ±0.04 (one layer)
+    "long": ("small", 300, [*_SMALL[:-1], "1", "--eval-every", "100", "--ckpt-every", "300"]),
 }
 E16 = "n_routed=16"
 DSV3 = "bias_lr_ratio=4.545454545454545"  # 1e-3 / 2.2e-4, DeepSeek-V3's γ / peak LR
@@ -77,19 +94,27 @@ ARMS = {
     # its gradient reaches the gate, against the token-independent preference the bias must cancel.
     "small-clipped-lr50-a1e-3": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=50,balance_alpha=0.001",
     "small-clipped-lr50-a1e-2": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=50,balance_alpha=0.01",
+    # γ_t = K·lr_max(t, warmup): the learning rate's decay without its warmup (DeepSeek-V3 held
+    # γ = 0.001 from step 0 while its learning rate warmed up), against the ceiling of N_r/K that
+    # every tied arm sits at while γ climbs from 0 through the 30 warmup steps.
+    "small-clipped-lr50-nw": "bias_rule=clipped,bias_schedule=lr_decay,bias_lr_ratio=50",
+    # the small protocol run 300 steps: the worst layer is still coming down from the ceiling at
+    # step 75 of 100, so the last quarter of a 100-step run measures the transient
+    "long-clipped-lr15": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=15",
+    "long-clipped-lr50": "bias_rule=clipped,bias_schedule=lr,bias_lr_ratio=50",
 }
 
 
 def preset(arm: str) -> str:
-    return "small" if arm.startswith("small-") else "tiny"
+    return PROTOCOLS[arm.split("-")[0]][0]
 
 
 def steps_of(arm: str) -> int:
-    return PROTOCOLS[preset(arm)][0]
+    return PROTOCOLS[arm.split("-")[0]][1]
 
 
 def command(arm: str, precision: str, seed: int, out: pathlib.Path) -> list[str]:
-    steps, protocol = PROTOCOLS[preset(arm)]
+    _, steps, protocol = PROTOCOLS[arm.split("-")[0]]
     return [
         sys.executable, "experiments/train_moe.py", "--preset", preset(arm), "--precision", precision,
         "--steps", str(steps), "--seed", str(seed), *protocol,
@@ -186,6 +211,55 @@ def load_floor(run_dir: pathlib.Path, step: int | None, fit_batches: int = 16, t
     }
 
 
+def gate_probe(run_dir: pathlib.Path, steps: list[int]) -> dict:
+    """See the module docstring (`--gate-probe`)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jfp8.nn.moe as moe_module
+    from jfp8.nn import router_biases
+    from jfp8.train.probes import load_model, val_batches
+
+    names = json.loads((run_dir / "config.json").read_text())["moe_layer_names"]
+    captured, router_scores = [], moe_module.router_scores
+
+    def recording(x, gate):  # the gate's input and logits, one call per MoE layer in order
+        captured.append((np.asarray(x, np.float64), np.asarray(x, np.float64) @ np.asarray(gate, np.float64)))
+        return router_scores(x, gate)
+
+    out = {"run": str(run_dir), "steps": {}}
+    moe_module.router_scores = recording
+    try:
+        for step in steps:
+            captured.clear()
+            config, model = load_model(run_dir, step)
+            _, aux = model(jnp.asarray(val_batches(config, 1)[0]))  # eager: every layer records once
+            biases = np.asarray(router_biases(model), np.float64)
+            if len(captured) != len(names):
+                raise RuntimeError(f"recorded {len(captured)} gates for the {len(names)} MoE layers {names}")
+            layers = {}
+            for name, (x, logits), bias, model_loads in zip(names, captured, biases, np.asarray(aux.expert_loads)):
+                scores = 1 / (1 + np.exp(-logits))
+                top = np.argsort(-(scores + bias), axis=1, kind="stable")[:, : config.model_config().top_k]
+                loads = np.bincount(top.ravel(), minlength=logits.shape[1])
+                if not np.array_equal(loads, model_loads):  # the recorded gate is the one that routed
+                    raise RuntimeError(f"{name}: probe loads {loads.tolist()} != the model's {model_loads.tolist()}")
+                mean_logit = logits.mean(0)
+                layers[name] = {
+                    "preference_spread": round(float(mean_logit.max() - mean_logit.min()), 4),
+                    "logit_token_std": round(float(np.median(logits.std(0))), 4),
+                    "score_token_std": round(float(np.median(scores.std(0))), 4),
+                    "bias_spread": round(float(bias.max() - bias.min()), 4),
+                    "common_fraction": round(float((x.mean(0) ** 2).sum() / (x**2).sum(1).mean()), 4),
+                    "load_max_over_mean": round(float(loads.max() / loads.mean()), 4),
+                }
+            out["steps"][str(step)] = layers
+    finally:
+        moe_module.router_scores = router_scores
+    jax.clear_caches()
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -196,8 +270,18 @@ def main(argv=None) -> None:
     p.add_argument("--summarize-only", action="store_true", help="re-read the runs under --out/runs")
     p.add_argument("--floor", metavar="RUN_DIR", help="measure the per-batch load floor of this run's checkpoint")
     p.add_argument("--floor-step", type=int, help="the checkpoint for --floor (default: the newest)")
+    p.add_argument("--gate-probe", metavar="RUN_DIR", help="the gate's scores at some checkpoints of this run")
+    p.add_argument("--probe-steps", type=int, nargs="+", help="the checkpoints for --gate-probe")
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
+    if args.gate_probe:
+        if not args.probe_steps:
+            p.error("--gate-probe needs --probe-steps (checkpoints kept in RUN_DIR/checkpoints)")
+        probe = gate_probe(pathlib.Path(args.gate_probe), args.probe_steps)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gate_probe.json").write_text(json.dumps(probe, indent=1) + "\n")
+        print(json.dumps(probe, indent=1))
+        return
     if args.floor:
         floor = load_floor(pathlib.Path(args.floor), args.floor_step)
         out.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="the newest checkpoints kept")
+    p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="end after this step, as if stopped there (the schedule still spans --steps; "
+                        "--resume continues): for early checkpoints of a full-length run")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true")
@@ -136,6 +140,7 @@ def config_from_args(args) -> TrainConfig:
         eval_every=args.eval_every or max(steps // 10, 1),
         log_every=args.log_every,
         ckpt_every=args.ckpt_every,
+        keep_checkpoints=args.keep_checkpoints,
         optimizer=OptimizerConfig(peak_lr=pick("lr", "peak_lr"), warmup_steps=pick("warmup", "warmup")),
         model_overrides=args.model,
         recipe_overrides=args.recipe,
@@ -154,7 +159,9 @@ def main(argv=None) -> dict:
         meshes.initialize_distributed()  # no-op unless JFP8_COORDINATOR etc. are set
         shape = meshes.parse_mesh(args.mesh)
         mesh = meshes.make_mesh(shape.data, shape.expert)
-    summary = train(config_from_args(args), resume=args.resume, mesh=mesh)
+    if args.stop_after is not None and args.stop_after < 1:
+        raise SystemExit(f"--stop-after must be a step >= 1, got {args.stop_after}")
+    summary = train(config_from_args(args), resume=args.resume, stop_after=args.stop_after, mesh=mesh)
     print(json.dumps(summary, indent=1))
     return summary
 
