@@ -66,7 +66,7 @@ PROTOCOLS = {
     "e16": ("tiny", 200, ["--log-every", "1", "--ckpt-every", "200"]),
     "e4": ("tiny", 200, ["--log-every", "1", "--ckpt-every", "200"]),
     "small": ("small", 100, [*_SMALL, "--eval-every", "100"]),
-    # logged every step: the last-quarter average over every 5th step moved by ±0.04 (one layer)
+    # logged every step: a last-quarter average over every 5th (10th) step moved one layer by 0.03 (0.07)
     "long": ("small", 300, [*_SMALL[:-1], "1", "--eval-every", "100", "--ckpt-every", "300"]),
 }
 E16 = "n_routed=16"
