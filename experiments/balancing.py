@@ -60,14 +60,14 @@ import numpy as np
 
 from jfp8.train.loop import last_quarter_balance, read_metrics, worst_load
 
-_SMALL = ["--batch-size", "8", "--seq-len", "256", "--warmup", "30", "--log-every", "5"]
+_SMALL = ["--batch-size", "8", "--seq-len", "256", "--warmup", "30"]
 # an arm's prefix -> (preset, steps, the train_moe.py arguments besides precision, seed, model, out)
 PROTOCOLS = {
     "e16": ("tiny", 200, ["--log-every", "1", "--ckpt-every", "200"]),
     "e4": ("tiny", 200, ["--log-every", "1", "--ckpt-every", "200"]),
-    "small": ("small", 100, [*_SMALL, "--eval-every", "100"]),
+    "small": ("small", 100, [*_SMALL, "--log-every", "5", "--eval-every", "100"]),
     # logged every step: a last-quarter average over every 5th (10th) step moved one layer by 0.03 (0.07)
-    "long": ("small", 300, [*_SMALL[:-1], "1", "--eval-every", "100", "--ckpt-every", "300"]),
+    "long": ("small", 300, [*_SMALL, "--log-every", "1", "--eval-every", "100", "--ckpt-every", "300"]),
 }
 E16 = "n_routed=16"
 DSV3 = "bias_lr_ratio=4.545454545454545"  # 1e-3 / 2.2e-4, DeepSeek-V3's γ / peak LR
@@ -105,16 +105,21 @@ ARMS = {
 }
 
 
+def protocol_of(arm: str) -> tuple[str, int, list[str]]:
+    """(preset, steps, train_moe.py arguments) of an arm, from its prefix."""
+    return PROTOCOLS[arm.split("-")[0]]
+
+
 def preset(arm: str) -> str:
-    return PROTOCOLS[arm.split("-")[0]][0]
+    return protocol_of(arm)[0]
 
 
 def steps_of(arm: str) -> int:
-    return PROTOCOLS[arm.split("-")[0]][1]
+    return protocol_of(arm)[1]
 
 
 def command(arm: str, precision: str, seed: int, out: pathlib.Path) -> list[str]:
-    _, steps, protocol = PROTOCOLS[arm.split("-")[0]]
+    _, steps, protocol = protocol_of(arm)
     return [
         sys.executable, "experiments/train_moe.py", "--preset", preset(arm), "--precision", precision,
         "--steps", str(steps), "--seed", str(seed), *protocol,
@@ -213,7 +218,6 @@ def load_floor(run_dir: pathlib.Path, step: int | None, fit_batches: int = 16, t
 
 def gate_probe(run_dir: pathlib.Path, steps: list[int]) -> dict:
     """See the module docstring (`--gate-probe`)."""
-    import jax
     import jax.numpy as jnp
 
     import jfp8.nn.moe as moe_module
@@ -223,9 +227,11 @@ def gate_probe(run_dir: pathlib.Path, steps: list[int]) -> dict:
     names = json.loads((run_dir / "config.json").read_text())["moe_layer_names"]
     captured, router_scores = [], moe_module.router_scores
 
-    def recording(x, gate):  # the gate's input and logits, one call per MoE layer in order
-        captured.append((np.asarray(x, np.float64), np.asarray(x, np.float64) @ np.asarray(gate, np.float64)))
-        return router_scores(x, gate)
+    def recording(x, gate):  # each MoE layer's gate input, logits and scores, in layer order
+        scores = router_scores(x, gate)
+        x64 = np.asarray(x, np.float64)
+        captured.append((x64, x64 @ np.asarray(gate, np.float64), scores))
+        return scores
 
     out = {"run": str(run_dir), "steps": {}}
     moe_module.router_scores = recording
@@ -233,22 +239,22 @@ def gate_probe(run_dir: pathlib.Path, steps: list[int]) -> dict:
         for step in steps:
             captured.clear()
             config, model = load_model(run_dir, step)
+            cfg = config.model_config()
             _, aux = model(jnp.asarray(val_batches(config, 1)[0]))  # eager: every layer records once
-            biases = np.asarray(router_biases(model), np.float64)
             if len(captured) != len(names):
                 raise RuntimeError(f"recorded {len(captured)} gates for the {len(names)} MoE layers {names}")
             layers = {}
-            for name, (x, logits), bias, model_loads in zip(names, captured, biases, np.asarray(aux.expert_loads)):
-                scores = 1 / (1 + np.exp(-logits))
-                top = np.argsort(-(scores + bias), axis=1, kind="stable")[:, : config.model_config().top_k]
-                loads = np.bincount(top.ravel(), minlength=logits.shape[1])
-                if not np.array_equal(loads, model_loads):  # the recorded gate is the one that routed
-                    raise RuntimeError(f"{name}: probe loads {loads.tolist()} != the model's {model_loads.tolist()}")
-                mean_logit = logits.mean(0)
+            for name, (x, logits, scores), bias, model_loads in zip(
+                names, captured, router_biases(model), aux.expert_loads
+            ):
+                loads = np.asarray(moe_module.expert_loads(moe_module.route(scores, bias, cfg)[0], cfg.n_routed))
+                if not np.array_equal(loads, np.asarray(model_loads)):  # the recorded gate is the one that routed
+                    raise RuntimeError(f"{name}: probe loads {loads.tolist()} != the model's {np.asarray(model_loads).tolist()}")
+                mean_logit, bias = logits.mean(0), np.asarray(bias)
                 layers[name] = {
                     "preference_spread": round(float(mean_logit.max() - mean_logit.min()), 4),
                     "logit_token_std": round(float(np.median(logits.std(0))), 4),
-                    "score_token_std": round(float(np.median(scores.std(0))), 4),
+                    "score_token_std": round(float(np.median(np.asarray(scores, np.float64).std(0))), 4),
                     "bias_spread": round(float(bias.max() - bias.min()), 4),
                     "common_fraction": round(float((x.mean(0) ** 2).sum() / (x**2).sum(1).mean()), 4),
                     "load_max_over_mean": round(float(loads.max() / loads.mean()), 4),
@@ -256,7 +262,6 @@ def gate_probe(run_dir: pathlib.Path, steps: list[int]) -> dict:
             out["steps"][str(step)] = layers
     finally:
         moe_module.router_scores = router_scores
-    jax.clear_caches()
     return out
 
 

@@ -92,11 +92,14 @@ def test_gate_probe_reads_early_checkpoints_of_a_stopped_run(bal, train_moe, tmp
     probe = json.loads((tmp_path / "probe" / "gate_probe.json").read_text())
     assert moe_module.router_scores is router_scores  # the recording patch is undone
     assert set(probe["steps"]) == {"2", "4"}
-    for layers in probe["steps"].values():
+    for step, layers in probe["steps"].items():
         assert set(layers) == {"block1", "mtp"}
+        # the checkpoint's biases are the ones the log wrote after that step's update
+        logged = rows[int(step) - 1]["bias_spread"]
+        assert [layers[n]["bias_spread"] for n in ("block1", "mtp")] == pytest.approx(logged, abs=1e-4), step
         for stats in layers.values():
-            assert stats["preference_spread"] >= 0 and stats["logit_token_std"] > 0
-            assert 0 < stats["score_token_std"] < 0.5 and 0 <= stats["common_fraction"] <= 1
+            assert stats["preference_spread"] > 0 and stats["logit_token_std"] > 0
+            assert 0 < stats["score_token_std"] < 0.5 and 0 < stats["common_fraction"] < 1
             assert 1 <= stats["load_max_over_mean"] <= 2  # tiny: N_r/K = 4/2
     with pytest.raises(SystemExit):
         bal.main(["--out", str(tmp_path / "probe"), "--gate-probe", str(run)])
