@@ -1,7 +1,7 @@
 """Recipe ablations in training: 128x128 blocks for the Dgrad input, and power-of-two scales.
 
-    python experiments/recipe_ablation.py --preset small --steps 100 --batch-size 8 --seq-len 256 \
-        --warmup 30 --eval-every 50 --probe-every 50 --out experiments/results/ablation-small
+    python experiments/recipe_ablation.py --preset small --steps 300 --batch-size 8 --seq-len 256 \
+        --warmup 30 --eval-every 50 --log-every 1 --probe-every 100 --out experiments/results/ablation-small
     ... --loss-scale 16384 --out experiments/results/ablation-small-ls16k   # dy above the amax floor
 
 DeepSeek-V3 Appendix B.2 reports that quantizing the activation gradient dy (the Dgrad input) in
@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from jfp8.recipe import Fp8Recipe
-from jfp8.train.loop import build, read_metrics, train, worst_load
+from jfp8.train.loop import build, last_quarter_balance, read_metrics, train, worst_load
 from jfp8.train.probes import gradient_errors, load_run, val_batches
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -124,6 +124,14 @@ def plot(metrics: dict[str, list[dict]], probes: list[dict], path: pathlib.Path,
     plt.close(fig)
 
 
+def _fmt(load: float | None) -> str:
+    return "not logged" if load is None else f"{load:.2f}"
+
+
+def _dead(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+
 def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: str) -> tuple[dict, str]:
     final = {arm: rows[-1] for arm, rows in metrics.items()}
     base_val = final[BASELINE]["val_loss"] if BASELINE in final else None
@@ -131,7 +139,9 @@ def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: 
                "loss_scale": cfg.loss_scale, "arms": {}}
     for arm, rows in metrics.items():
         f = final[arm]
-        loads = [worst_load(r) for r in rows]  # the worst MoE layer's max/mean load
+        # The worst MoE layer's max/mean load, averaged over the logged steps of the last quarter
+        # (the balancing protocol's measure, experiments/balancing.py), and at the last step.
+        tail = last_quarter_balance(rows, cfg.steps, list(range(len(rows[-1]["load_max_over_mean"]))))
         summary["arms"][arm] = {
             "recipe_overrides": {k: v for k, v in ARMS[arm]},
             "final_train_ce": f["ce"],
@@ -139,7 +149,10 @@ def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: 
             "gap_vs_deepseek": None if base_val is None else (f["val_loss"] - base_val) / base_val,
             "finite": all(np.isfinite(r["loss"]) for r in rows),
             "max_grad_norm": max(r["grad_norm"] for r in rows),
-            "final_max_over_mean_load": loads[-1],
+            "final_max_over_mean_load": worst_load(f),
+            "last_quarter_max_over_mean_load": max(tail["load_max_over_mean"].values(), default=None),
+            "last_quarter_steps_logged": sum(r["step"] > 0.75 * cfg.steps for r in rows),
+            "last_quarter_dead_experts_max": max(tail["dead_experts_max"].values(), default=None),
             "gradient_rel_error": {
                 r["step"]: r["rel_error"] for r in probes if r["arm"] == arm and r["gemms"] == arm and r["group"] == "all"
             },
@@ -152,17 +165,19 @@ def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: 
              f"{cfg.loss_scale:g}, same seed/init/data for every arm. Gap = (val CE - deepseek val CE) / deepseek val CE. Gradient error = "
              "‖g − g_FP32‖/‖g_FP32‖ of the full parameter gradient on held-out batches at that arm's "
              "parameters (routing flips included); BF16 floor = the same for BF16 GEMMs at the "
-             "deepseek arm's parameters.", "", "```",
-             f"{'arm':>14} | {'final val CE':>12} {'gap':>8} | {'finite':>6} {'max |g|':>8} {'load max/mean':>13} | "
+             "deepseek arm's parameters. Load = the worst MoE layer's max/mean expert load, averaged over "
+             "the logged steps of the last quarter of training (≤ 1.3 is the balancing target); dead = the most "
+             "experts of any layer that got no token in one logged step of that quarter.", "", "```",
+             f"{'arm':>14} | {'final val CE':>12} {'gap':>8} | {'finite':>6} {'max |g|':>8} {'load, last ¼':>13} {'dead':>4} | "
              + " ".join(f"{'err@' + str(s):>9}" for s in steps),
-             "-" * (72 + 10 * len(steps))]
+             "-" * (77 + 10 * len(steps))]
     for arm, a in summary["arms"].items():
         gap = "" if a["gap_vs_deepseek"] is None else f"{100 * a['gap_vs_deepseek']:+.2f}%"
         errs = " ".join(f"{a['gradient_rel_error'].get(s, float('nan')):9.2e}" for s in steps)
         lines.append(f"{arm:>14} | {a['final_val_ce']:12.5f} {gap:>8} | {str(a['finite']):>6} "
-                     f"{a['max_grad_norm']:8.3f} {a['final_max_over_mean_load']:13.2f} | {errs}")
+                     f"{a['max_grad_norm']:8.3f} {_fmt(a['last_quarter_max_over_mean_load']):>13} {_dead(a['last_quarter_dead_experts_max']):>4} | {errs}")
     if floor:
-        lines.append(f"{'BF16 floor':>14} | {'':>12} {'':>8} | {'':>6} {'':>8} {'':>13} | "
+        lines.append(f"{'BF16 floor':>14} | {'':>12} {'':>8} | {'':>6} {'':>8} {'':>13} {'':>4} | "
                      + " ".join(f"{floor.get(s, float('nan')):9.2e}" for s in steps))
     lines.append("```")
     groups = sorted({r["group"] for r in probes if r["group"] != "all"})

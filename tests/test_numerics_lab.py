@@ -202,6 +202,14 @@ def test_recipe_ablation_runs_arms_and_probes(tmp_path):
     for arm in summary["arms"].values():
         assert arm["finite"] and set(arm["gradient_rel_error"]) == {0, 2, 4}
         assert all(0 < e < 0.3 for e in arm["gradient_rel_error"].values())
+    # The load column is the balancing protocol's: the worst layer's mean over the last quarter.
+    for name, arm in summary["arms"].items():
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        tail = np.array([r["load_max_over_mean"] for r in rows if r["step"] > 3])
+        assert arm["last_quarter_steps_logged"] == len(tail) == 1
+        assert arm["last_quarter_max_over_mean_load"] == pytest.approx(tail.mean(0).max()) and tail.min() >= 1
+        dead = np.array([r["dead_experts"] for r in rows if r["step"] > 3])
+        assert arm["last_quarter_dead_experts_max"] == dead.max()
     # Both arms start from the same parameters; the recipes differ only in dy's blocks.
     assert json.loads((tmp_path / "dgrad-128x128" / "config.json").read_text())["recipe_overrides"] == {
         "grad_block": [128, 128]}
