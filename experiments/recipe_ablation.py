@@ -35,10 +35,12 @@ import time
 import numpy as np
 
 from jfp8.recipe import Fp8Recipe
+from jfp8.train.evaluate import evaluate_checkpoints
 from jfp8.train.loop import build, last_quarter_balance, read_metrics, train, worst_load
 from jfp8.train.probes import gradient_errors, load_run, val_batches
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from parity_seeds import write_atomic  # noqa: E402
 from train_moe import config_from_args, parser as train_parser  # noqa: E402
 
 ARMS = {
@@ -132,9 +134,24 @@ def _dead(n: int | None) -> str:
     return "-" if n is None else str(n)
 
 
-def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: str) -> tuple[dict, str]:
+def whole_split_ce(out: pathlib.Path, arms: list[str], step: int) -> dict[str, float]:
+    """{arm: cross-entropy of its step-`step` checkpoint on the whole validation split}, cached in
+    DIR/whole_split.json (written atomically) so that a resumed experiment does not redo it."""
+    path = out / "whole_split.json"
+    cached = json.loads(path.read_text()) if path.exists() else {}
+    for arm in arms:
+        if cached.get(arm, {}).get("step") != step:
+            ce = evaluate_checkpoints(out / arm, [step])[step]
+            cached[arm] = {"step": step, "val_ce": ce}
+            write_atomic(path, json.dumps(cached, indent=1) + "\n")
+            print(f"[{arm}] step {step}: whole-split validation CE {ce:.5f}", flush=True)
+    return {arm: cached[arm]["val_ce"] for arm in arms}
+
+
+def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: str,
+              whole: dict[str, float]) -> tuple[dict, str]:
     final = {arm: rows[-1] for arm, rows in metrics.items()}
-    base_val = final[BASELINE]["val_loss"] if BASELINE in final else None
+    base_val = whole.get(BASELINE)
     summary = {"preset": cfg.preset, "steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
                "loss_scale": cfg.loss_scale, "arms": {}}
     for arm, rows in metrics.items():
@@ -145,8 +162,9 @@ def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: 
         summary["arms"][arm] = {
             "recipe_overrides": {k: v for k, v in ARMS[arm]},
             "final_train_ce": f["ce"],
-            "final_val_ce": f["val_loss"],
-            "gap_vs_deepseek": None if base_val is None else (f["val_loss"] - base_val) / base_val,
+            "final_val_ce": whole[arm],  # on the whole validation split
+            "final_val_ce_eval_set": f["val_loss"],  # the training loop's few evaluation batches
+            "gap_vs_deepseek": None if base_val is None else (whole[arm] - base_val) / base_val,
             "finite": all(np.isfinite(r["loss"]) for r in rows),
             "max_grad_norm": max(r["grad_norm"] for r in rows),
             "final_max_over_mean_load": worst_load(f),
@@ -162,7 +180,7 @@ def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: 
     steps = sorted({r["step"] for r in probes})
     lines = [f"# Recipe ablations in training (`{command}`)", "",
              f"{cfg.preset} preset, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} bytes, loss scale "
-             f"{cfg.loss_scale:g}, same seed/init/data for every arm. Gap = (val CE - deepseek val CE) / deepseek val CE. Gradient error = "
+             f"{cfg.loss_scale:g}, seed {getattr(cfg, 'seed', 0)} (the same init and data for every arm). Val CE = the final checkpoint's cross-entropy on the whole validation split; gap = (val CE - deepseek val CE) / deepseek val CE. Gradient error = "
              "‖g − g_FP32‖/‖g_FP32‖ of the full parameter gradient on held-out batches at that arm's "
              "parameters (routing flips included); BF16 floor = the same for BF16 GEMMs at the "
              "deepseek arm's parameters. Load = the worst MoE layer's max/mean expert load, averaged over "
@@ -224,9 +242,9 @@ def main(argv=None) -> dict:
         w.writerows(probes)
     given = argv if argv is not None else sys.argv[1:]
     command = "python experiments/recipe_ablation.py " + " ".join(a for a in given if a != "--resume")
-    summary, text = summarize(metrics, probes, base, command)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "summary.md").write_text(text)
+    summary, text = summarize(metrics, probes, base, command, whole_split_ce(out, arms, base.steps))
+    write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    write_atomic(out / "summary.md", text)
     scaled = f", loss scale {base.loss_scale:g}" if base.loss_scale != 1 else ""
     plot(metrics, probes, out / "ablation.png", f"{base.preset}{scaled}: " + " vs ".join(arms))
     print(text)

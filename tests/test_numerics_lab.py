@@ -192,7 +192,7 @@ def test_capture_tensors_script_writes_the_selected_layers(tiny_run, tmp_path, m
         capture_tensors.main(["--run", str(run), "--layers", "nothing.*", "--out", str(path)])
 
 
-def test_recipe_ablation_runs_arms_and_probes(tmp_path):
+def test_recipe_ablation_runs_arms_and_probes(tmp_path, monkeypatch):
     args = ["--preset", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2",
             "--log-every", "1", "--probe-every", "2", "--probe-batches", "1", "--no-progress",
             "--arms", "deepseek,dgrad-128x128", "--out", str(tmp_path)]
@@ -215,5 +215,15 @@ def test_recipe_ablation_runs_arms_and_probes(tmp_path):
         "grad_block": [128, 128]}
     for name in ("probes.csv", "summary.json", "summary.md", "ablation.png"):
         assert (tmp_path / name).stat().st_size > 0
+    # Val CE is the final checkpoint's on the whole split, cached: a resumed experiment reuses it.
+    whole = json.loads((tmp_path / "whole_split.json").read_text())
+    assert {a: w["val_ce"] for a, w in whole.items()} == {a: s["final_val_ce"] for a, s in summary["arms"].items()}
+    assert all(w["step"] == 4 and np.isfinite(w["val_ce"]) for w in whole.values())
+
+    def no_evaluation(*a, **k):
+        raise AssertionError("evaluated again")
+
+    monkeypatch.setattr(recipe_ablation, "evaluate_checkpoints", no_evaluation)
+    assert recipe_ablation.main([*args, "--resume"])["arms"] == summary["arms"]
     with pytest.raises(SystemExit, match="must divide"):
         recipe_ablation.main([*args[:-2], "--probe-every", "3", "--out", str(tmp_path / "x")])
