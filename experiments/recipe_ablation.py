@@ -21,6 +21,12 @@ git), DIR/probes.jsonl and DIR/probes.csv (step, arm, GEMMs, parameter group, re
 DIR/summary.json, DIR/summary.md and DIR/ablation.png (loss curves, gap to the deepseek arm,
 gradient error over training). `--resume` continues a stopped experiment: probed steps are kept,
 each arm's training resumes from its checkpoint.
+
+    python experiments/recipe_ablation.py --combine DIR DIR ... --out DIR
+
+reads seed replicates of one command (the same arguments but `--seed`) and writes each arm's
+whole-split gap per seed, its mean, 95 % Student-t interval and sign count to seeds.json/seeds.md:
+one seed's gap is an anecdote.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 import time
@@ -40,7 +47,7 @@ from jfp8.train.loop import build, last_quarter_balance, read_metrics, train, wo
 from jfp8.train.probes import gradient_errors, load_run, val_batches
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from parity_seeds import write_atomic  # noqa: E402
+from parity_seeds import interval, write_atomic  # noqa: E402
 from train_moe import config_from_args, parser as train_parser  # noqa: E402
 
 ARMS = {
@@ -57,7 +64,66 @@ def parser():
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {list(ARMS)}")
     p.add_argument("--probe-every", type=int, default=50, help="steps between gradient-error probes")
     p.add_argument("--probe-batches", type=int, default=2, help="held-out batches per probe")
+    p.add_argument("--combine", nargs="+", metavar="DIR", default=None,
+                   help="read finished experiments (seed replicates of one protocol) and write each arm's "
+                        "gap over them, with its 95 %% interval, to --out (seeds.json, seeds.md); trains nothing")
     return p
+
+
+def combine(dirs: list[str], out: pathlib.Path) -> dict:
+    """Each arm's whole-split gap to the deepseek arm over seed replicates of one protocol: the
+    per-seed gaps, their mean and two-sided 95 % Student-t interval, and how many are positive."""
+    runs = []
+    for d in map(pathlib.Path, dirs):
+        path = d / "summary.json"
+        if not path.exists():
+            raise SystemExit(f"--combine: {path} not found; pass directories of finished recipe_ablation.py runs")
+        summary = json.loads(path.read_text())
+        config = json.loads((d / BASELINE / "config.json").read_text())
+        runs.append((d, summary, config))
+    # Replicates differ in the seed (and where they were written) only.
+    protocol = {json.dumps({k: v for k, v in c.items() if k not in ("seed", "out")}, sort_keys=True)
+                for _, _, c in runs}
+    if len(protocol) > 1:
+        raise SystemExit("--combine: the runs' deepseek configs differ beyond the seed; combine only seed "
+                         "replicates of one command")
+    seeds = [c["seed"] for _, _, c in runs]
+    if len(set(seeds)) < len(seeds):
+        raise SystemExit(f"--combine: seeds {seeds} repeat; each directory must be another seed")
+    arms = {}
+    for arm in runs[0][1]["arms"]:
+        if arm == BASELINE or not all(arm in s["arms"] for _, s, _ in runs):
+            continue
+        gaps = [s["arms"][arm]["gap_vs_deepseek"] for _, s, _ in runs]
+        mean, lo, hi = interval(gaps)
+        arms[arm] = {"gaps": gaps, "mean_gap": mean, "ci95": [lo, hi], "positive": sum(g > 0 for g in gaps),
+                     "worst_last_quarter_load": max(s["arms"][arm]["last_quarter_max_over_mean_load"] for _, s, _ in runs)}
+    first = runs[0][1]
+    result = {"preset": first["preset"], "steps": first["steps"], "loss_scale": first["loss_scale"],
+              "seeds": seeds, "runs": [str(d) for d, _, _ in runs],
+              "deepseek_val_ce": [s["arms"][BASELINE]["final_val_ce"] for _, s, _ in runs],
+              "worst_last_quarter_load_deepseek": max(
+                  s["arms"][BASELINE]["last_quarter_max_over_mean_load"] for _, s, _ in runs),
+              "arms": arms,
+              "note": "gap: (val CE - deepseek val CE) / deepseek val CE, each on the whole validation split at "
+                      "the final step, paired by seed; ci95: Student-t interval of the mean gap over seeds"}
+    lines = [f"# Recipe ablation over seeds ({first['preset']}, {first['steps']} steps, loss scale "
+             f"{first['loss_scale']:g}; seeds {', '.join(map(str, seeds))})", "",
+             "Gap = (val CE − deepseek val CE) / deepseek val CE on the whole validation split, paired by seed. "
+             "The interval is the two-sided 95 % Student-t interval of the mean gap.", "",
+             "| arm | gap per seed | mean | 95 % interval | positive |", "|---|---|---|---|---|"]
+    for arm, a in arms.items():
+        per = ", ".join(f"{100 * g:+.2f} %" for g in a["gaps"])
+        ci = "n/a (one seed)" if not np.isfinite(a["ci95"][0]) else \
+            f"[{100 * a['ci95'][0]:+.2f} %, {100 * a['ci95'][1]:+.2f} %]"
+        lines.append(f"| {arm} | {per} | {100 * a['mean_gap']:+.2f} % | {ci} | {a['positive']} of {len(a['gaps'])} |")
+    out.mkdir(parents=True, exist_ok=True)
+    lines += ["", "Sources: " + ", ".join(
+        f"[{d.name}]({os.path.relpath(d / 'summary.md', out)})" for d, _, _ in runs) + "."]
+    write_atomic(out / "seeds.json", json.dumps(result, indent=1) + "\n")
+    write_atomic(out / "seeds.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
 
 
 def run_arm(base, arm: str, probe_steps: list[int], batches, out: pathlib.Path, done: set) -> list[dict]:
@@ -212,6 +278,8 @@ def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: 
 
 def main(argv=None) -> dict:
     args = parser().parse_args(argv)
+    if args.combine:
+        return combine(args.combine, pathlib.Path(args.out))
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:

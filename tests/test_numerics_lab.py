@@ -227,3 +227,44 @@ def test_recipe_ablation_runs_arms_and_probes(tmp_path, monkeypatch):
     assert recipe_ablation.main([*args, "--resume"])["arms"] == summary["arms"]
     with pytest.raises(SystemExit, match="must divide"):
         recipe_ablation.main([*args[:-2], "--probe-every", "3", "--out", str(tmp_path / "x")])
+
+
+def _ablation_dir(root, name, seed, gaps, loss_scale=16384.0):
+    """A finished recipe_ablation.py directory as --combine reads it: summary.json and the
+    deepseek arm's config.json."""
+    d = root / name
+    (d / "deepseek").mkdir(parents=True)
+    (d / "deepseek" / "config.json").write_text(json.dumps(
+        {"preset": "small", "steps": 300, "seed": seed, "loss_scale": loss_scale, "out": str(d / "deepseek")}))
+    arms = {"deepseek": {"gap_vs_deepseek": 0.0, "final_val_ce": 1.9, "last_quarter_max_over_mean_load": 1.2}}
+    arms |= {arm: {"gap_vs_deepseek": g, "final_val_ce": 1.9 * (1 + g), "last_quarter_max_over_mean_load": 1.25}
+             for arm, g in gaps.items()}
+    (d / "summary.json").write_text(json.dumps({"preset": "small", "steps": 300, "loss_scale": loss_scale,
+                                                "arms": arms}))
+    return str(d)
+
+
+def test_recipe_ablation_combines_seed_replicates(tmp_path):
+    from scipy import stats
+
+    gaps = np.random.default_rng().normal(0.01, 0.01, size=(4, 2))
+    dirs = [_ablation_dir(tmp_path, f"s{i}", i, {"dgrad-128x128": g[0], "pow2": g[1]}) for i, g in enumerate(gaps)]
+    out = tmp_path / "seeds"
+    result = recipe_ablation.main(["--combine", *dirs, "--out", str(out)])
+    assert result["seeds"] == [0, 1, 2, 3]
+    for j, arm in enumerate(("dgrad-128x128", "pow2")):
+        a, g = result["arms"][arm], gaps[:, j]
+        assert a["gaps"] == pytest.approx(g) and a["mean_gap"] == pytest.approx(g.mean())
+        half = stats.t.ppf(0.975, 3) * g.std(ddof=1) / 2
+        assert a["ci95"] == pytest.approx([g.mean() - half, g.mean() + half])
+        assert a["positive"] == int((g > 0).sum())
+    assert json.loads((out / "seeds.json").read_text())["arms"] == result["arms"]
+    assert "(../s0/summary.md)" in (out / "seeds.md").read_text()
+    # Only seed replicates of one protocol combine.
+    other = _ablation_dir(tmp_path, "unscaled", 9, {"dgrad-128x128": 0.0}, loss_scale=1.0)
+    with pytest.raises(SystemExit, match="differ beyond the seed"):
+        recipe_ablation.main(["--combine", dirs[0], other, "--out", str(out)])
+    with pytest.raises(SystemExit, match="repeat"):
+        recipe_ablation.main(["--combine", dirs[0], dirs[0], "--out", str(out)])
+    with pytest.raises(SystemExit, match="not found"):
+        recipe_ablation.main(["--combine", dirs[0], str(tmp_path / "nothing"), "--out", str(out)])
