@@ -246,7 +246,7 @@ def summarize(metrics: dict[str, list[dict]], probes: list[dict], cfg, command: 
     steps = sorted({r["step"] for r in probes})
     lines = [f"# Recipe ablations in training (`{command}`)", "",
              f"{cfg.preset} preset, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} bytes, loss scale "
-             f"{cfg.loss_scale:g}, seed {getattr(cfg, 'seed', 0)} (the same init and data for every arm). Val CE = the final checkpoint's cross-entropy on the whole validation split; gap = (val CE - deepseek val CE) / deepseek val CE. Gradient error = "
+             f"{cfg.loss_scale:g}, seed {cfg.seed} (the same init and data for every arm). Val CE = the final checkpoint's cross-entropy on the whole validation split; gap = (val CE - deepseek val CE) / deepseek val CE. Gradient error = "
              "‖g − g_FP32‖/‖g_FP32‖ of the full parameter gradient on held-out batches at that arm's "
              "parameters (routing flips included); BF16 floor = the same for BF16 GEMMs at the "
              "deepseek arm's parameters. Load = the worst MoE layer's max/mean expert load, averaged over "
@@ -299,6 +299,8 @@ def main(argv=None) -> dict:
     log = out / "probes.jsonl"
     if not args.resume or not log.exists():
         log.write_text("")
+        # A fresh experiment in an old directory must not read the old runs' whole-split losses.
+        (out / "whole_split.json").unlink(missing_ok=True)
     done = {(r["arm"], r["step"]) for r in read_metrics(log)}
     for arm in arms:
         run_arm(base, arm, probe_steps, batches, out, done)
