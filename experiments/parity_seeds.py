@@ -36,6 +36,7 @@ import tempfile
 import numpy as np
 from scipy import stats
 
+from jfp8.recipe import Fp8Recipe
 from jfp8.train.config import PRESET_TRAINING, TrainConfig
 from jfp8.train.evaluate import evaluate_checkpoints, mean_validation_ce
 from jfp8.train.loop import last_quarter_balance, read_metrics, train
@@ -73,7 +74,9 @@ def protocol(config: TrainConfig) -> dict:
          "warmup": config.optimizer.warmup_steps, "ckpt_every": config.ckpt_every,
          "evaluated_checkpoints": config.keep_checkpoints, "evaluation": "whole validation split",
          "corpus": config.corpus, "model_overrides": dict(config.model_overrides),
-         "recipe_overrides": dict(config.recipe_overrides), "loss_scale": config.loss_scale}
+         "recipe_overrides": dict(config.recipe_overrides), "loss_scale": config.loss_scale,
+         # The FP8 runs' gradient amax floor: 1e-4 before the recipe gave gradients their own floor.
+         "grad_amax_floor": Fp8Recipe(**dict(config.recipe_overrides)).grad_amax_floor}
     return json.loads(json.dumps(d))  # as it reads back from summary.json
 
 

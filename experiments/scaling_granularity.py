@@ -17,7 +17,10 @@ multiplied by a factor, w divided by it, so x @ w.T keeps its distribution) give
 `--activations PATH.npz` runs the `activation_errors` table (and the scale histograms) on saved
 arrays instead, e.g. activations captured from the trained MoE: each array is flattened to
 (-1, last axis), the last axis being the contraction (channel) axis. Regular channels there are
-those whose max |x| is at most `--outlier-ratio` times the median channel's.
+those whose max |x| is at most `--outlier-ratio` times the median channel's. Arrays named
+`*:dy` (activation gradients, as `capture_tensors.py` names them) are quantized with the recipe's
+gradient floor (`GRAD_AMAX_FLOOR`; `--dy-floor 1e-4` gives DeepGEMM's, the default before the
+floors were split by role), the others with the activations' (`AMAX_FLOOR`, 1e-4).
 
 Writes `config.json`, `*.csv`/`*.json` tables, `summary.md` and `scale_histograms.png` under `--out` (default
 `experiments/results/granularity/`, or `.../granularity/<npz stem>/` with `--activations`).
@@ -41,7 +44,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from jfp8.error_study import format_table, granularity_errors, outlier_problem  # noqa: E402
-from jfp8.fp8 import BLOCKS, TILE, quantize  # noqa: E402
+from jfp8.fp8 import AMAX_FLOOR, BLOCKS, GRAD_AMAX_FLOOR, TILE, quantize  # noqa: E402
 from jfp8.reference import scaled_matmul_reference  # noqa: E402
 
 OUT = pathlib.Path(__file__).parent / "results" / "granularity"
@@ -49,7 +52,7 @@ OUT = pathlib.Path(__file__).parent / "results" / "granularity"
 ACTIVATION_BLOCKS = {
     "tensor": BLOCKS["tensor"], "tile 1x128": BLOCKS["tile"], "block 128x128": BLOCKS["block"],
 }
-_quantize = jax.jit(quantize, static_argnums=1)
+_quantize = jax.jit(quantize, static_argnums=1, static_argnames="amax_floor")
 _reference = jax.jit(scaled_matmul_reference, static_argnums=2)
 
 
@@ -64,6 +67,7 @@ class Config:
     histogram_k: int = 4096  # the synthetic K whose scales are histogrammed
     seed: int = 0
     activations: str | None = None  # an .npz of {name: array}, instead of the synthetic problem
+    dy_floor: float = GRAD_AMAX_FLOOR  # the amax floor of arrays named "*:dy" (gradients)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,7 @@ class ActivationRow:
     name: str
     shape: tuple[int, int]
     granularity: str
+    amax_floor: float  # the quantizer's amax floor for this tensor's role
     quant_error: float  # ||Q(x) - x||_F / ||x||_F
     regular_error: float  # the same, on regular (non-outlier) channels only
     flushed_to_zero: float  # fraction of the non-zero x that quantize to 0
@@ -100,9 +105,10 @@ def activation_rows(name: str, x: np.ndarray, config: Config, rng: np.random.Gen
     regular = regular_channels(x, config.outlier_ratio)
     w = (rng.standard_normal((config.n, k)) / np.sqrt(k)).astype(np.float32)
     exact = x64 @ w.astype(np.float64).T
+    floor = config.dy_floor if name.endswith(":dy") else AMAX_FLOOR
     rows, scales = [], {}
     for gran, block in ACTIVATION_BLOCKS.items():
-        qx = _quantize(jnp.asarray(x), block)
+        qx = _quantize(jnp.asarray(x), block, amax_floor=floor)
         qw = _quantize(jnp.asarray(w), None if block is None else BLOCKS["block"])
         deq = np.asarray(qx.dequantize(jnp.float32), np.float64)
         out = np.asarray(_reference(qx, qw, jnp.float32), np.float64)
@@ -110,7 +116,7 @@ def activation_rows(name: str, x: np.ndarray, config: Config, rng: np.random.Gen
         scales[gran] = log2s
         nonzero = x != 0
         rows.append(ActivationRow(
-            name=name, shape=(m, k), granularity=gran,
+            name=name, shape=(m, k), granularity=gran, amax_floor=floor,
             quant_error=_rel(deq - x64, x64),
             regular_error=_rel(deq[:, regular] - x64[:, regular], x64[:, regular]),
             flushed_to_zero=float(np.mean(deq[nonzero] == 0)) if nonzero.any() else 0.0,
@@ -140,12 +146,12 @@ def load_activations(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def format_activation_table(rows: list[ActivationRow]) -> str:
-    head = (f"{'tensor':>22} {'granularity':>14} | {'quant':>8} {'regular':>8} {'flushed':>8} {'GEMM':>8} | "
+    head = (f"{'tensor':>22} {'granularity':>14} {'floor':>8} | {'quant':>8} {'regular':>8} {'flushed':>8} {'GEMM':>8} | "
             f"{'#scales':>7} {'log2 s min/med/max':>20}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.name:>22} {r.granularity:>14} | {r.quant_error:8.2e} {r.regular_error:8.2e} "
+            f"{r.name:>22} {r.granularity:>14} {r.amax_floor:8.1e} | {r.quant_error:8.2e} {r.regular_error:8.2e} "
             f"{r.flushed_to_zero:8.2%} {r.gemm_error:8.2e} | {r.n_scales:7d} "
             f"{r.log2_scale_min:6.1f} {r.log2_scale_median:6.1f} {r.log2_scale_max:6.1f}"
         )
@@ -201,12 +207,14 @@ def main(argv=None) -> None:
     p.add_argument("--outlier-ratio", type=float, default=d.outlier_ratio)
     p.add_argument("--histogram-k", type=int, default=d.histogram_k)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dy-floor", type=float, default=d.dy_floor,
+                   help="amax floor of the arrays named '*:dy' (default: the recipe's gradient floor)")
     p.add_argument("--out", type=pathlib.Path, default=None)
     args = p.parse_args(argv)
     config = Config(
         ks=tuple(args.ks), outlier_factors=tuple(args.factors), m=args.m, n=args.n, n_outliers=args.outliers,
         outlier_ratio=args.outlier_ratio, histogram_k=args.histogram_k, seed=args.seed,
-        activations=None if args.activations is None else str(args.activations),
+        activations=None if args.activations is None else str(args.activations), dy_floor=args.dy_floor,
     )
     out = args.out or (OUT if args.activations is None else OUT / args.activations.stem)
     out.mkdir(parents=True, exist_ok=True)

@@ -50,8 +50,9 @@ def parser() -> argparse.ArgumentParser:
                    help="ModelConfig changes to the preset, 'field=value,...' (numbers, strings, "
                         "true/false), e.g. n_routed=16,bias_rule=clipped,bias_lr_ratio=15")
     p.add_argument("--loss-scale", type=float, default=1.0,
-                   help="multiply the loss by this for the backward pass (a power of two; lifts small "
-                        "activation gradients above the FP8 quantizer's amax floor of 1e-4)")
+                   help="multiply the loss by this for the backward pass (a power of two: exact). "
+                        "The recipe's gradient floor follows dy at any magnitude, so FP8 does not need "
+                        "it; it matters only with --recipe grad_amax_floor=1e-4 (DeepGEMM's floor on dy)")
     p.add_argument("--mesh", default=None,
                    help="'data=D,expert=E': data- and expert-parallel over D*E devices (see jfp8.mesh)")
     return p
@@ -80,12 +81,14 @@ def parse_recipe_overrides(text: str) -> tuple[tuple[str, object], ...]:
                 parsed = value in ("true", "1")
             elif isinstance(default, int):
                 parsed = int(value)
+            elif isinstance(default, float):  # the amax floors, e.g. grad_amax_floor=1e-4
+                parsed = float(value)
             else:
                 parsed = value
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"--recipe {item!r}: bad value for {name} (blocks: 1x128, 128x128 or none; "
-                "booleans: true/false)"
+                "booleans: true/false; floors: a number such as 1e-4)"
             ) from None
         out.append((name, parsed))
     try:

@@ -18,7 +18,7 @@ from jfp8.api import (
     retile_wgrad_operand,
     scaled_matmul,
 )
-from jfp8.fp8 import AMAX_FLOOR, BLOCKS, E4M3_MAX, FP8_DTYPE, TILE, Fp8Tensor
+from jfp8.fp8 import AMAX_FLOOR, BLOCKS, GRAD_AMAX_FLOOR, E4M3_MAX, FP8_DTYPE, TILE, Fp8Tensor
 from jfp8.reference import (
     dequantize_f64,
     grouped_scaled_matmul_reference,
@@ -48,6 +48,7 @@ __all__ = [
     "grouped_scaled_matmul",
     "grouped_wgrad_matmul",
     "AMAX_FLOOR",
+    "GRAD_AMAX_FLOOR",
     "BLOCKS",
     "E4M3_MAX",
     "FP8_DTYPE",

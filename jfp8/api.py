@@ -31,7 +31,7 @@ import jax.extend
 from jax.interpreters import batching, mlir
 
 from jfp8 import fp8, reference
-from jfp8.fp8 import TILE, Block, Fp8Tensor, _check_block
+from jfp8.fp8 import AMAX_FLOOR, GRAD_AMAX_FLOOR, TILE, Block, Fp8Tensor, _check_block
 from jfp8.reference import check_nt_operands, chunk_operand
 from pallas_kernels import _mgpu, gemm, grouped_gemm, grouped_wgrad
 from pallas_kernels import quantize as qk
@@ -222,14 +222,19 @@ def _check_quantize_input(x: jax.Array, block: Block) -> jax.Array:
     return x
 
 
-def _quantize_kernel(x: jax.Array, block: Block, pow2_scale: bool) -> Fp8Tensor:
+def _scale_rule(pow2_scale: bool, amax_floor: float) -> dict:
+    """The keyword arguments every quantizer takes for its scales, the floor checked."""
+    return {"pow2_scale": pow2_scale, "amax_floor": fp8.check_amax_floor(amax_floor)}
+
+
+def _quantize_kernel(x: jax.Array, block: Block, pow2_scale: bool, amax_floor: float) -> Fp8Tensor:
     """`fp8.quantize` through the fused kernels (2-D; batch axes folded into rows)."""
     *batch, m, k = x.shape
     # Rows of different batch items never share a block (`_quantize_unsupported`). Not
     # reshape(-1, k): that cannot infer the rows when k is 0.
     x2 = x.reshape(math.prod(batch) * m, k)
     fn = {(1, TILE): qk.quantize_tile, (TILE, 1): qk.quantize_column, (TILE, TILE): qk.quantize_block}[block]
-    data, scale = fn(x2, pow2_scale=pow2_scale)
+    data, scale = fn(x2, pow2_scale=pow2_scale, amax_floor=amax_floor)
     rows = -(-m // block[0]) * block[0]
     data = data.reshape(*batch, rows, data.shape[-1])
     scale = scale.reshape(*batch, rows // block[0], scale.shape[-1])
@@ -240,7 +245,7 @@ def quantize(
     x: jax.Array,
     block: Block = (1, TILE),
     *,
-    pow2_scale: bool = False,
+    pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR,
     impl: Impl = "auto",
     interpret: bool = False,
 ) -> Fp8Tensor:
@@ -252,6 +257,8 @@ def quantize(
         scale), `(128, 128)` block-wise (weights), any other `(bm, bk)`, or None for one scale
         per matrix (per tensor, the baseline).
       pow2_scale: round every scale up to a power of two (UE8M0-compatible).
+      amax_floor: the least amax a scale is taken from: `AMAX_FLOOR` (1e-4, DeepGEMM's) for
+        activations and weights, `GRAD_AMAX_FLOOR` for gradients (`jfp8.fp8.quantize`).
       impl, interpret: the kernels or the reference (module docstring); bit-identical.
 
     Returns:
@@ -259,8 +266,9 @@ def quantize(
       holds `(M, K)`. A block that contains NaN or ±Inf gets a NaN scale and NaN data.
     """
     x = _check_quantize_input(x, block)
-    return _dispatch(impl, interpret, functools.partial(_quantize_kernel, block=block, pow2_scale=pow2_scale),
-                     functools.partial(fp8.quantize, block=block, pow2_scale=pow2_scale), (x,),
+    rule = _scale_rule(pow2_scale, amax_floor)
+    return _dispatch(impl, interpret, functools.partial(_quantize_kernel, block=block, **rule),
+                     functools.partial(fp8.quantize, block=block, **rule), (x,),
                      _quantize_unsupported(x, block))
 
 
@@ -268,7 +276,7 @@ def quantize_weight(
     w: jax.Array,
     block: Block = (TILE, TILE),
     *,
-    pow2_scale: bool = False,
+    pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR,
     impl: Impl = "auto",
     interpret: bool = False,
 ) -> tuple[Fp8Tensor, Fp8Tensor]:
@@ -280,68 +288,75 @@ def quantize_weight(
     `quantize` and `.mT`. Bit-identical either way.
     """
     w = _check_quantize_input(w, block)
+    rule = _scale_rule(pow2_scale, amax_floor)
     fused = block == _BLOCK and w.ndim in (2, 3) and _quantize_unsupported(w, block) is None
 
     def kernel(w):
-        data, scale, data_t = qk.quantize_block_and_transpose(w, pow2_scale=pow2_scale)
+        data, scale, data_t = qk.quantize_block_and_transpose(w, **rule)
         m, k = w.shape[-2:]
         return Fp8Tensor(data, scale, block, (m, k)), Fp8Tensor(data_t, jnp.swapaxes(scale, -1, -2), block, (k, m))
 
     if not fused:  # the two passes, each through its own door
-        q = quantize(w, block, pow2_scale=pow2_scale, impl=impl, interpret=interpret)
+        q = quantize(w, block, **rule, impl=impl, interpret=interpret)
         return q, q.mT
-    xla = functools.partial(fp8.quantize_weight, block=block, pow2_scale=pow2_scale)
+    xla = functools.partial(fp8.quantize_weight, block=block, **rule)
     return _dispatch(impl, interpret, kernel, xla, (w,))
 
 
 def quantize_wgrad_operand(
-    x: jax.Array, *, pow2_scale: bool = False, impl: Impl = "auto", interpret: bool = False
+    x: jax.Array, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, impl: Impl = "auto",
+    interpret: bool = False,
 ) -> Fp8Tensor:
     """x (T, C) -> its transpose (C, T) scaled per 128 tokens: `quantize(x, (128, 1)).mT`, which
     the kernel writes transposed in the same pass (2-D inputs)."""
     x = _check_quantize_input(x, (TILE, 1))
+    rule = _scale_rule(pow2_scale, amax_floor)
 
     def kernel(x):
-        data, scale = qk.quantize_column(x, pow2_scale=pow2_scale, transpose=True)
+        data, scale = qk.quantize_column(x, **rule, transpose=True)
         return Fp8Tensor(data, scale, (1, TILE), (x.shape[1], x.shape[0]))
 
     unsupported = _quantize_unsupported(x, (TILE, 1)) or (None if x.ndim == 2 else f"{x.ndim}-D input")
-    return _dispatch(impl, interpret, kernel, functools.partial(fp8.quantize_wgrad_operand, pow2_scale=pow2_scale),
+    return _dispatch(impl, interpret, kernel, functools.partial(fp8.quantize_wgrad_operand, **rule),
                      (x,), unsupported)
 
 
 def quantize_grad(
-    dy: jax.Array, *, pow2_scale: bool = False, impl: Impl = "auto", interpret: bool = False
+    dy: jax.Array, *, pow2_scale: bool = False, amax_floor: float = GRAD_AMAX_FLOOR, impl: Impl = "auto",
+    interpret: bool = False,
 ) -> tuple[Fp8Tensor, Fp8Tensor]:
     """dy (T, N) -> `(quantize(dy, (1, 128)), quantize_wgrad_operand(dy))`: its Dgrad operand in
     1x128 tiles and its Wgrad operand (dyᵀ scaled per 128 tokens); on the kernels, one fused pass
     reads dy once and writes both (2-D inputs). Bit-identical either way."""
     dy = _check_quantize_input(dy, (1, TILE))
+    rule = _scale_rule(pow2_scale, amax_floor)
 
     def kernel(dy):
         t, n = dy.shape
-        data, scale, data_t, scale_t = qk.quantize_tile_and_column_t(dy, pow2_scale=pow2_scale)
+        data, scale, data_t, scale_t = qk.quantize_tile_and_column_t(dy, **rule)
         return Fp8Tensor(data, scale, (1, TILE), (t, n)), Fp8Tensor(data_t, scale_t, (1, TILE), (n, t))
 
     unsupported = _quantize_unsupported(dy, (TILE, 1)) or (None if dy.ndim == 2 else f"{dy.ndim}-D input")
-    return _dispatch(impl, interpret, kernel, functools.partial(fp8.quantize_grad, pow2_scale=pow2_scale),
+    return _dispatch(impl, interpret, kernel, functools.partial(fp8.quantize_grad, **rule),
                      (dy,), unsupported)
 
 
 def retile_wgrad_operand(
-    t: Fp8Tensor, *, pow2_scale: bool = False, impl: Impl = "auto", interpret: bool = False
+    t: Fp8Tensor, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, impl: Impl = "auto",
+    interpret: bool = False,
 ) -> Fp8Tensor:
     """The FP8 x saved by Fprop, (T, C) in (1, 128) tiles -> (C, T) scaled per 128 tokens:
     `quantize(t.dequantize(jnp.float32), (128, 1)).mT` (DeepSeek-V3 §3.5.2), one fused pass on
     the kernels."""
+    rule = _scale_rule(pow2_scale, amax_floor)
 
     def kernel(t):
         m, k = t.logical
-        data, scale = qk.retile_tile_to_column_t(t.data, t.scale, m=m, k=k, pow2_scale=pow2_scale)
+        data, scale = qk.retile_tile_to_column_t(t.data, t.scale, m=m, k=k, **rule)
         return Fp8Tensor(data, scale, (1, TILE), (k, m))
 
     unsupported = None if (t.ndim == 2 and t.block == (1, TILE)) else f"a {t.ndim}-D tensor in blocks {t.block}"
-    return _dispatch(impl, interpret, kernel, functools.partial(fp8.retile_wgrad_operand, pow2_scale=pow2_scale),
+    return _dispatch(impl, interpret, kernel, functools.partial(fp8.retile_wgrad_operand, **rule),
                      (t,), unsupported)
 
 

@@ -15,12 +15,14 @@ from typing import Literal, TypeAlias
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_math import (  # noqa: F401  AMAX_FLOOR, E4M3_MAX, FP8_DTYPE: re-exported
+from pallas_kernels.fp8_math import (  # noqa: F401  AMAX_FLOOR, E4M3_MAX, FP8_DTYPE...: re-exported
     AMAX_FLOOR,
+    GRAD_AMAX_FLOOR,
     E4M3_MAX,
     FP8_DTYPE,
     TILE,
     abs_for_amax,
+    check_amax_floor,
     encode,
     scale_from_amax,
 )
@@ -136,7 +138,7 @@ def quantize(
     x: jax.Array,
     block: Block = (1, TILE),
     *,
-    pow2_scale: bool = False,
+    pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR,
 ) -> Fp8Tensor:
     """Online E4M3 quantization of the last two axes of `x`, one FP32 scale per block, in XLA.
 
@@ -146,12 +148,17 @@ def quantize(
         column, 128 rows: the Wgrad layout), `(128, 128)` block-wise (weights), any other
         `(bm, bk)`, or None for one scale per matrix (per-tensor, the baseline).
       pow2_scale: round every scale up to a power of two (UE8M0-compatible).
+      amax_floor: a block's amax is raised to at least this before its scale is taken, so that an
+        all-zero block gets a finite scale. `AMAX_FLOOR` (1e-4, DeepGEMM's) for activations and
+        weights; `GRAD_AMAX_FLOOR` (448 * 2^-126) for gradients, which binds only where the scale
+        would not be a normal f32 (gradients of a mean loss lie far under 1e-4).
 
     Returns:
       An `Fp8Tensor` whose `data` is padded with zeros up to whole blocks and whose `logical` holds
       `(M, K)`. A block that contains NaN or ±Inf gets a NaN scale and NaN data.
     """
     _check_block(block)
+    amax_floor = check_amax_floor(amax_floor)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
@@ -167,7 +174,7 @@ def quantize(
     if block is None:
         # One scale per matrix: the amax runs over both axes, nothing is padded.
         amax = jnp.max(abs_for_amax(x), axis=(-2, -1), keepdims=True, initial=0.0)
-        scale = scale_from_amax(amax, pow2_scale)
+        scale = scale_from_amax(amax, pow2_scale, amax_floor)
         return Fp8Tensor(encode(x, scale), scale, None, (m, k))
 
     bm, bk = block
@@ -176,33 +183,40 @@ def quantize(
     xp = jnp.pad(x, pad)
     blocks = xp.reshape(*batch, mp // bm, bm, kp // bk, bk)  # [..., rows, bm, cols, bk]
     amax = jnp.max(abs_for_amax(blocks), axis=(-3, -1), initial=0.0)  # [..., rows, cols]
-    scale = scale_from_amax(amax, pow2_scale)
+    scale = scale_from_amax(amax, pow2_scale, amax_floor)
     data = encode(blocks, scale[..., :, None, :, None]).reshape(*batch, mp, kp)
     return Fp8Tensor(data, scale, block, (m, k))
 
 
 def quantize_weight(
-    w: jax.Array, block: Block = (TILE, TILE), *, pow2_scale: bool = False
+    w: jax.Array, block: Block = (TILE, TILE), *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR
 ) -> tuple[Fp8Tensor, Fp8Tensor]:
     """`(q, q.mT)` for `q = quantize(w, block)`: a weight in both orientations (Fprop contracts
     W [K, N] over K and Dgrad over N, and FP8 wgmma needs the contracted axis contiguous)."""
-    q = quantize(w, block, pow2_scale=pow2_scale)
+    q = quantize(w, block, pow2_scale=pow2_scale, amax_floor=amax_floor)
     return q, q.mT
 
 
-def quantize_wgrad_operand(x: jax.Array, *, pow2_scale: bool = False) -> Fp8Tensor:
+def quantize_wgrad_operand(
+    x: jax.Array, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR
+) -> Fp8Tensor:
     """x (T, C) -> its transpose (C, T) scaled per 128 tokens: `quantize(x, (128, 1)).mT`, the
     Wgrad operand layout (DeepSeek-V3's 128x1 tiles; the contracted token axis contiguous)."""
-    return quantize(x, (TILE, 1), pow2_scale=pow2_scale).mT
+    return quantize(x, (TILE, 1), pow2_scale=pow2_scale, amax_floor=amax_floor).mT
 
 
-def quantize_grad(dy: jax.Array, *, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+def quantize_grad(
+    dy: jax.Array, *, pow2_scale: bool = False, amax_floor: float = GRAD_AMAX_FLOOR
+) -> tuple[Fp8Tensor, Fp8Tensor]:
     """dy (T, N) -> `(quantize(dy, (1, 128)), quantize_wgrad_operand(dy))`: its Dgrad operand in
     1x128 tiles and its Wgrad operand (dyᵀ scaled per 128 tokens)."""
-    return quantize(dy, (1, TILE), pow2_scale=pow2_scale), quantize_wgrad_operand(dy, pow2_scale=pow2_scale)
+    return (quantize(dy, (1, TILE), pow2_scale=pow2_scale, amax_floor=amax_floor),
+            quantize_wgrad_operand(dy, pow2_scale=pow2_scale, amax_floor=amax_floor))
 
 
-def retile_wgrad_operand(t: Fp8Tensor, *, pow2_scale: bool = False) -> Fp8Tensor:
+def retile_wgrad_operand(
+    t: Fp8Tensor, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR
+) -> Fp8Tensor:
     """The FP8 x saved by Fprop, (T, C) in (1, 128) tiles -> (C, T) scaled per 128 tokens
     (DeepSeek-V3 §3.5.2: dequantize, transpose, re-quantize)."""
-    return quantize(t.dequantize(jnp.float32), (TILE, 1), pow2_scale=pow2_scale).mT
+    return quantize(t.dequantize(jnp.float32), (TILE, 1), pow2_scale=pow2_scale, amax_floor=amax_floor).mT

@@ -59,8 +59,10 @@ def _vary_like(a: jax.Array, *others: jax.Array) -> jax.Array:
     return a + zero
 
 
-def _q(x: jax.Array, block, recipe: Fp8Recipe) -> Fp8Tensor:
-    return quantize(x, block, pow2_scale=recipe.pow2_scale, impl=recipe.impl, interpret=recipe.interpret)
+def _q(x: jax.Array, block, recipe: Fp8Recipe, amax_floor: float) -> Fp8Tensor:
+    """x quantized in `block` with the recipe's scale rule and the floor of x's role."""
+    return quantize(x, block, pow2_scale=recipe.pow2_scale, amax_floor=amax_floor, impl=recipe.impl,
+                    interpret=recipe.interpret)
 
 
 def _q_weight(w: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Tensor | None]:
@@ -70,10 +72,10 @@ def _q_weight(w: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Ten
         return None, None
     if recipe.fprop and recipe.dgrad and recipe.fuse_quantizers:
         return quantize_weight(
-            w, recipe.weight_block, pow2_scale=recipe.pow2_scale, impl=recipe.impl,
-            interpret=recipe.interpret,
+            w, recipe.weight_block, pow2_scale=recipe.pow2_scale, amax_floor=recipe.weight_amax_floor,
+            impl=recipe.impl, interpret=recipe.interpret,
         )
-    qw = _q(w, recipe.weight_block, recipe)
+    qw = _q(w, recipe.weight_block, recipe, recipe.weight_amax_floor)
     return (qw if recipe.dgrad else None), (qw.mT if recipe.fprop else None)
 
 
@@ -84,18 +86,22 @@ def _mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype, recipe: Fp8Recipe) -> jax.Array:
 def _wgrad_x(saved: Fp8Tensor, recipe: Fp8Recipe) -> Fp8Tensor:
     """xᵀ scaled per 128 tokens, from the FP8 x saved by Fprop (dequantize, re-tile, §3.5.2)."""
     if recipe.wgrad_block is None:
-        return saved.mT if saved.block is None else _q(saved.dequantize(), None, recipe).mT
+        if saved.block is None:
+            return saved.mT
+        return _q(saved.dequantize(), None, recipe, recipe.activation_amax_floor).mT
     return retile_wgrad_operand(
-        saved, pow2_scale=recipe.pow2_scale, impl=recipe.impl, interpret=recipe.interpret
+        saved, pow2_scale=recipe.pow2_scale, amax_floor=recipe.activation_amax_floor, impl=recipe.impl,
+        interpret=recipe.interpret,
     )
 
 
 def _wgrad_dy(dy: jax.Array, recipe: Fp8Recipe) -> Fp8Tensor:
     """dyᵀ scaled per 128 tokens (or per tensor for the per-tensor baseline)."""
     if recipe.wgrad_block is None:
-        return _q(dy, None, recipe).mT
+        return _q(dy, None, recipe, recipe.grad_amax_floor).mT
     return quantize_wgrad_operand(
-        dy, pow2_scale=recipe.pow2_scale, impl=recipe.impl, interpret=recipe.interpret
+        dy, pow2_scale=recipe.pow2_scale, amax_floor=recipe.grad_amax_floor, impl=recipe.impl,
+        interpret=recipe.interpret,
     )
 
 
@@ -106,10 +112,11 @@ def _q_grad(dy: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Tens
         recipe.grad_block, recipe.wgrad_block
     ) == ((1, TILE), (TILE, 1)):
         return quantize_grad(
-            dy, pow2_scale=recipe.pow2_scale, impl=recipe.impl, interpret=recipe.interpret
+            dy, pow2_scale=recipe.pow2_scale, amax_floor=recipe.grad_amax_floor, impl=recipe.impl,
+            interpret=recipe.interpret,
         )
     return (
-        _q(dy, recipe.grad_block, recipe) if recipe.dgrad else None,
+        _q(dy, recipe.grad_block, recipe, recipe.grad_amax_floor) if recipe.dgrad else None,
         _wgrad_dy(dy, recipe) if recipe.wgrad else None,
     )
 
@@ -124,7 +131,8 @@ def _linear(x: jax.Array, w: jax.Array, recipe: Fp8Recipe) -> jax.Array:
 
 def _linear_fwd(x, w, recipe: Fp8Recipe):
     """x [M, K], w [K, N] -> y [M, N]; residuals are FP8 where the backward GEMM is FP8."""
-    qx = _q(x, recipe.activation_block, recipe) if (recipe.fprop or recipe.wgrad) else None
+    fp8_x = recipe.fprop or recipe.wgrad
+    qx = _q(x, recipe.activation_block, recipe, recipe.activation_amax_floor) if fp8_x else None
     qw, qw_t = _q_weight(w, recipe)  # [K, N], [N, K]
     y = _mm(qx, qw_t, x.dtype, recipe) if recipe.fprop else _plain_dot(x, w)
     return y, (qx if recipe.wgrad else x, qw if recipe.dgrad else w)
@@ -216,7 +224,8 @@ def _gmm(a, b, group_sizes, out_dtype, recipe):
 
 def _grouped_fwd(x, w, group_sizes, recipe: Fp8Recipe):
     """x [T, K] sorted by group, w [G, K, N] -> y [T, N]."""
-    qx = _q(x, recipe.activation_block, recipe) if (recipe.fprop or recipe.wgrad) else None
+    fp8_x = recipe.fprop or recipe.wgrad
+    qx = _q(x, recipe.activation_block, recipe, recipe.activation_amax_floor) if fp8_x else None
     qw, qw_t = _q_weight(w, recipe)  # [G, K, N], [G, N, K]
     y = _gmm(qx, qw_t, group_sizes, x.dtype, recipe) if recipe.fprop else _ragged(x, w, group_sizes)
     return y, (qx if recipe.wgrad else x, qw if recipe.dgrad else w, group_sizes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jfp8.api import IMPLS, Impl
-from jfp8.fp8 import TILE, Block, _check_block
+from jfp8.fp8 import AMAX_FLOOR, GRAD_AMAX_FLOOR, TILE, Block, _check_block, check_amax_floor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +21,11 @@ class Fp8Recipe:
         `x.dtype` matmuls with an FP32 accumulator.
       promotion_interval: N_C, the K-elements between FP32 promotions; 128 (the scaling tile).
       pow2_scale: round every scale up to a power of two (UE8M0).
+      activation_amax_floor, weight_amax_floor, grad_amax_floor: per role, the least amax a scale
+        is taken from (an all-zero tile still gets a finite scale). Activations (x in Fprop and
+        Wgrad) and weights keep DeepGEMM's 1e-4, bit for bit its quantizers; gradients (dy in
+        Dgrad and Wgrad) get `GRAD_AMAX_FLOOR` (448 * 2^-126), which binds only where a scale would
+        not be a normal f32, so dy's scales follow it at any magnitude and no loss scale is needed.
       impl: "auto" (Mosaic GPU kernels on Hopper, XLA reference elsewhere), "xla" or "mosaic".
       interpret: run the kernels in the Mosaic GPU interpreter (tests).
       fuse_quantizers: on the kernels' path, quantize W into both orientations (Fprop, Dgrad) in
@@ -37,6 +42,9 @@ class Fp8Recipe:
     wgrad: bool = True
     promotion_interval: int = TILE
     pow2_scale: bool = False
+    activation_amax_floor: float = AMAX_FLOOR
+    weight_amax_floor: float = AMAX_FLOOR
+    grad_amax_floor: float = GRAD_AMAX_FLOOR
     impl: Impl = "auto"
     interpret: bool = False
     fuse_quantizers: bool = True
@@ -56,6 +64,11 @@ class Fp8Recipe:
                 "K-elements (one scaling tile); other intervals exist only in the accumulation "
                 "simulator"
             )
+        for name in ("activation_amax_floor", "weight_amax_floor", "grad_amax_floor"):
+            try:
+                object.__setattr__(self, name, check_amax_floor(getattr(self, name)))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
 

@@ -16,7 +16,15 @@ import jax.numpy as jnp
 FP8_DTYPE = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 # DeepGEMM clamps a block's amax from below so an all-zero block gets a finite, non-zero scale.
+# jfp8 keeps that floor for activations and weights (bit for bit DeepGEMM's quantizers there).
 AMAX_FLOOR = 1e-4
+# The floor of activation gradients: the amax whose scale is the smallest normal f32, 448 * 2^-126
+# (~5.3e-36). Gradients of a mean loss scale as 1/tokens and routinely lie under 1e-4, where
+# DeepGEMM's floor would replace DeepSeek-V3's fine-grained online scaling by one fixed scale. No
+# lower floor works: XLA (on the CPU, measured) flushes subnormal f32 results to zero, so a scale
+# under 2^-126 would become 0 and its reciprocal inf. Under this floor a tile loses nothing that
+# f32 holds as a normal number: every normal element still encodes to an E4M3 value >= 1.
+GRAD_AMAX_FLOOR = float(E4M3_MAX * float(jnp.finfo(jnp.float32).tiny))
 # DeepSeek-V3's scaling tile and its promotion interval N_C: one FP32 scale per 128 contraction
 # elements, and partial sums are promoted to FP32 every 128 K-elements.
 TILE = 128
@@ -30,21 +38,34 @@ INV_E4M3_MAX = float(1.0 / jnp.float32(E4M3_MAX))
 F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
-def scale_from_amax(amax: jax.Array, pow2_scale: bool) -> jax.Array:
+def check_amax_floor(amax_floor: float) -> float:
+    """`amax_floor` as a float, or a ValueError saying which floors are valid."""
+    f = float(amax_floor)
+    if not (GRAD_AMAX_FLOOR <= f <= F32_MAX):
+        raise ValueError(
+            f"amax_floor={amax_floor!r}: it must be finite and at least {GRAD_AMAX_FLOOR:.4g} "
+            "(448 * 2^-126, the amax whose scale is the smallest normal f32: smaller scales flush to "
+            f"zero). Use AMAX_FLOOR ({AMAX_FLOOR}) for activations and weights, GRAD_AMAX_FLOOR for gradients"
+        )
+    return f
+
+
+def scale_from_amax(amax: jax.Array, pow2_scale: bool, amax_floor: float = AMAX_FLOOR) -> jax.Array:
     """The FP32 scale of a block from its amax (max |x|, +inf when the block holds a NaN or Inf).
 
-    scale = max(amax, AMAX_FLOOR) * f32(1 / E4M3_MAX), one correctly rounded f32 product, as
-    DeepGEMM's `amax.clamp(1e-4) / 448.0` on CUDA; optionally rounded up to a power of two (UE8M0,
+    scale = max(amax, amax_floor) * f32(1 / E4M3_MAX), one correctly rounded f32 product, as
+    DeepGEMM's `amax.clamp(1e-4) / 448.0` on CUDA for the default floor (activations, weights;
+    gradients use `GRAD_AMAX_FLOOR`, which binds only where the scale would not be a normal f32); optionally rounded up to a power of two (UE8M0,
     DeepGEMM's `ceil_to_ue8m0`); NaN for a non-finite block so that the whole block dequantizes to
     NaN instead of to a silently wrong finite number (DeepGEMM gives an Inf block an Inf scale).
     Shared by `quantize` and the Pallas quantization kernels.
     """
-    scale = jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) * jnp.float32(INV_E4M3_MAX)
+    scale = jnp.maximum(amax, jnp.float32(amax_floor)) * jnp.float32(INV_E4M3_MAX)
     if pow2_scale:
         # Round a positive normal float up to a power of two with integer arithmetic, which is
         # exact everywhere (no log2/exp2): add all-ones to the mantissa, then clear it. Equal to
         # `ceil_to_ue8m0` (exponent + (mantissa != 0), clamped to [1, 254]) for every scale here:
-        # 1e-4 / 448 <= scale <= f32 max / 448 < 2^120 is normal, so its clamp never acts.
+        # 2^-126 <= scale <= f32 max / 448 < 2^120 is normal, so its clamp never acts.
         bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
         bits = (bits + jnp.int32(0x007FFFFF)) & jnp.int32(-0x00800000)  # 0xFF800000
         scale = jax.lax.bitcast_convert_type(bits, jnp.float32)

@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8_math import (
+    AMAX_FLOOR,
     FP8_DTYPE,
     TILE,
     abs_for_amax,
@@ -197,16 +198,16 @@ def _chunk_loop(chunks: int, slots: int, bars, fetch, quantize_chunk, *,
 # Kernels with one scale per output row and 128-wide chunk: tile, transposed column, retile.
 
 
-def _rows_chunk(x_ref, *, pow2_scale: bool, swizzled: bool):
+def _rows_chunk(x_ref, *, pow2_scale: bool, amax_floor: float, swizzled: bool):
     """x_ref [rows, 128] → E4M3 [rows, 128] and scales [rows] (amax along the row)."""
     rows = x_ref.shape[0]
     x = _load_f32(x_ref, swizzled)
-    scale = scale_from_amax(jnp.max(abs_for_amax(x), axis=1), pow2_scale)
+    scale = scale_from_amax(jnp.max(abs_for_amax(x), axis=1), pow2_scale, amax_floor)
     q = encode_scaled(x, jax.lax.broadcast_in_dim(reciprocal(scale), (rows, TILE), (0,)))
     return q, scale
 
 
-def _transposed_chunk(x_ref, xs_ref, bounce_refs, *, pow2_scale: bool, swizzled: bool):
+def _transposed_chunk(x_ref, xs_ref, bounce_refs, *, pow2_scale: bool, amax_floor: float, swizzled: bool):
     """x_ref [128, rows] → E4M3 of its transpose [rows, 128], scales [rows] (amax down columns).
 
     Quantizes in the stored orientation (reduction over rows, across warps), then transposes the
@@ -221,7 +222,7 @@ def _transposed_chunk(x_ref, xs_ref, bounce_refs, *, pow2_scale: bool, swizzled:
     if xs_ref is not None:
         s_in = plgpu.load(xs_ref, layout=_WGMMA_ROW, optimized=False)
         x = x * jax.lax.broadcast_in_dim(s_in, (TILE, rows), (0,))
-    scale = scale_from_amax(jnp.max(abs_for_amax(x), axis=0), pow2_scale)  # [rows]
+    scale = scale_from_amax(jnp.max(abs_for_amax(x), axis=0), pow2_scale, amax_floor)  # [rows]
     q = encode_scaled(x, jax.lax.broadcast_in_dim(reciprocal(scale), (TILE, rows), (1,)))
     q_ref, scale_ref = bounce_refs
     q_ref[...] = q.astype(jnp.float16)
@@ -233,7 +234,7 @@ def _transposed_chunk(x_ref, xs_ref, bounce_refs, *, pow2_scale: bool, swizzled:
     return q_t, plgpu.load(scale_ref, layout=_WGMMA_ROW, optimized=False)
 
 
-def _row_scale_body(*refs, cfg: QuantizeConfig, transposed: bool, dequant: bool, pow2_scale: bool,
+def _row_scale_body(*refs, cfg: QuantizeConfig, transposed: bool, dequant: bool, pow2_scale: bool, amax_floor: float,
                     swizzled: bool):
     """One CTA: output rows [rows i, rows (i + 1)) x `chunks` 128-wide output chunks.
 
@@ -270,10 +271,10 @@ def _row_scale_body(*refs, cfg: QuantizeConfig, transposed: bool, dequant: bool,
         if transposed:
             xs = xs_smem.at[slot, :, in_chunk % _SCALE_GROUP] if dequant else None
             q, scale = _transposed_chunk(
-                x_smem.at[slot], xs, bounce, pow2_scale=pow2_scale, swizzled=swizzled
+                x_smem.at[slot], xs, bounce, pow2_scale=pow2_scale, amax_floor=amax_floor, swizzled=swizzled
             )
         else:
-            q, scale = _rows_chunk(x_smem.at[slot], pow2_scale=pow2_scale, swizzled=swizzled)
+            q, scale = _rows_chunk(x_smem.at[slot], pow2_scale=pow2_scale, amax_floor=amax_floor, swizzled=swizzled)
         d_smem[slot] = q
         s_smem[:, c] = scale
         plgpu.commit_smem()
@@ -284,7 +285,7 @@ def _row_scale_body(*refs, cfg: QuantizeConfig, transposed: bool, dequant: bool,
     plgpu.wait_smem_to_gmem(0)
 
 
-def _row_scale_call(inputs, *, out_rows: int, out_chunks: int, transposed: bool, pow2_scale: bool,
+def _row_scale_call(inputs, *, out_rows: int, out_chunks: int, transposed: bool, pow2_scale: bool, amax_floor: float,
                     cfg: QuantizeConfig):
     """Runs `_row_scale_body` → data [out_rows, out_chunks * 128], scale [out_rows, out_chunks].
 
@@ -309,7 +310,7 @@ def _row_scale_call(inputs, *, out_rows: int, out_chunks: int, transposed: bool,
     kernel = plgpu.kernel(
         functools.partial(
             _row_scale_body, cfg=cfg, transposed=transposed, dequant=dequant,
-            pow2_scale=pow2_scale, swizzled=swizzled,
+            pow2_scale=pow2_scale, amax_floor=amax_floor, swizzled=swizzled,
         ),
         out_type=(
             jax.ShapeDtypeStruct((out_rows, out_chunks * TILE), FP8_DTYPE),
@@ -365,7 +366,7 @@ def _store_half_transposed(q, half, dt_ref, bounce_ref, swizzled: bool) -> None:
 
 
 def _column_chunk(x_ref, d_ref, dt_ref=None, bounce_ref=None, *, per_column: bool,
-                  pow2_scale: bool, swizzled: bool):
+                  pow2_scale: bool, amax_floor: float, swizzled: bool):
     """Quantizes one SMEM chunk [128, 128] into `d_ref`, in two [128, 64] halves.
 
     With `dt_ref` (and its f16 `bounce_ref`) also writes the E4M3 chunk transposed there.
@@ -376,10 +377,10 @@ def _column_chunk(x_ref, d_ref, dt_ref=None, bounce_ref=None, *, per_column: boo
         jnp.max(abs_for_amax(_load_f32(x_ref.at[:, h], swizzled)), axis=0) for h in halves
     ]
     if per_column:
-        scale = [scale_from_amax(a, pow2_scale) for a in col_amax]
+        scale = [scale_from_amax(a, pow2_scale, amax_floor) for a in col_amax]
         inv = [jax.lax.broadcast_in_dim(reciprocal(s), (TILE, _HALF), (1,)) for s in scale]
     else:
-        scale = scale_from_amax(jnp.maximum(*[jnp.max(a, axis=0) for a in col_amax]), pow2_scale)
+        scale = scale_from_amax(jnp.maximum(*[jnp.max(a, axis=0) for a in col_amax]), pow2_scale, amax_floor)
         inv = [jnp.broadcast_to(reciprocal(scale), (TILE, _HALF))] * len(halves)
     for h, inv_h in zip(halves, inv):
         q = encode_scaled(_load_f32(x_ref.at[:, h], swizzled), inv_h)
@@ -390,7 +391,7 @@ def _column_chunk(x_ref, d_ref, dt_ref=None, bounce_ref=None, *, per_column: boo
 
 
 def _column_body(x_gmem, d_gmem, s_gmem, *refs, chunks: int, slots: int, per_column: bool,
-                 item_blocks: int | None, pow2_scale: bool, swizzled: bool):
+                 item_blocks: int | None, pow2_scale: bool, amax_floor: float, swizzled: bool):
     """One CTA: rows [128 i, 128 i + 128) x `chunks` chunks of 128 columns.
 
     `per_column`: (128, 1) tiles, one scale per column; else one scale per (128, 128) block,
@@ -411,7 +412,7 @@ def _column_body(x_gmem, d_gmem, s_gmem, *refs, chunks: int, slots: int, per_col
     def quantize_chunk(c, slot):
         scale = _column_chunk(
             x_smem.at[slot], d_smem.at[slot], None if dt_smem is None else dt_smem.at[slot],
-            bounce, per_column=per_column, pow2_scale=pow2_scale, swizzled=swizzled,
+            bounce, per_column=per_column, pow2_scale=pow2_scale, amax_floor=amax_floor, swizzled=swizzled,
         )
         if per_column:
             for h, s in enumerate(scale):
@@ -433,7 +434,7 @@ def _column_body(x_gmem, d_gmem, s_gmem, *refs, chunks: int, slots: int, per_col
     plgpu.wait_smem_to_gmem(0)
 
 
-def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: QuantizeConfig,
+def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, amax_floor: float, cfg: QuantizeConfig,
                  items: int | None = None):
     """Runs `_column_body` on x [M, K] → data [Mp, out_cols] and scale [Mp // 128, ...].
 
@@ -469,7 +470,7 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
     kernel = plgpu.kernel(
         functools.partial(
             _column_body, chunks=chunks, slots=slots, per_column=per_column,
-            item_blocks=None if items is None else row_blocks // items, pow2_scale=pow2_scale,
+            item_blocks=None if items is None else row_blocks // items, pow2_scale=pow2_scale, amax_floor=amax_floor,
             swizzled=swizzled,
         ),
         out_type=tuple(out_type),
@@ -492,7 +493,7 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, cfg: Q
 # Both quantizations of an output gradient in one pass: (1, 128) tiles and transposed (128, 1).
 
 
-def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, pow2_scale: bool, swizzled: bool):
+def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, pow2_scale: bool, amax_floor: float, swizzled: bool):
     """x_ref [128, 128] → its (1, 128)-tile E4M3 in `d_ref` [128, 128] and its (128, 1)-tile E4M3,
     transposed, in `dt_ref` [128, 128], one [128, 64] half at a time (`_store_half_transposed`).
 
@@ -505,8 +506,8 @@ def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, pow2_scale: bool, swizzled:
         a = abs_for_amax(_load_f32(x_ref.at[:, h], swizzled))
         r = jnp.max(a, axis=1)
         row_amax = r if row_amax is None else jnp.maximum(row_amax, r)
-        col_scales.append(scale_from_amax(jnp.max(a, axis=0), pow2_scale))
-    row_scale = scale_from_amax(row_amax, pow2_scale)
+        col_scales.append(scale_from_amax(jnp.max(a, axis=0), pow2_scale, amax_floor))
+    row_scale = scale_from_amax(row_amax, pow2_scale, amax_floor)
     inv_row = jax.lax.broadcast_in_dim(reciprocal(row_scale), (TILE, _HALF), (0,))
     for h, col_scale in zip(halves, col_scales):
         x = _load_f32(x_ref.at[:, h], swizzled)
@@ -517,7 +518,7 @@ def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, pow2_scale: bool, swizzled:
 
 
 def _both_body(x_gmem, d_gmem, s_gmem, dt_gmem, st_gmem, x_smem, d_smem, dt_smem, bounce,
-               s_smem, st_smem, bars, *, chunks: int, slots: int, pow2_scale: bool,
+               s_smem, st_smem, bars, *, chunks: int, slots: int, pow2_scale: bool, amax_floor: float,
                swizzled: bool):
     """One CTA: rows [128 i, 128 i + 128) x `chunks` chunks of 128 columns of x [M, N].
 
@@ -530,7 +531,7 @@ def _both_body(x_gmem, d_gmem, s_gmem, dt_gmem, st_gmem, x_smem, d_smem, dt_smem
 
     def quantize_chunk(c, slot):
         row_scale, col_scales = _both_chunk(
-            x_smem.at[slot], d_smem.at[slot], dt_smem.at[slot], bounce, pow2_scale=pow2_scale,
+            x_smem.at[slot], d_smem.at[slot], dt_smem.at[slot], bounce, pow2_scale=pow2_scale, amax_floor=amax_floor,
             swizzled=swizzled,
         )
         s_smem[:, c] = row_scale
@@ -546,7 +547,7 @@ def _both_body(x_gmem, d_gmem, s_gmem, dt_gmem, st_gmem, x_smem, d_smem, dt_smem
     plgpu.wait_smem_to_gmem(0)
 
 
-def _both_call(x, *, m: int, n: int, pow2_scale: bool, cfg: QuantizeConfig):
+def _both_call(x, *, m: int, n: int, pow2_scale: bool, amax_floor: float, cfg: QuantizeConfig):
     """Runs `_both_body` on x [m, >= n] (rows 16-byte aligned) → d, s, dt, st (see there)."""
     chunks = cfg.column_chunks
     slots = cfg.slots(chunks)
@@ -558,7 +559,7 @@ def _both_call(x, *, m: int, n: int, pow2_scale: bool, cfg: QuantizeConfig):
     swizzled = cfg.swizzle and _swizzle_fits(x, TILE) and n % SWIZZLE_ROWS == 0
     kernel = plgpu.kernel(
         functools.partial(
-            _both_body, chunks=chunks, slots=slots, pow2_scale=pow2_scale, swizzled=swizzled
+            _both_body, chunks=chunks, slots=slots, pow2_scale=pow2_scale, amax_floor=amax_floor, swizzled=swizzled
         ),
         out_type=(
             jax.ShapeDtypeStruct((m, col_chunks * TILE), FP8_DTYPE),
@@ -616,13 +617,15 @@ def _empty(data_shape, scale_shape):
 
 
 def quantize_tile(
-    x: jax.Array, *, pow2_scale: bool = False, config: QuantizeConfig = QuantizeConfig()
+    x: jax.Array, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, config: QuantizeConfig = QuantizeConfig()
 ):
     """(1, 128) tile-wise E4M3 quantization along the last axis: `jfp8.quantize(x, (1, 128))`.
 
     Args:
       x: [M, K] bf16, f16 or f32.
       pow2_scale: round every scale up to a power of two.
+      amax_floor: the smallest amax a scale is computed from (`fp8_math.AMAX_FLOOR` for activations
+        and weights, `GRAD_AMAX_FLOOR` for gradients).
 
     Returns:
       data [M, Kp] float8_e4m3fn (Kp = K rounded up to 128, zero padded), scale [M, Kp // 128] f32.
@@ -634,12 +637,12 @@ def quantize_tile(
         return _empty((m, kp), (m, kp // TILE))
     return _row_scale_call(
         (_tma_aligned(x),), out_rows=m, out_chunks=kp // TILE, transposed=False,
-        pow2_scale=pow2_scale, cfg=config,
+        pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config,
     )
 
 
 def quantize_block(
-    x: jax.Array, *, pow2_scale: bool = False, config: QuantizeConfig = QuantizeConfig()
+    x: jax.Array, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, config: QuantizeConfig = QuantizeConfig()
 ):
     """(128, 128) block-wise E4M3 quantization: `jfp8.quantize(x, (128, 128))`.
 
@@ -655,13 +658,13 @@ def quantize_block(
     if m == 0 or k == 0:
         return _empty((mp, kp), (mp // TILE, kp // TILE))
     data, scale = _column_call(
-        _tma_aligned(x), out_cols=kp, per_column=False, pow2_scale=pow2_scale, cfg=config
+        _tma_aligned(x), out_cols=kp, per_column=False, pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config
     )
     return data, scale[:, : kp // TILE]
 
 
 def quantize_block_and_transpose(
-    x: jax.Array, *, pow2_scale: bool = False, config: QuantizeConfig = QuantizeConfig()
+    x: jax.Array, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, config: QuantizeConfig = QuantizeConfig()
 ):
     """`quantize_block` that also writes the E4M3 data transposed, in the same pass.
 
@@ -694,7 +697,7 @@ def quantize_block_and_transpose(
         data, scale = _empty((*batch, mp, kp), (*batch, mp // TILE, kp // TILE))
         return data, scale, jnp.zeros((*batch, kp, mp), FP8_DTYPE)
     data, scale, data_t = _column_call(
-        _tma_aligned(x2), out_cols=kp, per_column=False, pow2_scale=pow2_scale, cfg=config,
+        _tma_aligned(x2), out_cols=kp, per_column=False, pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config,
         items=items,
     )
     scale = scale[:, : kp // TILE].reshape(*batch, mp // TILE, kp // TILE)
@@ -707,7 +710,7 @@ BOTH_CONFIG = QuantizeConfig(column_chunks=4, stages=2)
 
 
 def quantize_tile_and_column_t(
-    x: jax.Array, *, pow2_scale: bool = False, config: QuantizeConfig = BOTH_CONFIG
+    x: jax.Array, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, config: QuantizeConfig = BOTH_CONFIG
 ):
     """Both FP8 forms of an output gradient dy, from one read of it.
 
@@ -737,12 +740,12 @@ def quantize_tile_and_column_t(
     if m == 0 or n == 0:
         return (*_empty((m, np_), (m, np_ // TILE)), *_empty((n, mp), (n, mp // TILE)))
     data, scale, data_t, scale_t = _both_call(
-        _tma_aligned(x), m=m, n=n, pow2_scale=pow2_scale, cfg=config
+        _tma_aligned(x), m=m, n=n, pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config
     )
     return data, scale[:, : np_ // TILE], data_t, scale_t[:, :n].T
 
 
-def quantize_column(x: jax.Array, *, pow2_scale: bool = False, transpose: bool = False,
+def quantize_column(x: jax.Array, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, transpose: bool = False,
                     config: QuantizeConfig = QuantizeConfig()):
     """(128, 1) E4M3 quantization, one scale per column and 128 rows: `jfp8.quantize(x, (128, 1))`.
 
@@ -763,19 +766,19 @@ def quantize_column(x: jax.Array, *, pow2_scale: bool = False, transpose: bool =
     if transpose:
         return _row_scale_call(
             (_tma_aligned(x),), out_rows=k, out_chunks=mp // TILE, transposed=True,
-            pow2_scale=pow2_scale, cfg=config,
+            pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config,
         )
     # E4M3 rows must be 16-byte aligned too: for K not a multiple of 16 the kernel writes a wider
     # array that is sliced here (an extra pass over the output, for such widths only).
     k16 = _round_up(k, _TMA_ALIGN_BYTES)
     data, scale = _column_call(
-        _tma_aligned(x), out_cols=k16, per_column=True, pow2_scale=pow2_scale, cfg=config
+        _tma_aligned(x), out_cols=k16, per_column=True, pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config
     )
     return (data, scale) if k16 == k else (data[:, :k], scale[:, :k])
 
 
 def retile_tile_to_column_t(data: jax.Array, scale: jax.Array, *, m: int, k: int,
-                            pow2_scale: bool = False, config: QuantizeConfig = QuantizeConfig()):
+                            pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, config: QuantizeConfig = QuantizeConfig()):
     """Re-tiles a (1, 128)-quantized tensor into transposed (128, 1) tiles (DeepSeek-V3 §3.5.2).
 
     Dequantizes (`data.astype(f32) * scale`, as `Fp8Tensor.dequantize`), transposes and requantizes
@@ -807,6 +810,6 @@ def retile_tile_to_column_t(data: jax.Array, scale: jax.Array, *, m: int, k: int
     groups = _round_up(kp // TILE, _SCALE_GROUP)
     scale = jnp.pad(scale, ((0, 0), (0, groups - kp // TILE)))
     return _row_scale_call(
-        (data, scale), out_rows=k, out_chunks=mp // TILE, transposed=True, pow2_scale=pow2_scale,
+        (data, scale), out_rows=k, out_chunks=mp // TILE, transposed=True, pow2_scale=pow2_scale, amax_floor=amax_floor,
         cfg=config,
     )

@@ -26,6 +26,7 @@ from jfp8.train.probes import gradient_errors, load_run
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
 import capture_tensors  # noqa: E402
 import recipe_ablation  # noqa: E402
+import scaling_granularity  # noqa: E402
 from train_moe import parse_recipe_overrides  # noqa: E402
 
 # One small configuration for every run here (the one `recipe_ablation.py` builds from the
@@ -80,10 +81,12 @@ def test_loss_scale_round_trip_is_exact_without_fp8():
             TrainConfig(loss_scale=bad)
 
 
-def test_loss_scale_lifts_tiny_gradients_above_the_amax_floor():
-    """Activation gradients below `AMAX_FLOOR` all get the floor's scale: tiles and 128x128 blocks
-    then quantize dy identically, and the smallest rows sink into E4M3's subnormals. Scaling the
-    loss by 2^24 puts every row above the floor: per-tile scales follow the rows again."""
+def test_gradient_tiles_follow_tiny_gradients_without_a_loss_scale():
+    """Activation gradients of a mean loss lie far under 1e-4. With the recipe's gradient floor
+    their 1x128 tiles get their own scales at any loss scale: tiles and 128x128 blocks differ, and a
+    power-of-two loss scale changes no bit. With DeepGEMM's 1e-4 floor on dy (the default before
+    the floors were split by role) every tile got the floor's scale, tiles and blocks were the same
+    quantization, the smallest rows sank into E4M3's subnormals, and only a loss scale helped."""
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((256, 512)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((512, 256)) / 16, jnp.float32)
@@ -98,11 +101,38 @@ def test_loss_scale_lifts_tiny_gradients_above_the_amax_floor():
         return np.asarray(jnp.linalg.norm(g - exact, axis=1) / jnp.linalg.norm(exact, axis=1))  # per row
 
     tiles, blocks = Fp8Recipe(), Fp8Recipe(grad_block=(128, 128))
-    np.testing.assert_array_equal(dx(tiles, 1.0), dx(blocks, 1.0))  # one floored scale for all
-    floored, scaled = dx(tiles, 1.0), dx(tiles, 2.0**24)
-    assert not np.array_equal(dx(blocks, 2.0**24), scaled)
+    unscaled = dx(tiles, 1.0)
+    np.testing.assert_array_equal(unscaled, dx(tiles, 2.0**24))  # the loss scale changes no bit
+    assert not np.array_equal(unscaled, dx(blocks, 1.0))
     # E4M3 with per-row scales: ~3.7 % per row (measured max 4.2 %); floored rows reach ~12 %.
-    assert scaled.max() < 0.05 < floored.max()
+    assert unscaled.max() < 0.05
+
+    old_tiles = Fp8Recipe(grad_amax_floor=jfp8.AMAX_FLOOR)
+    old_blocks = Fp8Recipe(grad_amax_floor=jfp8.AMAX_FLOOR, grad_block=(128, 128))
+    floored = dx(old_tiles, 1.0)
+    np.testing.assert_array_equal(floored, dx(old_blocks, 1.0))  # one floored scale for all
+    assert dx(old_tiles, 2.0**24).max() < 0.05 < floored.max()
+
+
+def test_granularity_study_quantizes_captured_gradients_with_the_gradient_floor():
+    """`scaling_granularity.py --activations`: arrays named "*:dy" take the recipe's gradient floor
+    (per-tile scales that follow tiny gradients), the rest the activations' 1e-4; `--dy-floor 1e-4`
+    reproduces the old study, where one floored scale served every tile of such a gradient."""
+    rng = np.random.default_rng()
+    dy = (rng.standard_normal((256, 512)) * 10.0 ** rng.uniform(-9, -6, (256, 1))).astype(np.float32)
+    rows, scales = scaling_granularity.activation_rows("blocks.0.w:dy", dy, scaling_granularity.Config(), rng)
+    by = {r.granularity: r for r in rows}
+    assert {r.amax_floor for r in rows} == {jfp8.GRAD_AMAX_FLOOR}
+    assert np.unique(scales["tile 1x128"]).size > 100  # the tiles follow the rows
+    # Rows spanning 3 decades: one scale per tensor flushes the small rows' values, tiles do not.
+    assert by["tile 1x128"].flushed_to_zero < by["block 128x128"].flushed_to_zero
+    assert by["tile 1x128"].flushed_to_zero < by["tensor"].flushed_to_zero
+    old_rows, old_scales = scaling_granularity.activation_rows(
+        "blocks.0.w:dy", dy, scaling_granularity.Config(dy_floor=jfp8.AMAX_FLOOR), rng)
+    assert np.unique(old_scales["tile 1x128"]).size == 1  # every tile floored
+    assert len({r.quant_error for r in old_rows}) == 1  # the three granularities coincide
+    x_rows, _ = scaling_granularity.activation_rows("blocks.0.w:x", dy, scaling_granularity.Config(), rng)
+    assert {r.amax_floor for r in x_rows} == {jfp8.AMAX_FLOOR}
 
 
 def test_captured_operands_are_the_layers_x_and_dy():

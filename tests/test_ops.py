@@ -12,7 +12,7 @@ from flax import linen, nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jfp8
-from jfp8 import TILE, Fp8Recipe, fp8_linear, grouped_fp8_linear, quantize, scaled_matmul_reference
+from jfp8 import GRAD_AMAX_FLOOR as GRAD_FLOOR, TILE, Fp8Recipe, fp8_linear, grouped_fp8_linear, quantize, scaled_matmul_reference
 from jfp8.reference import grouped_scaled_matmul_reference, grouped_wgrad_reference
 from helpers import assert_bitwise_equal, fresh_rng as _rng, rel_error as _rel
 
@@ -43,9 +43,9 @@ def _reference_linear_vjp(x, w, dy):
     """y, dx, dW of fp8_linear built by hand from the reference functions (§3.3 / §3.5.2)."""
     qx, qw = quantize(x, (1, TILE)), quantize(w, (TILE, TILE))
     y = scaled_matmul_reference(qx, qw.mT, x.dtype)
-    dx = scaled_matmul_reference(quantize(dy, (1, TILE)), qw, x.dtype)
+    dx = scaled_matmul_reference(quantize(dy, (1, TILE), amax_floor=GRAD_FLOOR), qw, x.dtype)
     x_t = quantize(qx.dequantize(jnp.float32), (TILE, 1)).mT  # re-tiled from the FP8 copy
-    dw = scaled_matmul_reference(x_t, quantize(dy, (TILE, 1)).mT, jnp.float32)
+    dw = scaled_matmul_reference(x_t, quantize(dy, (TILE, 1), amax_floor=GRAD_FLOOR).mT, jnp.float32)
     return y, dx, dw
 
 
@@ -277,9 +277,9 @@ def test_grouped_vjp_equals_the_reference_numerics():
     def reference(x, w, gs, dy):
         qx, qw = quantize(x), quantize(w, (TILE, TILE))
         y_ref = grouped_scaled_matmul_reference(qx, qw.mT, gs, jnp.float32)
-        dx_ref = grouped_scaled_matmul_reference(quantize(dy), qw, gs, jnp.float32)
+        dx_ref = grouped_scaled_matmul_reference(quantize(dy, amax_floor=GRAD_FLOOR), qw, gs, jnp.float32)
         x_t = quantize(qx.dequantize(), (TILE, 1)).mT
-        dw_ref = grouped_wgrad_reference(x_t, quantize(dy, (TILE, 1)).mT, gs)
+        dw_ref = grouped_wgrad_reference(x_t, quantize(dy, (TILE, 1), amax_floor=GRAD_FLOOR).mT, gs)
         return y_ref, dx_ref, dw_ref
 
     y, dx, dw = _grouped_vjp(x, w, gs, dy)

@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jfp8.fp8 import quantize
 from pallas_kernels import _mgpu
 from pallas_kernels import quantize as qk
-from pallas_kernels.fp8_math import FP8_DTYPE, TILE, abs_for_amax, encode
+from pallas_kernels.fp8_math import AMAX_FLOOR, FP8_DTYPE, GRAD_AMAX_FLOOR, TILE, abs_for_amax, encode
 
 KERNELS = ("tile", "block", "column", "column_t", "retile")
 # "block_t": `quantize_block_and_transpose`, the block quantizer that also writes the transpose;
@@ -37,30 +37,30 @@ KERNELS = ("tile", "block", "column", "column_t", "retile")
 ALL_KINDS = (*KERNELS, "block_t", "both")
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "pow2_scale"))
-def _reference(x, *, kind: str, pow2_scale: bool):
+@functools.partial(jax.jit, static_argnames=("kind", "pow2_scale", "amax_floor"))
+def _reference(x, *, kind: str, pow2_scale: bool, amax_floor: float = AMAX_FLOOR):
     """(data, scale) of `jfp8.quantize` for kernel `kind` (and, for block_t, the data
     transposed), jitted as the jfp8 layer runs it (and because eager dispatch compiles every
     small op per shape). Jitted and eager `quantize` gave identical bits for all three
     granularities when this was written."""
     if kind == "retile":
-        x = quantize(x, (1, TILE), pow2_scale=pow2_scale).dequantize(jnp.float32)
+        x = quantize(x, (1, TILE), pow2_scale=pow2_scale, amax_floor=amax_floor).dequantize(jnp.float32)
     block = {"tile": (1, TILE), "block": (TILE, TILE), "block_t": (TILE, TILE)}.get(kind, (TILE, 1))
     if kind == "both":
-        t, c = (quantize(x, b, pow2_scale=pow2_scale) for b in ((1, TILE), (TILE, 1)))
+        t, c = (quantize(x, b, pow2_scale=pow2_scale, amax_floor=amax_floor) for b in ((1, TILE), (TILE, 1)))
         return t.data, t.scale, c.mT.data, c.mT.scale
-    t = quantize(x, block, pow2_scale=pow2_scale)
+    t = quantize(x, block, pow2_scale=pow2_scale, amax_floor=amax_floor)
     if kind == "block_t":
         return t.data, t.scale, t.mT.data
     t = t.mT if kind in ("column_t", "retile") else t
     return t.data, t.scale
 
 
-def _kernel(x, *, kind: str, pow2_scale: bool, config=None):
+def _kernel(x, *, kind: str, pow2_scale: bool, config=None, amax_floor: float = AMAX_FLOOR):
     """Kernel `kind` on x, with `config` or (None) that kernel's default config."""
-    kw = dict(pow2_scale=pow2_scale) | ({} if config is None else dict(config=config))
+    kw = dict(pow2_scale=pow2_scale, amax_floor=amax_floor) | ({} if config is None else dict(config=config))
     if kind == "retile":  # its input is the (1, 128)-tiled tensor
-        t = quantize(x, (1, TILE), pow2_scale=pow2_scale)
+        t = quantize(x, (1, TILE), pow2_scale=pow2_scale, amax_floor=amax_floor)
         return qk.retile_tile_to_column_t(t.data, t.scale, m=x.shape[0], k=x.shape[1], **kw)
     if kind.startswith("column"):
         return qk.quantize_column(x, transpose=kind == "column_t", **kw)
@@ -178,6 +178,24 @@ HARD_CASES = [
 @pytest.mark.parametrize("kind,shape,dtype,pow2_scale,config", HARD_CASES)
 def test_bit_identical_to_quantize(kind, shape, dtype, pow2_scale, config):
     _check(kind, _seed(), shape, dtype, pow2_scale, config=config)
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_bit_identical_at_the_gradient_floor(kind):
+    """The floor is a parameter of every kernel body: at `GRAD_AMAX_FLOOR` (gradients) the kernels
+    give the reference's bits on a gradient-sized input (the hard input times 2^-100, amaxes from
+    ~1e-40 to ~1e-25, a zero block, tiles under the floor, NaN/Inf), where the 1e-4 floor would
+    have bound on every tile. bf16 input: it has f32's exponent range."""
+    seed = _seed()
+    shape = (300, 200) if kind in ("tile", "both", "retile") else (264, 320)
+    x = (_hard_input(seed, shape, jnp.float32) * 2.0**-100).astype(jnp.bfloat16)
+    pow2 = kind in ("block", "column_t", "both")
+    got = _interpret(_kernel, x, kind=kind, pow2_scale=pow2, amax_floor=GRAD_AMAX_FLOOR)
+    want = _reference(x, kind=kind, pow2_scale=pow2, amax_floor=GRAD_AMAX_FLOOR)
+    _assert_outputs_equal(got, want, kind, seed)
+    # Not the default floor's result: the floor reached the kernel.
+    default = _reference(x, kind=kind, pow2_scale=pow2)
+    assert not np.array_equal(np.asarray(got[1]), np.asarray(default[1])), (kind, seed)
 
 
 @pytest.mark.parametrize(

@@ -151,13 +151,14 @@ def _dispatch_fp8_linear(tokens, w, sp: SendPlan, rp: RecvPlan, axis: str, recip
 def _dispatch_fp8_linear_fwd(tokens, w, sp, rp, axis, recipe):
     """tokens [N, d] -> grouped first expert GEMM [E_p*C, n] in tokens' dtype (FP8 all-to-all)."""
     ep = sp.counts.shape[0]
-    q = _q(tokens, recipe.activation_block, recipe)  # once per token, not once per assignment
+    # Once per token, not once per assignment.
+    q = _q(tokens, recipe.activation_block, recipe, recipe.activation_amax_floor)
     data, scale = _fp8_rows(q)  # [N, dp] e4m3, [N, dp/128] f32
     recv_data = _to_grouped(_exchange(_send_buffer(data, sp, ep), axis), rp)  # [E_p*C, dp] e4m3
     recv_scale = _to_grouped(_exchange(_send_buffer(scale, sp, ep), axis), rp)  # [E_p*C, dp/128]
     recv_data = jnp.pad(recv_data, ((0, 0), (0, q.data.shape[1] - q.logical[1])))  # back to whole tiles
     qx = Fp8Tensor(recv_data, recv_scale, q.block, (recv_data.shape[0], q.logical[1]))
-    qw = _q(w, recipe.weight_block, recipe)  # [E_l, d, n] in 128x128 blocks
+    qw = _q(w, recipe.weight_block, recipe, recipe.weight_amax_floor)  # [E_l, d, n] in 128x128 blocks
     y = _gmm(qx, qw.mT, rp.group_sizes, tokens.dtype, recipe)  # [E_p*C, n]
     w_res = qw if recipe.dgrad else w
     probe = jnp.zeros((tokens.shape[0], 0), tokens.dtype)  # carries N and the dtype of d tokens

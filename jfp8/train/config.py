@@ -49,9 +49,10 @@ class TrainConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
     model_overrides: tuple[tuple[str, object], ...] = ()
     recipe_overrides: tuple[tuple[str, object], ...] = ()
-    # The loss is multiplied by this for the backward pass and the gradients divided by it after:
-    # lifts activation gradients above the quantizer's amax floor (`AMAX_FLOOR`, 1e-4) so that
-    # their scales follow their magnitude. A power of two keeps the round trip exact.
+    # The loss is multiplied by this for the backward pass and the gradients divided by it after
+    # (a power of two keeps the round trip exact). The FP8 recipe's gradient floor
+    # (`GRAD_AMAX_FLOOR`) lets dy's scales follow it at any magnitude, so FP8 needs no loss scale;
+    # it matters with DeepGEMM's floor on dy (`recipe_overrides=(("grad_amax_floor", 1e-4),)`).
     loss_scale: float = 1.0
     out: str = "runs/default"
     progress: bool = True
