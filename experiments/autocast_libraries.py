@@ -41,7 +41,7 @@ class Config:
     embedding_dim: int = 128
     heads: int = 2
     head_dim: int = 64
-    mlp_hidden_dim: int = 384  # not the vocabulary size: `keep` tells the head by its width
+    mlp_hidden_dim: int = 384  # not the vocabulary size: penzai's `keep` tells the head by its width
     blocks: int = 2
     batch: int = 8
     seq_len: int = 128
@@ -50,6 +50,19 @@ class Config:
     seed: int = 0
     eval_batches: int = 4
     keep_head_and_gate: bool = True  # DeepSeek-V3 keeps the output head and the MoE gate in BF16
+
+
+def _penzai_head(cfg: Config):
+    """penzai's parameters are a flat list (paths are indices): the head is told by its shape."""
+    return lambda r: r.rhs_shape[-2:] == (cfg.embedding_dim, BYTE_VOCAB)
+
+
+# keep= per library: what stays BF16, as DeepSeek-V3 keeps its output head and MoE gate.
+HEAD_AND_GATE = {
+    "penzai": _penzai_head,
+    # linen paths: params/block_<i>/MoELayer_0/Router_0/Dense_0/kernel and the top-level head
+    "nano_moe": lambda cfg: (r"/Router_0/", r"^params/Dense_0/kernel$"),
+}
 
 
 def _bf16(params):
@@ -131,10 +144,7 @@ def train(loss, params, cfg: Config, split, log_every: int = 10):
 def run(cfg: Config, recipe: jfp8.Fp8Recipe = jfp8.Fp8Recipe()) -> dict:
     split = train_val_split(load_bytes())
     loss, params = build_model(cfg)
-    def head_or_gate(r: jfp8.DotRecord) -> bool:  # [d, vocab] or [d, experts] weights
-        return r.rhs_shape[-2:] in ((cfg.embedding_dim, BYTE_VOCAB), (cfg.embedding_dim, cfg.experts))
-
-    fp8_loss = jfp8.autocast(loss, recipe, keep=head_or_gate if cfg.keep_head_and_gate else None)
+    fp8_loss = jfp8.autocast(loss, recipe, keep=HEAD_AND_GATE[cfg.library](cfg) if cfg.keep_head_and_gate else None)
     tokens = jnp.zeros((cfg.batch, cfg.seq_len + 1), jnp.int32)
     records = fp8_loss.report(params, tokens)
     arms = {"bf16": train(loss, params, cfg, split), "fp8": train(fp8_loss, params, cfg, split)}

@@ -10,7 +10,9 @@ equation is bound unchanged.
 Weights are tracked, not guessed: a value is a weight when it comes from an argument in
 `weight_argnums` through layout-only primitives (`LAYOUT_PRIMITIVES`: reshape, transpose, dtype
 conversion, broadcast, slices, ...). Anything computed from a weight by arithmetic (`w * scale`,
-`w1 @ w2`) is an activation; a gathered embedding row is an activation.
+`w1 @ w2`) is an activation; a gathered embedding row is an activation. Each weight carries its
+path in the argument pytree (`layers/0/attn/wq/kernel` for NNX state, `params/Dense_0/kernel` for
+linen), which the report shows and `keep=` patterns match.
 
 Sub-jaxprs are entered when a weight flows into them: `jit` (inlined), `scan`, `cond`, `while`
 (rebuilt with `lax.scan` / `lax.switch` / `lax.while_loop`), `checkpoint` (rebuilt with
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, Callable, Literal, Sequence
 
 import jax
@@ -48,6 +51,7 @@ LAYOUT_PRIMITIVES = frozenset({
 # ... and when all their operands are (fused weights: `jnp.concatenate([wq, wk, wv])`).
 JOIN_PRIMITIVES = frozenset({"concatenate", "stack"})
 _FP8_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+_SITE_PACKAGES = re.compile(r"^.*[/\\](site|dist)-packages[/\\]")
 
 Kind = Literal["weight x activation", "activation x activation", "weight x weight", "unknown"]
 
@@ -62,6 +66,9 @@ class DotRecord:
       lhs_shape, rhs_shape, dtype: the operands (dtype of lhs).
       dimension_numbers: as in the jaxpr.
       weight: the weight operand ("lhs" / "rhs"; "rhs" for FP8 activation x activation).
+      weight_path: where the weight operand comes from: its leaf's path in the weight argument
+        (e.g. "layers/0/attn/wq/kernel", "params/Dense_0/kernel"; "arg0" for an argument that is
+        one array), " + "-joined for a concatenation of weights; None without a weight.
       note: why it is not FP8, if it is not.
       where: the user's source line (and Flax/JAX name scope) that made it.
       scope: the enclosing primitives autocast went through (e.g. ("jit:apply", "scan")).
@@ -74,6 +81,7 @@ class DotRecord:
     dtype: str
     dimension_numbers: Any
     weight: Operand | None
+    weight_path: str | None
     note: str
     where: str
     scope: tuple[str, ...]
@@ -90,44 +98,47 @@ class _Ctx:
     def inside(self, name: str) -> _Ctx:
         return dataclasses.replace(self, scope=(*self.scope, name))
 
-    def make_record(self, eqn, kind, fp8, weight, note) -> DotRecord:
+    def make_record(self, eqn, kind, fp8, weight, weight_path, note) -> DotRecord:
         lhs, rhs = (v.aval for v in eqn.invars[:2])
         stack = str(eqn.source_info.name_stack)
         where = source_info_util.summarize(eqn.source_info) + (f" [{stack}]" if stack else "")
+        where = _SITE_PACKAGES.sub("", where)  # flax/nnx/nn/linear.py:422, not the venv's path
         return DotRecord(
             kind=kind, fp8=fp8, lhs_shape=tuple(lhs.shape), rhs_shape=tuple(rhs.shape),
             dtype=str(lhs.dtype), dimension_numbers=eqn.params["dimension_numbers"],
-            weight=weight, note=note, where=where, scope=self.scope,
+            weight=weight, weight_path=weight_path, note=note, where=where, scope=self.scope,
         )
 
-    def record(self, eqn, kind, fp8, weight, note):
+    def record(self, eqn, kind, fp8, weight, weight_path, note):
         if self.records is not None:
-            self.records.append(self.make_record(eqn, kind, fp8, weight, note))
+            self.records.append(self.make_record(eqn, kind, fp8, weight, weight_path, note))
 
 
 # ------------------------------------------------------------------------------ the interpreter
 
 
-def _eval_jaxpr(jaxpr, consts, args, weights: Sequence[bool], ctx: _Ctx):
-    """Evaluate `jaxpr` on the current trace; returns (outputs, which outputs are weights)."""
+def _eval_jaxpr(jaxpr, consts, args, weights: Sequence[str | None], ctx: _Ctx):
+    """Evaluate `jaxpr` on the current trace; returns (outputs, each output's weight path or None).
+
+    `weights` holds, per input, the path of the weight it is (None for an activation)."""
     env: dict = {}
-    is_weight: set = set()
+    weight_of: dict = {}
 
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
     def weight(v):
-        return not isinstance(v, jcore.Literal) and v in is_weight
+        return None if isinstance(v, jcore.Literal) else weight_of.get(v)
 
     def write(v, val, w):
         if isinstance(v, jcore.DropVar):
             return
         env[v] = val
         if w:
-            is_weight.add(v)
+            weight_of[v] = w
 
     for v, c in zip(jaxpr.constvars, consts):
-        write(v, c, False)
+        write(v, c, None)
     for v, a, w in zip(jaxpr.invars, args, weights, strict=True):
         write(v, a, w)
     for eqn in jaxpr.eqns:
@@ -170,7 +181,7 @@ def _record_nested(eqn, inw, ctx: _Ctx):
     def walk(jaxpr, c):
         for e in jaxpr.eqns:
             if e.primitive.name == "dot_general":
-                c.record(e, kind, False, None, note)
+                c.record(e, kind, False, None, None, note)
             for j in _sub_jaxprs(e.params):
                 walk(j, c.inside(e.primitive.name))
 
@@ -182,7 +193,11 @@ def _default_rule(eqn, invals, inw, ctx):
     _record_nested(eqn, inw, ctx)
     outs = _bind(eqn, invals)
     name = eqn.primitive.name
-    w = (name in LAYOUT_PRIMITIVES and inw[0]) or (name in JOIN_PRIMITIVES and all(inw))
+    w = None
+    if name in LAYOUT_PRIMITIVES:
+        w = inw[0]
+    elif name in JOIN_PRIMITIVES and all(inw):
+        w = " + ".join(dict.fromkeys(inw))  # fused weights: each path once, in order
     return outs, [w] * len(outs)
 
 
@@ -204,16 +219,17 @@ def _dot_rule(eqn, invals, inw, ctx: _Ctx):
         recipe, note = None, f"{'/'.join(sorted(map(str, dtypes)))} operands (FP8 takes bf16/f32)"
     if recipe is not None and not recipe.enabled:
         recipe, note = None, "the recipe is off"
-    if recipe is not None and ctx.keep is not None and ctx.keep(ctx.make_record(eqn, kind, True, side, "")):
+    path = (lw or rw) if kind == "weight x activation" else None
+    if recipe is not None and ctx.keep is not None and ctx.keep(ctx.make_record(eqn, kind, True, side, path, "")):
         recipe, note = None, "kept by keep="
-    ctx.record(eqn, kind, recipe is not None, side, note)
+    ctx.record(eqn, kind, recipe is not None, side, path, note)
     if recipe is None:
-        return _bind(eqn, invals), [False]
+        return _bind(eqn, invals), [None]
     y = fp8_dot_general(
         lhs, rhs, dims, preferred_element_type=eqn.params.get("preferred_element_type"),
         recipe=recipe, weight=side,
     )
-    return [y.astype(eqn.outvars[0].aval.dtype)], [False]
+    return [y.astype(eqn.outvars[0].aval.dtype)], [None]
 
 
 def _jit_rule(eqn, invals, inw, ctx: _Ctx):
@@ -232,7 +248,7 @@ def _custom_rule(eqn, invals, inw, ctx: _Ctx):
 
 def _remat_rule(eqn, invals, inw, ctx: _Ctx):
     jaxpr, p = eqn.params["jaxpr"], eqn.params
-    outw = [False] * len(eqn.outvars)
+    outw = [None] * len(eqn.outvars)
 
     def body(*args):
         outs, outw[:] = _eval_jaxpr(jaxpr, (), args, inw, ctx.inside("checkpoint"))
@@ -248,7 +264,7 @@ def _scan_rule(eqn, invals, inw, ctx: _Ctx):
     const_w, _, xs_w = (list(t) for t in p["ft_in"].update(inw).unpack())
     nk = len(carry)
     # Carries are activations (a weight carried through a loop would need a fixed point).
-    body_w = [*const_w, *([False] * nk), *xs_w]
+    body_w = [*const_w, *([None] * nk), *xs_w]
     sub = ctx.inside(f"scan(length={p['length']})")
 
     def body(c, x):
@@ -257,7 +273,7 @@ def _scan_rule(eqn, invals, inw, ctx: _Ctx):
 
     c, ys = lax.scan(body, carry, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
     outs = [*c, *ys]
-    return outs, [False] * len(outs)
+    return outs, [None] * len(outs)
 
 
 def _cond_rule(eqn, invals, inw, ctx: _Ctx):
@@ -269,7 +285,7 @@ def _cond_rule(eqn, invals, inw, ctx: _Ctx):
 
     fns = [functools.partial(branch, b) for b in eqn.params["branches"]]
     outs = lax.switch(index, fns, *ops)
-    return list(outs), [False] * len(outs)
+    return list(outs), [None] * len(outs)
 
 
 def _while_rule(eqn, invals, inw, ctx: _Ctx):
@@ -281,13 +297,13 @@ def _while_rule(eqn, invals, inw, ctx: _Ctx):
     cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
 
     def cond(c):
-        return _eval_jaxpr(cj.jaxpr, cj.consts, [*cc, *c], [*cw, *([False] * n)], sub)[0][0]
+        return _eval_jaxpr(cj.jaxpr, cj.consts, [*cc, *c], [*cw, *([None] * n)], sub)[0][0]
 
     def body(c):
-        return _eval_jaxpr(bj.jaxpr, bj.consts, [*bc, *c], [*bw, *([False] * n)], sub)[0]
+        return _eval_jaxpr(bj.jaxpr, bj.consts, [*bc, *c], [*bw, *([None] * n)], sub)[0]
 
     outs = lax.while_loop(cond, body, list(init))
-    return list(outs), [False] * len(outs)
+    return list(outs), [None] * len(outs)
 
 
 _RULES: dict[str, Callable] = {
@@ -312,6 +328,56 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
+# Path entries that wrap a leaf rather than name it (NNX `Variable.value`, penzai's `.value`).
+_WRAPPER_KEYS = frozenset({"value", "raw_value"})
+
+
+def _key_name(key) -> str | None:
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return None if key.name in _WRAPPER_KEYS else key.name
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def weight_path(argnum: int, keys: Sequence, several: bool) -> str:
+    """A weight leaf's name: its path inside argument `argnum`, "/"-joined ("params/Dense_0/kernel",
+    "layers/0/kernel"), prefixed by "arg{argnum}/" when several arguments hold weights; "arg{argnum}"
+    for an argument that is one array."""
+    names = [n for n in map(_key_name, keys) if n is not None]
+    if not names:
+        return f"arg{argnum}"
+    return "/".join([f"arg{argnum}"] * several + names)
+
+
+def keep_predicate(keep) -> Callable[[DotRecord], bool] | None:
+    """`keep=` as a predicate: a callable as it is; a regular expression or a sequence of them
+    matches (`re.search`) a matmul's `weight_path`."""
+    if keep is None or callable(keep):
+        return keep
+    patterns = (keep,) if isinstance(keep, str) else tuple(keep)
+    compiled = []
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise TypeError(
+                f"keep= takes a predicate on DotRecord or regular expressions (str) matched against "
+                f"weight paths, got {pattern!r}"
+            )
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as e:
+            raise ValueError(f"keep pattern {pattern!r} is not a regular expression: {e}") from e
+
+    def matches(record: DotRecord) -> bool:
+        return record.weight_path is not None and any(c.search(record.weight_path) for c in compiled)
+
+    return matches
+
+
 class Autocast:
     """`fn` with its weight x activation matmuls in FP8 (made by `autocast`)."""
 
@@ -327,11 +393,15 @@ class Autocast:
                 f"weight_argnums={self._weight_argnums} but the call has {len(args)} positional "
                 "arguments; pass the weights positionally (e.g. model.apply(params, x): argnum 0)"
             )
-        leaves, tree = jax.tree.flatten((args, kwargs))
-        flags = jax.tree.leaves((
-            tuple(jax.tree.map(lambda _, i=i: i in wa, a) for i, a in enumerate(args)),
-            jax.tree.map(lambda _: False, kwargs),
-        ))
+        with_paths, tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        leaves = [leaf for _, leaf in with_paths]
+        # Each leaf's weight path, None for an activation. The path's first key picks args or
+        # kwargs, the second the argument.
+        flags = [
+            weight_path(keys[1].idx, keys[2:], len(wa) > 1)
+            if keys[0].idx == 0 and keys[1].idx in wa else None
+            for keys, _ in with_paths
+        ]
         dyn = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
         def flat_fn(*dyn_vals):  # the non-array leaves (flags, names) stay static
@@ -370,7 +440,7 @@ def autocast(
     *,
     weight_argnums: int | Sequence[int] = (0,),
     between_activations: Fp8Recipe | None = None,
-    keep: Callable[[DotRecord], bool] | None = None,
+    keep: Callable[[DotRecord], bool] | str | Sequence[str] | None = None,
 ) -> Autocast:
     """`fn` with every matmul between a weight and an activation in FP8 (DeepSeek-V3 recipe).
 
@@ -381,20 +451,23 @@ def autocast(
       fn: any JAX function (a Flax `model.apply`, an NNX or equinox module call, plain code).
       recipe: the `Fp8Recipe` of weight x activation matmuls.
       weight_argnums: the positional arguments holding weights (a pytree each). Whatever is
-        derived from them by layout-only primitives (`LAYOUT_PRIMITIVES`) is a weight.
+        derived from them by layout-only primitives (`LAYOUT_PRIMITIVES`) is a weight. Check it
+        in `.report`: with the default (0,), `autocast(lambda x, w: x @ w)` takes x as the
+        weight (128x128 blocks on the activation); pass `weight_argnums=1` there.
       between_activations: recipe for activation x activation matmuls (attention scores,
         probs·V), with rhs scaled as `recipe.weight_block` says; None (default) keeps them in the
         input precision, as DeepSeek-V3 keeps attention in BF16.
-      keep: a predicate on a matmul's `DotRecord` (shapes, `where`, Flax scope); True keeps that
-        matmul in the input precision, as DeepSeek-V3 keeps its output head and MoE gate (e.g.
-        `keep=lambda r: r.rhs_shape[-1] == vocab_size`).
+      keep: which weight x activation matmuls stay in the input precision, as DeepSeek-V3 keeps
+        its output head and MoE gate: regular expressions (a str or a sequence of them) searched
+        in the weight's path (`DotRecord.weight_path`, e.g. `keep=(r"router", r"^head/")`), or a
+        predicate on the matmul's `DotRecord` (True keeps it).
 
     Returns:
       A callable; `.report(*args)` lists what each matmul became (`DotRecord`s).
     """
     if isinstance(weight_argnums, int):
         weight_argnums = (weight_argnums,)
-    return Autocast(fn, recipe, weight_argnums, between_activations, keep)
+    return Autocast(fn, recipe, weight_argnums, between_activations, keep_predicate(keep))
 
 
 def einsum(
@@ -430,13 +503,29 @@ def einsum(
     return out
 
 
+def weight_on_the_left(r: DotRecord) -> bool:
+    """Whether the weight is `a` of a plain `a @ b` (a's last axis against b's first non-batch
+    axis): where `autocast(lambda x, w: x @ w)` with the default weight_argnums puts x."""
+    if r.weight != "lhs":
+        return False
+    (lc, rc), (_, rb) = r.dimension_numbers
+    return tuple(lc) == (len(r.lhs_shape) - 1,) and tuple(rc) == (len(rb),)
+
+
 def format_report(records: Sequence[DotRecord]) -> str:
-    """A table of `Autocast.report`'s records, one matmul per line."""
+    """A table of `Autocast.report`'s records, one matmul per line: FP8 or kept, the kind, the
+    operand taken as the weight and its path (`rhs: layers/0/attn/wq/kernel`), the shapes, the
+    source line and scope, and why a matmul is not FP8."""
     lines = [f"{sum(r.fp8 for r in records)} of {len(records)} matmuls in FP8"]
-    for r in records:
+    weights = [f"{r.weight}: {r.weight_path}" if r.weight_path else "-" for r in records]
+    width = min(max(map(len, weights), default=0), 48)
+    for r, w in zip(records, weights):
         status = "FP8 " if r.fp8 else "kept"
         shapes = f"{r.lhs_shape} x {r.rhs_shape} {r.dtype}"
         scope = f" in {'/'.join(r.scope)}" if r.scope else ""
-        note = f" ({r.note})" if r.note else ""
-        lines.append(f"  {status} {r.kind:24s} {shapes:34s} {r.where}{scope}{note}")
+        notes = [r.note] if r.note else []
+        if weight_on_the_left(r):
+            notes.append("the weight is a in a @ b: if a is the activation, set weight_argnums")
+        note = f" ({'; '.join(notes)})" if notes else ""
+        lines.append(f"  {status} {r.kind:24s} {w:{width}s} {shapes:34s} {r.where}{scope}{note}")
     return "\n".join(lines)

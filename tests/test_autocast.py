@@ -209,3 +209,116 @@ def test_off_recipe_is_the_function_itself_and_bad_argnums_say_so():
     np.testing.assert_array_equal(jfp8.autocast(_plain, Fp8Recipe.off())(p, x), _plain(p, x))
     with pytest.raises(ValueError, match="weight_argnums"):
         jfp8.autocast(_plain, XLA, weight_argnums=(3,))(p, x)
+
+
+# ------------------------------------------------------------------------------ weight paths
+
+
+class _Block(nnx.Module):
+    def __init__(self, d, rngs):
+        self.wq, self.up = nnx.Linear(d, d, rngs=rngs), nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.relu(self.up(x + self.wq(x)))
+
+
+class _Lm(nnx.Module):
+    """Two blocks, a router and a head, every weight (d, d): shapes cannot tell them apart."""
+
+    def __init__(self, d, rngs):
+        self.layers = nnx.List([_Block(d, rngs), _Block(d, rngs)])
+        self.router, self.head = nnx.Linear(d, d, rngs=rngs), nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.layers:
+            x = x * jax.nn.sigmoid(self.router(x)) + block(x)
+        return self.head(x)
+
+
+def _by_hand_lm(m, x, keep):
+    """_Lm with fp8_linear except the projections named in `keep`."""
+    def lin(name, layer, x):
+        k, b = layer.kernel[...], layer.bias[...]
+        return (x @ k if name in keep else fp8_linear(x, k, XLA)) + b
+
+    for i, block in enumerate(m.layers):
+        y = lin(f"layers/{i}/up", block.up, x + lin(f"layers/{i}/wq", block.wq, x))
+        x = x * jax.nn.sigmoid(lin("router", m.router, x)) + jax.nn.relu(y)
+    return lin("head", m.head, x)
+
+
+def test_nnx_report_names_weights_by_path_and_keep_takes_patterns():
+    rng, seed = _rng()
+    d = 128
+    model = _Lm(d, nnx.Rngs(int(rng.integers(1 << 30))))
+    x = jnp.asarray(rng.standard_normal((2, 16, d)), jnp.float32)
+    graphdef, state = nnx.split(model)
+    from_state = jfp8.autocast(lambda s, x: nnx.merge(graphdef, s)(x), XLA, keep=(r"router", r"^head/"))
+    order = ["router", "layers/0/wq", "layers/0/up", "router", "layers/1/wq", "layers/1/up", "head"]
+    for f, args in ((from_state, (state, x)),
+                    (jfp8.autocast(lambda m, x: m(x), XLA, keep=r"router|^head/"), (model, x))):
+        records = f.report(*args)
+        assert [r.weight_path for r in records] == [f"{n}/kernel" for n in order]
+        assert [r.fp8 for r in records] == [n not in ("router", "head") for n in order]
+        assert "flax/nnx/nn/linear.py" in records[0].where and "site-packages" not in records[0].where
+        table = jfp8.format_report(records)
+        assert table.startswith("4 of 7 matmuls in FP8")
+        assert "rhs: layers/1/wq/kernel" in table and "rhs: head/kernel" in table
+    want = jax.jit(lambda m, x: _by_hand_lm(m, x, {"router", "head"}))(model, x)
+    got = jax.jit(from_state)(state, x)
+    assert _rel(got, want) <= 1e-6, f"seed {seed}"
+    # The kept matmuls really are the plain ones: all-FP8 differs from it.
+    assert _rel(jax.jit(lambda m, x: _by_hand_lm(m, x, set()))(model, x), want) > 1e-4, f"seed {seed}"
+
+
+def test_linen_report_names_params_paths_and_keep_pattern():
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((3, 5, 128)), jnp.float32)
+
+    class Net(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            h = linen.Dense(128, name="up")(x)
+            h = jax.nn.relu(linen.Dense(128, name="gate")(x)) * h
+            return linen.Dense(128, name="lm_head")(h)
+
+    net = Net()
+    params = net.init(jax.random.key(int(rng.integers(1 << 30))), x)
+    f = jfp8.autocast(net.apply, XLA, keep=r"/(gate|lm_head)/kernel$")
+    records = f.report(params, x)
+    assert [(r.weight_path, r.fp8) for r in records] == [
+        ("params/up/kernel", True), ("params/gate/kernel", False), ("params/lm_head/kernel", False)]
+    assert all(r.weight == "rhs" for r in records)
+    p = params["params"]
+    up = fp8_linear(x, p["up"]["kernel"], XLA) + p["up"]["bias"]
+    h = jax.nn.relu(x @ p["gate"]["kernel"] + p["gate"]["bias"]) * up
+    want = h @ p["lm_head"]["kernel"] + p["lm_head"]["bias"]
+    assert _rel(jax.jit(f)(params, x), want) <= 1e-6, f"seed {seed}"
+
+
+def test_report_shows_the_operand_taken_as_the_weight():
+    """`autocast(lambda x, w: x @ w)` takes x (argument 0) as the weight: the report says so."""
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 128)) / 16, jnp.float32)
+    (wrong,) = jfp8.autocast(lambda x, w: x @ w, XLA).report(x, w)
+    assert (wrong.weight, wrong.weight_path) == ("lhs", "arg0")
+    assert "lhs: arg0" in jfp8.format_report([wrong]) and "set weight_argnums" in jfp8.format_report([wrong])
+    right = jfp8.autocast(lambda x, w: x @ w, XLA, weight_argnums=1)
+    (r,) = right.report(x, w)
+    assert (r.weight, r.weight_path) == ("rhs", "arg1")
+    assert "weight_argnums" not in jfp8.format_report([r])
+    np.testing.assert_array_equal(right(x, w), fp8_linear(x, w, XLA), err_msg=f"seed {seed}")
+    # Several weight arguments: each path names its argument.
+    (r,) = jfp8.autocast(lambda a, b: a["k"] @ b, XLA, weight_argnums=(0, 1)).report({"k": x}, w)
+    assert r.kind == "weight x weight" and r.weight_path is None
+    fused = jfp8.autocast(lambda p, h: h @ jnp.concatenate([p["q"], p["k"]], axis=1), XLA)
+    (r,) = fused.report({"q": w, "k": w}, x)
+    assert r.fp8 and r.weight_path == "q + k"
+
+
+def test_keep_patterns_must_be_regular_expressions():
+    with pytest.raises(ValueError, match="not a regular expression"):
+        jfp8.autocast(_plain, XLA, keep="head(")
+    with pytest.raises(TypeError, match="weight paths"):
+        jfp8.autocast(_plain, XLA, keep=[3])

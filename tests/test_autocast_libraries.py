@@ -77,6 +77,9 @@ def test_nano_moe_trains_in_fp8_like_bf16():
     # qkv, output projection, two experts x two Dense; router and head kept
     assert sum(r.fp8 for r in records) == 6, jfp8.format_report(records)
     assert sorted(r.rhs_shape for r in records if r.note == "kept by keep=") == [(128, 2), (128, 256)]
+    assert sorted(r.weight_path for r in records if r.note == "kept by keep=") == [
+        "params/Dense_0/kernel", "params/block_0/MoELayer_0/Router_0/Dense_0/kernel"]
+    assert "params/block_0/MoELayer_0/expert_1/Dense_1/kernel" in jfp8.format_report(records)
     bf16, fp8 = (np.array([v for _, v in result["arms"][a]["train"]]) for a in ("bf16", "fp8"))
     assert fp8[-1] < 0.7 * fp8[0], fp8
     assert abs(fp8[-1] - bf16[-1]) / bf16[-1] < 0.02, (bf16, fp8)
