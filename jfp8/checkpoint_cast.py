@@ -18,6 +18,7 @@ A sharded checkpoint is converted one file at a time and keeps its file names, u
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -142,6 +143,22 @@ def _file_arrays(src, *, with_partner_scales: bool) -> Iterator[tuple[str, dict[
         yield file.name, arrays
 
 
+@contextlib.contextmanager
+def _removed_on_failure(dst: Path):
+    """Removes `dst` if the block fails and `dst` did not exist before it: a failed cast leaves no
+    empty or partial output behind (an existing output is left to the atomic writes)."""
+    existed = dst.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            if dst.is_dir():
+                shutil.rmtree(dst, ignore_errors=True)
+            else:
+                dst.unlink(missing_ok=True)
+        raise
+
+
 def _write(src, dst, convert: Callable, *, partner_scales: bool, max_shard_bytes, metadata) -> list[str]:
     """Converts `src` file by file into `dst` (a file or a directory); returns the files written."""
     dst = Path(dst)
@@ -149,6 +166,7 @@ def _write(src, dst, convert: Callable, *, partner_scales: bool, max_shard_bytes
     same_dir = dst.suffix != FILE_SUFFIX and dst.resolve() == src_dir.resolve()
     if dst.resolve() == Path(src).resolve() or same_dir:
         raise ValueError(f"write the converted checkpoint to a new path, not over its source {src}")
+    checkpoint_files(src)  # a missing or broken source raises here, before anything is written
     files = _file_arrays(src, with_partner_scales=partner_scales)
     converted = ((name, convert(arrays)) for name, arrays in files)
     if dst.suffix == FILE_SUFFIX or max_shard_bytes is not None:
@@ -195,7 +213,8 @@ def cast_to_fp8(
       max_shard_bytes: re-shard the output directory into files of at most this many bytes.
 
     Returns the names of the quantized weights. A directory `src`'s `config.json` is copied with
-    DeepSeek's `quantization_config` added; every file header records it too.
+    DeepSeek's `quantization_config` added; every file header records it too. On failure, a `dst`
+    that did not exist before is removed.
     """
     quantized: list[str] = []
 
@@ -204,8 +223,9 @@ def cast_to_fp8(
         return quantize_arrays(arrays, policy)
 
     meta = {"quantization_config": json.dumps(QUANTIZATION_CONFIG)}
-    _write(src, dst, convert, partner_scales=False, max_shard_bytes=max_shard_bytes, metadata=meta)
-    _copy_side_files(src, dst, lambda c: {**c, "quantization_config": dict(QUANTIZATION_CONFIG)})
+    with _removed_on_failure(Path(dst)):
+        _write(src, dst, convert, partner_scales=False, max_shard_bytes=max_shard_bytes, metadata=meta)
+        _copy_side_files(src, dst, lambda c: {**c, "quantization_config": dict(QUANTIZATION_CONFIG)})
     return quantized
 
 
@@ -223,6 +243,7 @@ def cast_to_high_precision(
         dequantized.extend(n.removesuffix(SCALE_SUFFIX) for n in arrays if n.endswith(SCALE_SUFFIX))
         return dequantize_arrays(arrays, np.dtype(dtype))
 
-    _write(src, dst, convert, partner_scales=True, max_shard_bytes=max_shard_bytes, metadata=None)
-    _copy_side_files(src, dst, lambda c: {k: v for k, v in c.items() if k != "quantization_config"})
+    with _removed_on_failure(Path(dst)):
+        _write(src, dst, convert, partner_scales=True, max_shard_bytes=max_shard_bytes, metadata=None)
+        _copy_side_files(src, dst, lambda c: {k: v for k, v in c.items() if k != "quantization_config"})
     return dequantized

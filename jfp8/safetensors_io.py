@@ -452,12 +452,55 @@ def checkpoint_files(path) -> list[tuple[Path, list[str] | None]]:
     return out
 
 
+# A safetensors file: an 8-byte little-endian header length, the JSON header, then the tensor data.
+_HEADER_LENGTH_BYTES = 8
+
+
+def check_safetensors_bytes(file: Path, raw: bytes) -> None:
+    """Raises ValueError naming `file` and what its bytes lack when they are not a whole
+    safetensors file (truncated by an interrupted copy, or not safetensors at all)."""
+    size = len(raw)
+    advice = "copy or download the file again (it may have been cut short) or rewrite the checkpoint"
+    if size < _HEADER_LENGTH_BYTES:
+        raise ValueError(
+            f"{file} holds {size} bytes; a safetensors file starts with an "
+            f"{_HEADER_LENGTH_BYTES}-byte header length: {advice}"
+        )
+    header_len = int.from_bytes(raw[:_HEADER_LENGTH_BYTES], "little")
+    if _HEADER_LENGTH_BYTES + header_len > size:
+        raise ValueError(
+            f"{file} holds {size} bytes, but its header length says the JSON header alone takes "
+            f"{header_len} bytes after the first {_HEADER_LENGTH_BYTES}: {advice}"
+        )
+    try:
+        header = json.loads(raw[_HEADER_LENGTH_BYTES : _HEADER_LENGTH_BYTES + header_len])
+        data_end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ValueError(f"{file}: the header is not safetensors' JSON ({e}): {advice}") from e
+    expected = _HEADER_LENGTH_BYTES + header_len + data_end
+    if size < expected:
+        raise ValueError(
+            f"{file} holds {size} bytes, but its header describes {len(header) - ('__metadata__' in header)} "
+            f"tensors ending at byte {expected} ({expected - size} bytes missing): {advice}"
+        )
+
+
 def read_safetensors_file(file, names: list[str] | None = None) -> dict[str, np.ndarray]:
     """The stored arrays of one file (names as on disk, no pairing), as numpy (bf16/fp8 via
-    ml_dtypes). With `names` (from the index), the file must hold exactly those tensors."""
+    ml_dtypes). With `names` (from the index), the file must hold exactly those tensors. A file
+    that is cut short or not safetensors raises ValueError naming it and what was expected."""
     file = Path(file)
+    raw = file.read_bytes()
+    check_safetensors_bytes(file, raw)
+    try:
+        views = safetensors.deserialize(raw)
+    except safetensors.SafetensorError as e:
+        raise ValueError(
+            f"{file} is not a valid safetensors file (the safetensors library says: {e}); rewrite "
+            "the checkpoint or copy the file again"
+        ) from e
     arrays = {}
-    for name, view in safetensors.deserialize(file.read_bytes()):
+    for name, view in views:
         dtype = _DTYPES.get(view["dtype"])
         if dtype is None:
             raise NotImplementedError(
@@ -512,6 +555,7 @@ __all__ = [
     "SCALE_SUFFIX",
     "WEIGHT_BLOCK",
     "check_fp8_pair",
+    "check_safetensors_bytes",
     "checkpoint_files",
     "dequantize_numpy",
     "from_deepseek_layout",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -57,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return cast(args)
+    except (OSError, ValueError, NotImplementedError) as e:
+        # What was wrong, in one line; the output path is not left behind (jfp8.checkpoint_cast).
+        print(f"fp8_cast.py {args.command}: {e}", file=sys.stderr)
+        return 1
+
+
+def cast(args: argparse.Namespace) -> int:
     if args.command == "to-fp8":
         policy = CastPolicy(suffix=args.suffix, min_dim=args.min_dim,
                             keep=tuple(args.keep) if args.keep is not None else CastPolicy().keep)

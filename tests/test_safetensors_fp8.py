@@ -457,3 +457,58 @@ def test_load_rejects_broken_checkpoints(tmp_path):
     index.write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ValueError, match="weight_map"):
         jfp8.load_safetensors(tmp_path)
+
+
+def test_load_names_a_cut_short_or_broken_file(tmp_path):
+    """A truncated file (an interrupted copy) raises ValueError naming the file and what it lacks,
+    not the safetensors library's raw 'incomplete metadata'."""
+    rng = np.random.default_rng()
+    whole = tmp_path / "whole.safetensors"
+    jfp8.save_safetensors(whole, {"w": rng.standard_normal((int(rng.integers(2, 50)), 7)).astype(np.float32),
+                                  "b": np.arange(int(rng.integers(1, 9)), dtype=np.int32)})
+    raw = whole.read_bytes()
+    header_end = 8 + int.from_bytes(raw[:8], "little")
+    cases = {
+        "no header length": (int(rng.integers(0, 8)), "starts with an 8-byte header length"),
+        "header cut": (int(rng.integers(9, header_end)), "header alone takes"),
+        "data cut": (int(rng.integers(header_end, len(raw))), "bytes missing"),
+    }
+    for case, (keep, match) in cases.items():
+        cut = tmp_path / f"{case.replace(' ', '_')}.safetensors"
+        cut.write_bytes(raw[:keep])
+        with pytest.raises(ValueError, match=match) as e:
+            jfp8.load_safetensors(cut)
+        assert str(cut) in str(e.value) and "copy" in str(e.value), case
+    garbled = tmp_path / "garbled.safetensors"
+    garbled.write_bytes((4).to_bytes(8, "little") + b"{{{{")
+    with pytest.raises(ValueError, match="not safetensors' JSON"):
+        jfp8.load_safetensors(garbled)
+    # Whole, but inconsistent: the library's own error, wrapped with the file's name.
+    header = json.dumps({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}).encode()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(ValueError, match=r"bad\.safetensors is not a valid safetensors file"):
+        jfp8.load_safetensors(bad)
+    assert set(jfp8.load_safetensors(whole)) == {"w", "b"}
+
+
+def test_cli_failure_says_what_in_one_line_and_leaves_nothing(tmp_path, capsys):
+    rng = np.random.default_rng()
+    cli = _load_cli()
+    assert cli.main(["to-fp8", str(tmp_path / "no_such_dir"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no_such_dir" in err and "to-fp8" in err, err
+    assert not (tmp_path / "out").exists()
+    # A failure halfway (the second shard is cut short): the new output directory goes too.
+    _tiny_bf16_checkpoint(tmp_path / "bf16", rng)
+    second = tmp_path / "bf16" / "model-00002-of-00002.safetensors"
+    second.write_bytes(second.read_bytes()[: -int(rng.integers(1, 1000))])
+    for dst in ("out", "out.safetensors"):
+        assert cli.main(["to-fp8", str(tmp_path / "bf16"), str(tmp_path / dst)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "model-00002-of-00002.safetensors" in err and "bytes missing" in err
+        assert not (tmp_path / dst).exists(), dst
+    # An existing output directory is not removed by a failed cast into it.
+    (tmp_path / "kept").mkdir()
+    assert cli.main(["to-bf16", str(tmp_path / "bf16"), str(tmp_path / "kept")]) == 1
+    assert (tmp_path / "kept").is_dir()
