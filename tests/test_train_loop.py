@@ -109,7 +109,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_evaluate_checkpoints_is_the_mean_over_every_validation_window(tmp_path):
+def test_evaluate_checkpoints_is_the_mean_over_every_validation_window(tmp_path, capsys):
     import numpy as np
 
     from jfp8.train import data
@@ -150,6 +150,11 @@ def test_evaluate_checkpoints_is_the_mean_over_every_validation_window(tmp_path)
     assert got[30] != got[20]  # two different checkpoints were read, not one twice
 
     assert evaluate_checkpoints(tmp_path / "run", steps=[30], batch_size=4) == {30: got[30]}
+    # The run trained without a progress bar, so its evaluation shows none unless asked.
+    assert "whole-split validation" not in capsys.readouterr().err
+    assert evaluate_checkpoints(tmp_path / "run", steps=[30], batch_size=4, progress=True) == {30: got[30]}
+    bar = capsys.readouterr().err
+    assert "run: whole-split validation" in bar and "2/2" in bar and "step 30" in bar, bar
     with pytest.raises(FileNotFoundError, match=r"holds steps \[20, 30\], not \[10\]"):
         evaluate_checkpoints(tmp_path / "run", steps=[10])
     with pytest.raises(FileNotFoundError, match="--out directory of a training run"):
