@@ -26,6 +26,7 @@ _FUNCTION = re.compile(r"Compiling entry function '([^']+)'")
 _PROPERTIES = re.compile(r"Function properties for (\S+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGISTERS = re.compile(r"Used (\d+) registers")
+_BARRIERS = re.compile(r"used (\d+) barriers")
 _WARNING = re.compile(r"ptxas\s+(warning|info|error)\s*:\s*(?:\((C\d+)\)\s*)?(.*)")
 
 
@@ -49,14 +50,18 @@ def parse_ptxas(text: str) -> dict:
                            spill_loads=int(m.group(3)))
         if (m := _REGISTERS.search(line)) and current is not None:
             current["registers"] = int(m.group(1))
+        if (m := _BARRIERS.search(line)) and current is not None:
+            current["barriers"] = int(m.group(1))
         if (m := _WARNING.search(line)) and (m.group(1) in ("warning", "error") or m.group(2)):
             code = m.group(2) or m.group(1)
             warnings.append(f"{code}: {m.group(3).strip()}")
     regs = [f["registers"] for f in functions.values() if "registers" in f]
+    barriers = [f["barriers"] for f in functions.values() if "barriers" in f]
     spills = [f.get("spill_stores", 0) + f.get("spill_loads", 0) for f in functions.values()]
     return {
         "functions": functions,
         "registers": max(regs) if regs else None,
+        "barriers": max(barriers) if barriers else None,
         "spill_bytes": sum(spills) if functions else None,
         "warnings": warnings,
         "setmaxnreg_ignored": any(w.startswith(C_SETMAXNREG_IGNORED) or "setmaxnreg ignored" in w
@@ -77,6 +82,45 @@ def count_sass(text: str) -> dict[str, int]:
         if op in counts:
             counts[op] += 1
     return counts
+
+
+_SASS_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;\n]*)")
+
+
+def sass_census(text: str) -> dict:
+    """The instruction mix of a SASS dump (nvdisasm, with or without control codes), as the
+    deviceless build records it: total instructions; QGMMA / HGMMA by shape and types (the
+    opcode after the first '.'); FFMA, FMUL, FADD (each with its modifiers; the GEMMs' promotion
+    is FFMA/FMUL work); LDL / STL (local memory: spills); USETMAXREG values by kind
+    ({"DEALLOC": [40], "ALLOC": [232]}); UTMALDG by form and how many are multicast; UTMASTG;
+    SYNCS (mbarrier operations) and BAR (CTA barriers)."""
+    counts: dict[str, int] = {}
+    setmaxnreg: dict[str, list[int]] = {}
+    for m in _SASS_INSTRUCTION.finditer(text):
+        op, operands = m.group(1), m.group(2)
+        counts[op] = counts.get(op, 0) + 1
+        if op.startswith("USETMAXREG"):
+            kind = "DEALLOC" if ".DEALLOC" in op else "ALLOC"
+            value = re.findall(r"0x[0-9a-f]+|\b\d+\b", operands)
+            if value:
+                setmaxnreg.setdefault(kind, []).append(int(value[-1], 0))
+
+    def by_base(base: str) -> dict[str, int]:
+        return {op[len(base) + 1:]: n for op, n in sorted(counts.items()) if op.startswith(base + ".")}
+
+    def total(base: str) -> int:
+        return sum(n for op, n in counts.items() if op == base or op.startswith(base + "."))
+
+    tma_loads = by_base("UTMALDG")
+    return {
+        "instructions": sum(counts.values()),
+        "qgmma": by_base("QGMMA"), "hgmma": by_base("HGMMA"),
+        "ffma": total("FFMA"), "fmul": total("FMUL"), "fadd": total("FADD"),
+        "ldl": total("LDL"), "stl": total("STL"),
+        "usetmaxreg": {k: sorted(set(v)) for k, v in setmaxnreg.items()},
+        "utmaldg": tma_loads, "utmaldg_multicast": sum(n for form, n in tma_loads.items() if "MULTICAST" in form),
+        "utmastg": total("UTMASTG"), "syncs": total("SYNCS"), "bar": total("BAR"),
+    }
 
 
 def sass_functions(text: str) -> list[str]:
@@ -192,3 +236,24 @@ def summarize_profile(trace: dict) -> dict:
         t["warpgroups"] = len(tids[name])
         t["per_warpgroup_us"] = t["total_us"] / t["warpgroups"]
     return totals
+
+
+def compare_to_deviceless(row: dict, committed: dict | None) -> dict:
+    """A smoke row's compiler facts (`summarize_dump`) against the committed deviceless build's
+    row of the same form (benchmarks/results/hopper-build/kernels-<target>.json): registers, spill
+    bytes and QGMMA instructions. {"same": bool | None, "differences": [...], "ptxas": the
+    build's ptxas}. A difference means this machine's ptxas (or jaxlib's LLVM) compiled the kernel
+    otherwise than the deviceless build's did (the smoke shapes are smaller, but the forms' configs
+    are fixed, so the code should be too): worth reading before trusting a timing."""
+    if committed is None or not committed.get("ok"):
+        return {"same": None, "differences": ["no deviceless row for this form"]}
+    if row.get("registers") is None:
+        return {"same": None, "differences": ["no ptxas report from this run"]}
+    sass = row.get("sass") or {}
+    here = {"registers": row.get("registers"), "spill bytes": row.get("spill_bytes"), "QGMMA": sass.get("QGMMA")}
+    there = {"registers": committed.get("registers"),
+             "spill bytes": (committed.get("spill_stores") or 0) + (committed.get("spill_loads") or 0),
+             "QGMMA": sum((committed.get("sass") or {}).get("qgmma", {}).values())}
+    diffs = [f"{k}: {here[k]} here, {there[k]} deviceless" for k in here
+             if here[k] is not None and here[k] != there[k]]
+    return {"same": not diffs, "differences": diffs, "ptxas": committed.get("ptxas_version")}

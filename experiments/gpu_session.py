@@ -447,6 +447,7 @@ def run_smoke(stage: Stage, env: dict, log: Log, ctx: Session) -> None:
             row["status"] = "ok" if result.get("ok") else ("WRONG" if "failure" not in result else "failed")
         text = dump_path.read_text(errors="replace")
         row.update(gpu_reports.summarize_dump(text))
+        row["deviceless"] = gpu_reports.compare_to_deviceless(row, deviceless_rows(ctx.gpu.name).get(kernel))
         row["sass_source"] = "mosaic dump" if row["sass"] else None
         if not row["sass"] and gpu_reports.ptx_modules(text) and not ctx.rehearse:
             sass = "".join(filter(None, (_ptx_to_sass(ptx, dumps / slug(kernel)) for ptx in gpu_reports.ptx_modules(text))))
@@ -457,12 +458,26 @@ def run_smoke(stage: Stage, env: dict, log: Log, ctx: Session) -> None:
                 with open(dump_path, "a") as f:
                     f.write("\n// ---- SASS from ptxas + cuobjdump ----\n" + sass)
         log.write(f"--- smoke {kernel}: {row['status']} in {row['seconds']} s (registers {row['registers']}, "
-                  f"spill bytes {row['spill_bytes']}, SASS {row['sass'] or 'none'})\n")
+                  f"spill bytes {row['spill_bytes']}, SASS {row['sass'] or 'none'}; against the deviceless "
+                  f"build: {'same' if row['deviceless']['same'] else row['deviceless']['differences']})\n")
         ctx.pack_dumps(dumps)
         ctx.save()
     bad = [r["kernel"] for r in rows if r["status"] != "ok" and not r["kernel"].startswith("_")]
     stage.status = "ok" if not bad else "failed"
     stage.summary["failed"] = bad
+
+
+DEVICELESS = REPO / "benchmarks" / "results" / "hopper-build"
+
+
+def deviceless_rows(device_kind: str | None) -> dict[str, dict]:
+    """{form: row} of the committed deviceless build for this GPU (experiments/hopper_build.py;
+    an H200's own file, else the H100's), {} when there is none."""
+    target = "h200" if "H200" in (device_kind or "") else "h100_sxm"
+    path = DEVICELESS / f"kernels-{target}.json"
+    if not path.exists():
+        return {}
+    return {r["form"]: r for r in json.loads(path.read_text())["rows"]}
 
 
 def _smoke_result(text: str) -> dict:

@@ -165,12 +165,18 @@ def targets_table(verdicts: list[dict]) -> list[str]:
     return lines
 
 
+def _vs_deviceless(row: dict) -> str:
+    d = row.get("deviceless") or {}
+    return {True: "same", False: "DIFFERS", None: "-"}[d.get("same")]
+
+
 def smoke_table(rows: list[dict]) -> list[str]:
     """One line per smoke kernel: verdict, error against its bound, and what ptxas and the SASS
     say (registers, spill bytes, fp8/bf16 wgmma, setmaxnreg, local-memory loads/stores, the
-    ptxas warning codes)."""
+    comparison with the committed deviceless build, the ptxas warning codes); the differences
+    from the deviceless build follow the table."""
     lines = [f"smoke kernel              {'status':8s} {'error':>9} {'bound':>9} {'regs':>4} {'spill':>5} "
-             f"{'QGMMA':>5} {'HGMMA':>5} {'SETMAX':>6} {'LDL/STL':>7}  warnings"]
+             f"{'QGMMA':>5} {'HGMMA':>5} {'SETMAX':>6} {'LDL/STL':>7} {'deviceless':>10}  warnings"]
     for r in rows:
         sass = r.get("sass") or {}  # None: no SASS (interpreter, or no disassembler)
         ldl_stl = f"{sass['LDL']}/{sass['STL']}" if sass else "-"
@@ -179,6 +185,11 @@ def smoke_table(rows: list[dict]) -> list[str]:
             f"{r['kernel']:25s} {r['status']:8s} {fmt(r.get('error'), '.2e'):>9} {fmt(r.get('bound'), '.2e'):>9} "
             f"{fmt(r.get('registers'), 'd'):>4} {fmt(r.get('spill_bytes'), 'd'):>5} "
             f"{fmt(sass.get('QGMMA'), 'd'):>5} {fmt(sass.get('HGMMA'), 'd'):>5} "
-            f"{fmt(sass.get('USETMAXREG'), 'd'):>6} {ldl_stl:>7}  {' '.join(codes)}"
+            f"{fmt(sass.get('USETMAXREG'), 'd'):>6} {ldl_stl:>7} {_vs_deviceless(r):>10}  {' '.join(codes)}"
             + (f"  {r['failure'][:120]}" if r.get("failure") else ""))
+    differ = [r for r in rows if (r.get("deviceless") or {}).get("same") is False]
+    if differ:
+        lines.append("compiled otherwise than the deviceless build (this machine's ptxas or LLVM differs; "
+                     "benchmarks/results/hopper-build/):")
+        lines += [f"  {r['kernel']}: {'; '.join(r['deviceless']['differences'])}" for r in differ]
     return lines

@@ -56,9 +56,28 @@ def _abstract_gpu():
     return abstract
 
 
+# Set by `build_target`: (device kind, SM count) of the GPU a deviceless compile targets.
+_TARGET: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("jfp8_build_target", default=None)
+
+
+@contextlib.contextmanager
+def build_target(device_kind: str, num_sms: int):
+    """Kernels traced inside this block are built for this GPU (its SM count sizes persistent
+    grids, its kind picks tuned configs): for compiling deviceless, for a GPU described by an XLA
+    target config rather than present (`experiments/hopper_build.py`)."""
+    token = _TARGET.set((device_kind, num_sms))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
 def num_sms() -> int:
-    """SM count for persistent grids: the abstract device's when lowering off-GPU, the real GPU's
-    when there is one, else an H100's (interpreter runs on CPU)."""
+    """SM count for persistent grids: the build target's (`build_target`), the abstract device's
+    when lowering off-GPU, the real GPU's when there is one, else an H100's (interpreter runs on
+    CPU)."""
+    if (target := _TARGET.get()) is not None:
+        return target[1]
     abstract = _abstract_gpu()
     if abstract is not None:
         return abstract.num_cores
@@ -70,6 +89,8 @@ def num_sms() -> int:
 
 def device_kind() -> str:
     """The GPU model the kernels are built for, the same way as `num_sms`."""
+    if (target := _TARGET.get()) is not None:
+        return target[0]
     abstract = _abstract_gpu()
     if abstract is not None:
         return abstract.device_kind

@@ -1,0 +1,464 @@
+"""Every Mosaic GPU kernel form compiled for Hopper (sm_90a) through ptxas to SASS, with no GPU.
+
+    python experiments/hopper_build.py                         # every form, h100_sxm and h200
+    python experiments/hopper_build.py --target h100_sxm --only gemm_default quantize_grad
+    python experiments/hopper_build.py --list
+
+XLA compiles *deviceless* for a GPU described by a target config
+(`benchmarks/hopper_build/targets/<target>.txtpb`, handed to
+`jax.experimental.topologies.get_topology_desc`), and the Mosaic GPU custom call compiles its
+kernel when XLA instantiates it: Mosaic passes, LLVM NVPTX, ptxas, a cubin. With
+`MOSAIC_GPU_DUMP_TO` each kernel's PTX, ptxas `-v` report and SASS land in a folder, read here.
+The toolchain (jax's CUDA plugin, ptxas, nvdisasm; `benchmarks/hopper_build/requirements.txt`)
+is installed by `scripts/hopper_toolchain.sh`, outside the project's environment.
+
+Each form compiles in a subprocess of its own (a crash or a compiler error is that form's row,
+not the end of the run), at the benchmarks' shapes (dense 4096x7168x7168, grouped 8 x 4096 rows,
+N 4096, K 7168; quantizers 4096x7168): the smoke forms of `gpu_smoke.py` and every bisect variant of
+`gpu_session.py`. One row per form: compiled or the compiler's error, registers, spill bytes,
+barriers, SMEM, ptxas warnings, the SASS census (`gpu_reports.sass_census`), lower and compile
+seconds, the ptxas version. Writes `--out`/kernels-<target>.json (default
+benchmarks/results/hopper-build/) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TARGETS_DIR = REPO / "benchmarks" / "hopper_build" / "targets"
+TARGETS = {"h100_sxm": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200 141GB HBM3e"}
+HOPPER_SMS = 132  # both targets
+OUT = REPO / "benchmarks" / "results" / "hopper-build"
+# The benchmarks' shapes (pallas_kernels/shapes.py): a dense problem, a grouped one, a quantizer's.
+DENSE = (4096, 7168, 7168)
+GROUPED = (8, 4096, 4096, 7168)  # experts, rows per expert, N, K
+QUANT = (4096, 7168)
+WARPGROUP_THREADS = 128
+REGISTERS_PER_SM = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """A kernel form: `build()` gives `(fn, args)`, args a pytree of ShapeDtypeStructs."""
+
+    name: str
+    what: str
+    build: Callable[[], tuple[Callable, tuple]]
+    warpgroups: int  # per CTA: 3 when warp-specialized (1 producer + 2 consumers), else 1
+    cluster: bool = False  # 2-CTA clusters: TMA multicast expected
+
+
+# ------------------------------------------------------------------------------ the forms
+
+
+def _sds(shape, dtype):
+    import jax
+
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _abstract_fp8(shape, block, dtype="bfloat16"):
+    import jax
+    import jax.numpy as jnp
+
+    import jfp8
+
+    return jax.eval_shape(lambda x: jfp8.quantize(x, block, impl="xla"), _sds(shape, jnp.dtype(dtype)))
+
+
+def _dense(config, b_block=(128, 128), shape=DENSE):
+    def build():
+        import jax.numpy as jnp
+
+        import jfp8
+        from pallas_kernels import gemm
+
+        m, n, k = shape
+        a, b = _abstract_fp8((m, k), (1, 128)), _abstract_fp8((n, k), b_block)
+        if config is None:  # the library's own choice, through the front door
+            return (lambda a, b: jfp8.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl="mosaic")), (a, b)
+
+        def fn(a_data, a_scale, b_data, b_scale):
+            return gemm.scaled_matmul(a_data, a_scale, b_data, b_scale, n=n, b_block_rows=b_block[0],
+                                      out_dtype=jnp.bfloat16, config=config)
+
+        return fn, (a.data, a.scale, b.data, b.scale)
+
+    return build
+
+
+def _grouped(config):
+    def build():
+        import jax.numpy as jnp
+
+        from pallas_kernels import grouped_gemm
+
+        g, rows, n, k = GROUPED
+        a, b = _abstract_fp8((g * rows, k), (1, 128)), _abstract_fp8((n, k), (128, 128))
+        b_data = _sds((g, *b.data.shape), b.data.dtype)
+        b_scale = _sds((g, *b.scale.shape), b.scale.dtype)
+
+        def fn(a_data, a_scale, b_data, b_scale, sizes):
+            return grouped_gemm.grouped_scaled_matmul(a_data, a_scale, b_data, b_scale, sizes, n=n,
+                                                      out_dtype=jnp.bfloat16, config=config)
+
+        return fn, (a.data, a.scale, b_data, b_scale, _sds((g,), jnp.int32))
+
+    return build
+
+
+def _grouped_wgrad(config):
+    def build():
+        import jax.numpy as jnp
+
+        from pallas_kernels import grouped_wgrad
+
+        g, rows, n, k = GROUPED
+        t = g * rows
+        xt = _abstract_fp8((k, t), (1, 128))  # x^T scaled per 128 tokens
+        dyt = _abstract_fp8((n, t), (1, 128))
+
+        def fn(x_data, x_scale, dy_data, dy_scale, sizes):
+            return grouped_wgrad.grouped_wgrad(x_data, x_scale, dy_data, dy_scale, sizes, t=t,
+                                               out_dtype=jnp.float32, config=config)
+
+        return fn, (xt.data, xt.scale, dyt.data, dyt.scale, _sds((g,), jnp.int32))
+
+    return build
+
+
+def _quantizer(name, dtype="bfloat16", shape=QUANT, config=None):
+    def build():
+        import jax.numpy as jnp
+
+        import jfp8
+        from pallas_kernels import quantize as qk
+
+        x = _sds(shape, jnp.dtype(dtype))
+        fns = {
+            "tile": lambda x: jfp8.quantize(x, (1, 128), impl="mosaic"),
+            "block": lambda x: jfp8.quantize(x, (128, 128), impl="mosaic"),
+            "weight": lambda x: jfp8.quantize_weight(x, impl="mosaic"),
+            "grad": lambda x: jfp8.quantize_grad(x, impl="mosaic"),
+            "column_t": lambda x: jfp8.quantize_wgrad_operand(x, impl="mosaic"),
+            "tile_ring": lambda x: qk.quantize_tile(x, config=config),
+        }
+        if name == "retile":
+            t = _abstract_fp8(shape, (1, 128), dtype)
+            return (lambda t: jfp8.retile_wgrad_operand(t, impl="mosaic")), (t,)
+        return fns[name], (x,)
+
+    return build
+
+
+def forms() -> dict[str, Form]:
+    """Every smoke form (gpu_smoke.KERNELS' names) and bisect variant (gpu_session's configs)."""
+    sys.path.insert(0, str(REPO / "experiments"))
+    from _bench import parse_config
+    from gpu_session import BISECT_CONFIGS, GROUPED_BISECT_CONFIGS, WGRAD_BISECT_CONFIGS
+    from pallas_kernels.configs import GemmConfig, GroupedGemmConfig
+    from pallas_kernels.quantize import QuantizeConfig
+
+    def wgs(cfg) -> int:
+        return 3 if cfg is None or cfg.warp_specialized else 1
+
+    def clustered(cfg) -> bool:
+        return cfg is not None and max(getattr(cfg, "cluster_m", 1), cfg.cluster_n) > 1
+
+    out: list[Form] = []
+
+    def dense(name, what, cfg, **kw):
+        out.append(Form(name, what, _dense(cfg, **kw), wgs(cfg), clustered(cfg)))
+
+    def grouped(name, what, cfg, wgrad=False):
+        build = (_grouped_wgrad if wgrad else _grouped)(cfg)
+        out.append(Form(name, what, build, wgs(cfg), clustered(cfg)))
+
+    quant = [("quantize_tile", "1x128 activation tiles", _quantizer("tile")),
+             ("quantize_block", "128x128 weight blocks (f32 master)", _quantizer("block", "float32")),
+             ("quantize_weight", "fused weight quantizer: blocks and their transpose", _quantizer("weight", "float32")),
+             ("quantize_grad", "fused gradient quantizer: dy tiles and dy^T per 128 tokens", _quantizer("grad")),
+             ("quantize_column_t", "x^T per 128 tokens (Wgrad operand)", _quantizer("column_t")),
+             ("retile", "saved FP8 x re-tiled for Wgrad", _quantizer("retile")),
+             ("quantize_tile_unswizzled", "1x128 tiles, a shape TMA cannot tile", _quantizer("tile", shape=(4090, 7166))),
+             ("quantize_tile_ring", "1x128 tiles through a 2-slot SMEM ring",
+              _quantizer("tile_ring", config=QuantizeConfig(chunks=8, stages=2)))]
+    dense("gemm_default", "dense tile x block, GemmConfig()", GemmConfig())
+    dense("gemm_simple", "dense tile x block, GemmConfig.simple()", GemmConfig.simple())
+    dense("gemm_tile_x_tile", "dense tile x tile (Wgrad operands), GemmConfig()", GemmConfig(), b_block=(1, 128))
+    dense("gemm_small_m", "dense at M=48: the tuning rule's pick", None, shape=(48, DENSE[1], DENSE[2]))
+    grouped("grouped_fprop", "grouped Fprop/Dgrad, GroupedGemmConfig()", GroupedGemmConfig())
+    grouped("grouped_wgrad", "grouped Wgrad, GroupedGemmConfig()", GroupedGemmConfig(), wgrad=True)
+    grouped("grouped_fprop_simple", "grouped Fprop/Dgrad, simple()", GroupedGemmConfig.simple())
+    grouped("grouped_wgrad_simple", "grouped Wgrad, simple()", GroupedGemmConfig.simple(), wgrad=True)
+    for name, what, build in quant:
+        out.append(Form(name, what, build, 1))
+    for text in BISECT_CONFIGS:
+        dense(f"gemm[{text}]", f"dense, GemmConfig({text})", parse_config(text, GemmConfig))
+    for text in GROUPED_BISECT_CONFIGS:
+        grouped(f"grouped[{text}]", f"grouped Fprop, GroupedGemmConfig({text})",
+                parse_config(text, GroupedGemmConfig))
+    for text in WGRAD_BISECT_CONFIGS:
+        grouped(f"grouped_wgrad[{text}]", f"grouped Wgrad, GroupedGemmConfig({text})",
+                parse_config(text, GroupedGemmConfig), wgrad=True)
+    return {f.name: f for f in out}
+
+
+# Compiled on every CI run (tests/test_hopper_build.py): the default dense form, grouped Fprop
+# and Wgrad, and the fused quantizers the training step runs.
+CI_FORMS = ("gemm_default", "grouped_fprop", "grouped_wgrad", "quantize_tile", "quantize_weight", "quantize_grad",
+            "gemm[cluster_m=2]")
+# Defects the build found and that are not fixed yet (docs/gpu.md, "Compiled for Hopper without a
+# Hopper"): form -> its `check_row` problems, exactly, at ptxas 13.5. The CI check fails when a
+# form shows other problems, and also when these go away (then delete the entry).
+KNOWN_DEFECTS: dict[str, tuple[str, ...]] = {
+    "grouped_fprop": ("spills: 32 bytes stored, 48 loaded",),
+    "gemm[cluster_m=2]": ("spills: 36 bytes stored, 36 loaded",),
+}
+
+
+# ------------------------------------------------------------------------------ the child: one compile
+
+
+def compile_form(name: str, target: str) -> dict:
+    """Lower and compile one form deviceless for `target` (in this process); times and XLA's
+    memory analysis. The kernel's dumps go where MOSAIC_GPU_DUMP_TO points."""
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from pallas_kernels import _mgpu
+
+    form = forms()[name]
+    text = (TARGETS_DIR / f"{target}.txtpb").read_text()
+    topo = topologies.get_topology_desc("", "cuda", target_config=text, topology="1x1x1")
+    sharding = SingleDeviceSharding(topo.devices[0])
+    fn, args = form.build()
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    t0 = time.perf_counter()
+    # The kernels read the SM count and the GPU model (persistent grids, tuned configs) from the
+    # build target: there is no GPU to ask. (An abstract mesh would make jax lower for "gpu",
+    # a platform this host does not have.) The kernels are traced when lowered.
+    with _mgpu.build_target(TARGETS[target], HOPPER_SMS):
+        lowered = jax.jit(fn).trace(*args).lower()
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    return {"lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
+            "mosaic_custom_calls": lowered.as_text().count("mosaic_gpu"),
+            "xla_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
+
+
+def _child(name: str, target: str, result_path: str) -> int:
+    try:
+        result = {"ok": True, **compile_form(name, target)}
+    except Exception as e:  # noqa: BLE001 - the compiler's error is the row
+        result = {"ok": False, "error": f"{type(e).__name__}: {str(e)[-3000:]}"}
+    pathlib.Path(result_path).write_text(json.dumps(result))
+    return 0
+
+
+# ------------------------------------------------------------------------------ the parent
+
+
+def toolchain() -> pathlib.Path:
+    """The toolchain's directory (installed by scripts/hopper_toolchain.sh), or SystemExit."""
+    r = subprocess.run(["bash", str(REPO / "scripts" / "hopper_toolchain.sh")], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"the Hopper build toolchain is not available: {r.stderr.strip()}")
+    return pathlib.Path(r.stdout.strip().splitlines()[-1])
+
+
+def child_env(tools: pathlib.Path, dump: pathlib.Path | None) -> dict:
+    cuda = tools / "nvidia" / "cu13"
+    env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PATH=f"{cuda / 'bin'}:{os.environ['PATH']}",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tools), os.environ.get("PYTHONPATH")])),
+               CUDA_ROOT=str(cuda), MOSAIC_GPU_CUDA_ROOT=str(cuda), TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("XLA_FLAGS", None)  # the host-device count of the test suite is not for this compile
+    if dump is not None:
+        env["MOSAIC_GPU_DUMP_TO"] = str(dump)
+    return env
+
+
+def ptxas_version(tools: pathlib.Path) -> str:
+    r = subprocess.run([str(tools / "nvidia" / "cu13" / "bin" / "ptxas"), "--version"], capture_output=True, text=True)
+    return r.stdout.strip().splitlines()[-1] if r.returncode == 0 else f"unknown ({r.stderr.strip()[:200]})"
+
+
+def read_dump(dump: pathlib.Path) -> dict:
+    """What the compiler said about the kernel(s) of one form: ptxas report, SASS census, SMEM."""
+    from gpu_reports import parse_ptxas, sass_census
+
+    ptxas_text = "\n".join(p.read_text() for p in sorted(dump.glob("*.ptxas")))
+    sass_text = "\n".join(p.read_text() for p in sorted(dump.glob("*.sass_ctrl")))
+    resources = "\n".join(p.read_text() for p in sorted(dump.glob("*.resources.txt")))
+    ptxas = parse_ptxas(ptxas_text)
+    smem = [int(v) for v in __import__("re").findall(r"smem_scratch_bytes=(\d+)", resources)]
+    return {
+        "kernels": len(list(dump.glob("*.ptxas"))),
+        "registers": ptxas["registers"],
+        "spill_stores": sum(f.get("spill_stores", 0) for f in ptxas["functions"].values()) if ptxas["functions"] else None,
+        "spill_loads": sum(f.get("spill_loads", 0) for f in ptxas["functions"].values()) if ptxas["functions"] else None,
+        "barriers": ptxas.get("barriers"),
+        "smem_bytes": max(smem) if smem else None,
+        "ptxas_warnings": ptxas["warnings"],
+        "setmaxnreg_ignored": ptxas["setmaxnreg_ignored"],
+        "wgmma_serialized": ptxas["wgmma_serialized"],
+        "sass": sass_census(sass_text) if sass_text else None,
+    }
+
+
+def check_row(row: dict, form: Form) -> list[str]:
+    """What a default form must satisfy (tests/test_hopper_build.py, the issue's CI check): each
+    failure as a sentence; empty when the row passes."""
+    bad = []
+    if not row.get("ok"):
+        return [f"did not compile: {row.get('error', '?')[:500]}"]
+    if row.get("kernels", 0) < 1 or row.get("registers") is None:
+        return ["no ptxas report was dumped"]
+    if row["spill_stores"] or row["spill_loads"]:
+        bad.append(f"spills: {row['spill_stores']} bytes stored, {row['spill_loads']} loaded")
+    if row["wgmma_serialized"]:
+        bad.append("ptxas serialized the wgmma instructions")
+    if row["setmaxnreg_ignored"]:
+        bad.append("ptxas ignored setmaxnreg (C7508)")
+    sass = row["sass"] or {}
+    gemm = form.name.startswith(("gemm", "grouped"))
+    if gemm and not any("E4M3" in shape for shape in sass.get("qgmma", {})):
+        bad.append(f"no E4M3 QGMMA in the SASS (QGMMA: {sass.get('qgmma')}, HGMMA: {sass.get('hgmma')})")
+    if form.warpgroups > 1:
+        regs = sass.get("usetmaxreg", {})
+        if not regs:
+            bad.append("warp-specialized but no USETMAXREG in the SASS")
+        else:  # 1 producer warpgroup at the DEALLOC value, the consumers at the ALLOC value
+            budget = WARPGROUP_THREADS * (max(regs.get("DEALLOC", [0])) + (form.warpgroups - 1) * max(regs.get("ALLOC", [0])))
+            if budget > REGISTERS_PER_SM:
+                bad.append(f"setmaxnreg budget {budget} registers exceeds the SM's {REGISTERS_PER_SM}")
+            if row["registers"] > max(regs.get("ALLOC", [0])):
+                bad.append(f"{row['registers']} registers at launch exceed the consumers' setmaxnreg "
+                           f"{max(regs.get('ALLOC', [0]))}")
+    if row["registers"] * WARPGROUP_THREADS * form.warpgroups > REGISTERS_PER_SM:
+        bad.append(f"{row['registers']} registers x {form.warpgroups * WARPGROUP_THREADS} threads exceed the SM")
+    if form.cluster and not sass.get("utmaldg_multicast"):
+        bad.append(f"a cluster form without multicast TMA loads (UTMALDG: {sass.get('utmaldg')})")
+    return bad
+
+
+def build(names: list[str], target: str, tools: pathlib.Path, timeout: float = 600, log=print,
+          keep_dumps: pathlib.Path | None = None) -> list[dict]:
+    """One row per form, each compiled in its own subprocess; `keep_dumps`: a folder to keep each
+    form's compiler dump in (PTX, ptxas report, SASS), one subfolder per form and target."""
+    all_forms = forms()
+    version = ptxas_version(tools)
+    rows = []
+    for name in names:
+        form = all_forms[name]
+        with tempfile.TemporaryDirectory(prefix="hopper-build-") as tmp:
+            dump, result = pathlib.Path(tmp) / "dump", pathlib.Path(tmp) / "result.json"
+            dump.mkdir()
+            t0 = time.perf_counter()
+            try:
+                p = subprocess.run([sys.executable, __file__, "--child", name, "--target", target,
+                                    "--result", str(result)], env=child_env(tools, dump), capture_output=True,
+                                   text=True, timeout=timeout, cwd=REPO)
+                got = json.loads(result.read_text()) if result.exists() else {
+                    "ok": False, "error": f"the compile process died (exit {p.returncode}): {p.stderr[-2000:]}"}
+            except subprocess.TimeoutExpired:
+                got = {"ok": False, "error": f"timed out after {timeout} s"}
+            row = {"form": name, "what": form.what, "target": target, **got, **read_dump(dump),
+                   "wall_s": round(time.perf_counter() - t0, 1), "ptxas_version": version}
+            if keep_dumps is not None:
+                kept = keep_dumps / target / "".join(c if c.isalnum() or c in "_-=," else "_" for c in name)
+                shutil.rmtree(kept, ignore_errors=True)
+                kept.mkdir(parents=True)
+                for f in dump.iterdir():  # not the MLIR pass log (megabytes)
+                    if f.suffix in (".ptx", ".ptxas", ".sass_ctrl", ".txt") and "passes" not in f.name:
+                        shutil.copy(f, kept / f.name)
+        row["problems"] = check_row(row, form)
+        rows.append(row)
+        log(format_row(row))
+    return rows
+
+
+def format_row(r: dict) -> str:
+    if not r.get("ok"):
+        return f"{r['form']:58s} FAILED: {r.get('error', '')[:300]}"
+    s = r["sass"] or {}
+    q = ",".join(f"{k.split('.')[0]}x{v}" for k, v in s.get("qgmma", {}).items()) or "-"
+    return (f"{r['form']:58s} regs {r['registers']!s:>4} spill {r['spill_stores']}/{r['spill_loads']} "
+            f"smem {r['smem_bytes']!s:>6} QGMMA {q:14s} FFMA {s.get('ffma', 0):4d} FMUL {s.get('fmul', 0):4d} "
+            f"setmaxnreg {s.get('usetmaxreg', {})} multicast {s.get('utmaldg_multicast', 0)} "
+            f"compile {r['compile_s']} s" + (f"  PROBLEMS: {r['problems']}" if r["problems"] else ""))
+
+
+def write(rows: list[dict], target: str, out: pathlib.Path) -> pathlib.Path:
+    import jax
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kernels-{target}.json"
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    names = {r["form"] for r in rows}
+    merged = [r for r in old if r["form"] not in names] + rows  # --only updates its rows in place
+    order = list(forms())
+    merged.sort(key=lambda r: order.index(r["form"]) if r["form"] in order else len(order))
+    doc = {"target": target, "device_kind": TARGETS[target], "jax": jax.__version__,
+           "ptxas": rows[0]["ptxas_version"] if rows else None,
+           "date": datetime.date.today().isoformat(), "host": platform.node(),
+           "command": "python experiments/hopper_build.py --target " + target, "rows": merged}
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=path.name)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", choices=[*TARGETS, "all"], default="all")
+    p.add_argument("--only", nargs="+", metavar="FORM", help="these forms (names from --list)")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--out", type=pathlib.Path, default=OUT)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per form")
+    p.add_argument("--keep-dumps", type=pathlib.Path, help="keep each form's PTX, ptxas report and SASS here")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return _child(args.child, args.target, args.result)
+    all_forms = forms()
+    if args.list:
+        for f in all_forms.values():
+            print(f"{f.name:60s} {f.what}")
+        return 0
+    names = args.only or list(all_forms)
+    unknown = [n for n in names if n not in all_forms]
+    if unknown:
+        raise SystemExit(f"unknown forms {unknown}; --list shows them")
+    tools = toolchain()
+    failed = 0
+    for target in (TARGETS if args.target == "all" else [args.target]):
+        print(f"== {target} ({TARGETS[target]}), ptxas {ptxas_version(tools)}", flush=True)
+        rows = build(names, target, tools, args.timeout, log=lambda s: print(s, flush=True),
+                     keep_dumps=args.keep_dumps)
+        print(f"wrote {write(rows, target, args.out)}")
+        failed += sum(bool(r["problems"]) for r in rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO / "experiments"))
+    sys.exit(main())
