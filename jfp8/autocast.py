@@ -344,7 +344,7 @@ def _key_name(key) -> str | None:
     return str(key)
 
 
-def weight_path(argnum: int, keys: Sequence, several: bool) -> str:
+def leaf_path(argnum: int, keys: Sequence, several: bool) -> str:
     """A weight leaf's name: its path inside argument `argnum`, "/"-joined ("params/Dense_0/kernel",
     "layers/0/kernel"), prefixed by "arg{argnum}/" when several arguments hold weights; "arg{argnum}"
     for an argument that is one array."""
@@ -398,7 +398,7 @@ class Autocast:
         # Each leaf's weight path, None for an activation. The path's first key picks args or
         # kwargs, the second the argument.
         flags = [
-            weight_path(keys[1].idx, keys[2:], len(wa) > 1)
+            leaf_path(keys[1].idx, keys[2:], len(wa) > 1)
             if keys[0].idx == 0 and keys[1].idx in wa else None
             for keys, _ in with_paths
         ]
