@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 
+from jfp8 import mesh as meshes
 from jfp8.nn import ModelConfig
 from jfp8.recipe import Fp8Recipe
 from jfp8.train.config import PRESET_TRAINING, PRESETS, TrainConfig
@@ -54,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
                         "The recipe's gradient floor follows dy at any magnitude, so FP8 does not need "
                         "it; it matters only with --recipe grad_amax_floor=1e-4 (DeepGEMM's floor on dy)")
     p.add_argument("--mesh", default=None,
-                   help="'data=D,expert=E': data- and expert-parallel over D*E devices (see jfp8.mesh)")
+                   help="'data=D,expert=E': data- and expert-parallel over D*E devices, those of every process "
+                        "of a multi-process job (see jfp8.mesh, scripts/launch_local.py)")
     return p
 
 
@@ -155,17 +157,20 @@ def config_from_args(args) -> TrainConfig:
 
 def main(argv=None) -> dict:
     args = parser().parse_args(argv)
+    # Joins a multi-process job when JFP8_COORDINATOR etc. are set (scripts/launch_local.py), before
+    # anything below creates an array.
+    joined = meshes.initialize_distributed()
+    if joined and not args.mesh:
+        raise SystemExit("a multi-process job (JFP8_COORDINATOR is set) trains on a mesh: pass --mesh data=D,expert=E")
     mesh = None
     if args.mesh:
-        from jfp8 import mesh as meshes
-
-        meshes.initialize_distributed()  # no-op unless JFP8_COORDINATOR etc. are set
         shape = meshes.parse_mesh(args.mesh)
         mesh = meshes.make_mesh(shape.data, shape.expert)
     if args.stop_after is not None and args.stop_after < 1:
         raise SystemExit(f"--stop-after must be a step >= 1, got {args.stop_after}")
     summary = train(config_from_args(args), resume=args.resume, stop_after=args.stop_after, mesh=mesh)
-    print(json.dumps(summary, indent=1))
+    if meshes.is_main_process():
+        print(json.dumps(summary, indent=1))
     return summary
 
 

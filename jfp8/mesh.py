@@ -6,10 +6,10 @@ sharded on their expert axis over `expert`, replicated over `data`). A 1x1 mesh 
 single-device case. The MoE layers' all-to-all is `jfp8.nn.expert_parallel`; the sharded training
 step, `jfp8.train.sharded`.
 
-Several hosts (one process per host, every host sees its local GPUs; D·E_p = all GPUs): call
-`initialize_distributed()` before anything else touches jax; it calls `jax.distributed.initialize`
-from JFP8_COORDINATOR, JFP8_NUM_PROCESSES and JFP8_PROCESS_ID, and does nothing when they are
-unset:
+Several processes (one per host, each seeing its local devices; D·E_p = all devices): call
+`initialize_distributed()` first; it joins the job described by JFP8_COORDINATOR,
+JFP8_NUM_PROCESSES and JFP8_PROCESS_ID (`DistributedConfig.from_env`) and does nothing when they
+are unset:
 
     # host 0 (10.0.0.1)                               # host 1
     JFP8_COORDINATOR=10.0.0.1:1234 JFP8_NUM_PROCESSES=2 JFP8_PROCESS_ID=0 \\
@@ -17,11 +17,12 @@ unset:
     JFP8_COORDINATOR=10.0.0.1:1234 JFP8_NUM_PROCESSES=2 JFP8_PROCESS_ID=1 \\
         python experiments/train_moe.py --preset gpu --mesh data=2,expert=8
 
-Put the expert axis inside a host (fast NVLink all-to-all): `make_mesh` orders devices so that
-the `expert` axis is the fastest-varying one, which with jax's device order keeps an expert group
-on one host when E_p divides the GPUs per host. Every process must feed the same global batch
-(`shard_batch` places each process's addressable shards; the batches of `jfp8.train.data` are a
-pure function of (seed, step), so every host computes them identically).
+`scripts/launch_local.py` starts N such processes on one machine. Put the expert axis inside a
+host (fast NVLink all-to-all): `make_mesh` orders devices so that the `expert` axis is the
+fastest-varying one, which with jax's device order (process by process) keeps an expert group on
+one host when E_p divides the devices per host. Each process builds only the rows of a batch that
+its devices hold (`shard_rows`); the batches of `jfp8.train.data` are a pure function of
+(seed, step), so every process knows its rows without talking to the others.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import os
 import re
 
 import jax
+import jax.extend.backend
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -84,31 +86,101 @@ def make_mesh(data: int = 1, expert: int = 1, devices=None) -> Mesh:
     grid = np.array(devices[: shape.size], dtype=object).reshape(data, expert)
     return Mesh(grid, (DATA_AXIS, EXPERT_AXIS))
 
-def initialize_distributed() -> bool:
-    """`jax.distributed.initialize` from JFP8_COORDINATOR / JFP8_NUM_PROCESSES / JFP8_PROCESS_ID.
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """One process's place in a multi-process job, and how long it waits for the others.
 
-    Returns True when it initialised, False when the variables are unset (single process).
+    A process that stops sending heartbeats for `heartbeat_timeout_s` is declared dead and every
+    other process then ends with an error (XLA's coordination service aborts it) instead of
+    waiting in a collective forever; `init_timeout_s` bounds the wait for all processes to join.
     """
-    addr = os.environ.get("JFP8_COORDINATOR")
-    if not addr:
+
+    coordinator: str  # "host:port" of process 0's coordination service
+    num_processes: int
+    process_id: int
+    heartbeat_timeout_s: int = 60
+    init_timeout_s: int = 300
+    shutdown_timeout_s: int = 60
+
+    def __post_init__(self):
+        if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(
+                f"JFP8_PROCESS_ID={self.process_id} must lie in [0, JFP8_NUM_PROCESSES={self.num_processes})"
+            )
+        for name in ("heartbeat_timeout_s", "init_timeout_s", "shutdown_timeout_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 second, got {getattr(self, name)}")
+
+    @classmethod
+    def from_env(cls, environ=None) -> DistributedConfig | None:
+        """From JFP8_COORDINATOR, JFP8_NUM_PROCESSES, JFP8_PROCESS_ID and optionally
+        JFP8_HEARTBEAT_TIMEOUT_S, JFP8_INIT_TIMEOUT_S, JFP8_SHUTDOWN_TIMEOUT_S (seconds); None when
+        JFP8_COORDINATOR is unset (a single process)."""
+        env = os.environ if environ is None else environ
+        if not env.get("JFP8_COORDINATOR"):
+            return None
+        ints = {"num_processes": "JFP8_NUM_PROCESSES", "process_id": "JFP8_PROCESS_ID",
+                "heartbeat_timeout_s": "JFP8_HEARTBEAT_TIMEOUT_S", "init_timeout_s": "JFP8_INIT_TIMEOUT_S",
+                "shutdown_timeout_s": "JFP8_SHUTDOWN_TIMEOUT_S"}
+        kw = {}
+        for field, var in ints.items():
+            if var in env:
+                try:
+                    kw[field] = int(env[var])
+                except ValueError:
+                    raise ValueError(f"{var}={env[var]!r} must be an integer") from None
+            elif field in ("num_processes", "process_id"):
+                raise ValueError(f"JFP8_COORDINATOR is set: also set {var} (an integer)")
+        return cls(coordinator=env["JFP8_COORDINATOR"], **kw)
+
+def initialize_distributed(config: DistributedConfig | None = None) -> bool:
+    """Joins the multi-process job `config` (default: `DistributedConfig.from_env()`) through
+    `jax.distributed.initialize`, with gloo collectives for CPU devices. Returns True when it
+    joined, False when there is no job (single process).
+
+    jax must not hold arrays yet. Importing jfp8 computes a few constants with jax, which starts
+    its backend; with no array alive that backend is dropped and started again as part of the job.
+    """
+    config = DistributedConfig.from_env() if config is None else config
+    if config is None:
         return False
-    try:
-        n, pid = int(os.environ["JFP8_NUM_PROCESSES"]), int(os.environ["JFP8_PROCESS_ID"])
-    except (KeyError, ValueError) as e:
-        raise ValueError("JFP8_COORDINATOR is set: also set JFP8_NUM_PROCESSES and JFP8_PROCESS_ID to ints") from e
-    jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=pid)
+    if alive := jax.live_arrays():
+        raise RuntimeError(
+            f"initialize_distributed() must run before jax holds arrays ({len(alive)} alive, e.g. "
+            f"{alive[0].shape} {alive[0].dtype}): call it at the start of the program"
+        )
+    jax.extend.backend.clear_backends()  # the backend started by import-time constants
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator, num_processes=config.num_processes,
+        process_id=config.process_id, initialization_timeout=config.init_timeout_s,
+        heartbeat_timeout_seconds=config.heartbeat_timeout_s, shutdown_timeout_seconds=config.shutdown_timeout_s,
+    )
     return True
+
+def is_main_process() -> bool:
+    """True in the process that writes files and logs (process 0; the only one without a job)."""
+    return jax.process_index() == 0
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sequences [B, T] sharded over every device (data-major, expert-minor)."""
     return NamedSharding(mesh, P(BATCH_AXES))
 
-def shard_batch(tokens, mesh: Mesh) -> jax.Array:
-    """Place a global [B, T] batch on the mesh; B must be a multiple of the device count."""
+def shard_rows(make_rows, shape: tuple[int, ...], mesh: Mesh) -> jax.Array:
+    """A global batch of `shape` [B, T] on the mesh, of which this process builds only the rows
+    its own devices hold: `make_rows(rows)` -> [len(rows), T] for a `slice` of the B rows, called
+    once per local device. B must be a multiple of the device count."""
     n = mesh.devices.size
-    if tokens.shape[0] % n:
-        raise ValueError(f"batch size {tokens.shape[0]} must be a multiple of the {n} mesh devices (data x expert)")
-    return jax.make_array_from_callback(tokens.shape, batch_sharding(mesh), lambda idx: np.asarray(tokens)[idx])
+    if shape[0] % n:
+        raise ValueError(f"batch size {shape[0]} must be a multiple of the {n} mesh devices (data x expert)")
+    return jax.make_array_from_callback(
+        shape, batch_sharding(mesh), lambda idx: np.asarray(make_rows(idx[0]))[(slice(None),) + idx[1:]]
+    )
+
+def shard_batch(tokens, mesh: Mesh) -> jax.Array:
+    """Place a global [B, T] batch, held whole by every process, on the mesh; B must be a multiple
+    of the device count."""
+    return shard_rows(lambda rows: np.asarray(tokens)[rows], np.shape(tokens), mesh)
 
 def _key_name(k) -> str:
     return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))

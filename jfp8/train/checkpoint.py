@@ -1,9 +1,10 @@
 """Checkpoints with orbax: written atomically, so a killed run never leaves a half-written step.
 
-orbax writes each step into a temporary directory and renames it into place once complete; a
-directory without its commit marker is ignored on restore. A checkpoint holds the whole training
-state pytree (parameters, optimizer state, router biases, step, RNG key; the data position is
-the step, since batches are a pure function of (seed, step)) and JSON metadata.
+orbax writes each step into a temporary directory (`<step>.orbax-checkpoint-tmp*`) and renames it
+into place once every process has written its part; a temporary directory is never restored. A
+checkpoint holds the whole training state pytree (parameters, optimizer state, router biases,
+step, RNG key; the data position is the step, since batches are a pure function of (seed, step))
+and JSON metadata.
 """
 
 from __future__ import annotations
@@ -15,13 +16,19 @@ import orbax.checkpoint as ocp
 
 
 class Checkpointer:
-    """Saves and restores the training state under `directory` (keeps the newest `keep`)."""
+    """Saves and restores the training state under `directory` (keeps the newest `keep`).
 
-    def __init__(self, directory: str | pathlib.Path, keep: int = 2):
+    In a multi-process job every process creates one on the same directory and calls `save` and
+    `restore` together; each writes and reads the shards of its own devices. `remove_partial`:
+    delete the temporary directories of saves that never completed (a killed run's); only the
+    run that owns the directory may, since a running save looks the same.
+    """
+
+    def __init__(self, directory: str | pathlib.Path, keep: int = 2, remove_partial: bool = False):
         self.directory = pathlib.Path(directory).absolute()
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=remove_partial),
             item_names=("state", "meta"),
         )
 

@@ -87,19 +87,28 @@ def check_seq_len(split: Split, seq_len: int) -> None:
         )
 
 
-def train_batch(data: np.ndarray, batch: int, seq_len: int, seed: int, step: int) -> np.ndarray:
-    """[batch, seq_len] int32 windows at random offsets; a pure function of (seed, step)."""
+def train_batch(data: np.ndarray, batch: int, seq_len: int, seed: int, step: int,
+                rows: slice = slice(None)) -> np.ndarray:
+    """[batch, seq_len] int32 windows at random offsets; a pure function of (seed, step). `rows`:
+    only those rows of the batch (a process's share on a mesh), the same windows as the whole
+    batch's rows."""
     rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, data.size - seq_len + 1, size=batch)
+    starts = rng.integers(0, data.size - seq_len + 1, size=batch)[rows]
+    return np.stack([data[s : s + seq_len] for s in starts]).astype(np.int32)
+
+
+def eval_batch(data: np.ndarray, batch: int, seq_len: int, n_batches: int, index: int,
+               rows: slice = slice(None)) -> np.ndarray:
+    """Batch `index` of the fixed validation set of `eval_batches` (or only its `rows`)."""
+    count = batch * n_batches
+    starts = np.linspace(0, data.size - seq_len, num=count).astype(np.int64)
+    starts = starts[index * batch : (index + 1) * batch][rows]
     return np.stack([data[s : s + seq_len] for s in starts]).astype(np.int32)
 
 
 def eval_batches(data: np.ndarray, batch: int, seq_len: int, n_batches: int) -> list[np.ndarray]:
     """A fixed validation set: `n_batches` batches of windows at evenly spaced offsets."""
-    count = batch * n_batches
-    starts = np.linspace(0, data.size - seq_len, num=count).astype(np.int64)
-    windows = np.stack([data[s : s + seq_len] for s in starts]).astype(np.int32)
-    return [windows[i * batch : (i + 1) * batch] for i in range(n_batches)]
+    return [eval_batch(data, batch, seq_len, n_batches, i) for i in range(n_batches)]
 
 
 def validation_windows(data: np.ndarray, seq_len: int) -> np.ndarray:

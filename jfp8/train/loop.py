@@ -5,7 +5,10 @@ One `train(config)` call trains a `jfp8.nn.Transformer` on a byte-level corpus a
 logged step, with `step`, `loss`, its parts, `lr`, `tokens_per_s`; evaluation lines carry
 `val_loss`), and `checkpoints/` (orbax, atomic). `resume=True` continues from the newest
 checkpoint; the batches are a pure function of (seed, step), so a resumed run's losses equal the
-uninterrupted run's step for step.
+uninterrupted run's step for step. In a multi-process job (`jfp8.mesh.initialize_distributed`)
+every process runs `train` on the same `out`: each builds only its rows of each batch, all write
+and restore the checkpoints together, and process 0 alone writes the metrics, the configuration
+and the progress bar.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import pathlib
 import time
 
@@ -43,14 +47,15 @@ def train(
 ) -> dict:
     """Trains; returns a summary dict. `stop_after` ends the run after that step as if it had been
     killed there (tests of resume). With a `jax.sharding.Mesh` of axes ("data", "expert")
-    (`jfp8.mesh.make_mesh`), the step runs data- and expert-parallel (FP8 dispatch)."""
+    (`jfp8.mesh.make_mesh`, over the devices of every process of a job), the step runs data- and
+    expert-parallel (FP8 dispatch)."""
     out = pathlib.Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     split = data.train_val_split(data.load_bytes(config.corpus), config.val_fraction)
     data.check_seq_len(split, config.seq_len)
     if mesh is None:
         model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step = build(config)
-        place = jax.device_put
+        place = lambda make_rows, shape: jax.device_put(make_rows(slice(None)))  # noqa: E731
     else:
         from jfp8 import mesh as meshes
         from jfp8.train import sharded
@@ -58,9 +63,13 @@ def train(
         model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step = (
             sharded.build_sharded(config, mesh)
         )
-        place = functools.partial(meshes.shard_batch, mesh=mesh)
+        place = functools.partial(meshes.shard_rows, mesh=mesh)  # this process's rows only
+    writer = jax.process_index() == 0  # of metrics.jsonl, config.json and the progress bar
     opt_state = tx.init(params)
-    ckpt = Checkpointer(out / "checkpoints", keep=config.keep_checkpoints)
+    if mesh is not None:
+        # Moments placed like their parameters, as the step returns them: else step 2 compiles again.
+        opt_state = meshes.shard_params(opt_state, mesh)
+    ckpt = Checkpointer(out / "checkpoints", keep=config.keep_checkpoints, remove_partial=True)
     metrics_path = out / "metrics.jsonl"
     start = 0
     state = {"params": params, "rest": rest, "opt_state": opt_state}
@@ -76,28 +85,32 @@ def train(
             )
         state, meta = ckpt.restore(None, state)
         start = int(meta["step"])
-        _trim_metrics(metrics_path, start)
-    else:
+        if writer:
+            _trim_metrics(metrics_path, start)
+    elif writer:
         metrics_path.write_text("")
-    (out / "config.json").write_text(json.dumps(config.to_json(), indent=1) + "\n")
+    if writer:
+        (out / "config.json").write_text(json.dumps(config.to_json(), indent=1) + "\n")
     if mesh is None:
         # Restored arrays are committed to a device; commit fresh ones too, so that a resumed run
         # (and the next segment of a segmented one) reuses the compiled step instead of recompiling.
         state = jax.device_put(state, jax.devices()[0])
 
     params, rest, opt_state = state["params"], state["rest"], state["opt_state"]
-    val = data.eval_batches(split.val, config.batch_size, config.seq_len, config.eval_batches)
+    shape = (config.batch_size, config.seq_len)
+    val = [place(functools.partial(data.eval_batch, split.val, *shape, config.eval_batches, i), shape)
+           for i in range(config.eval_batches)]
     tokens_per_step = config.batch_size * config.seq_len
     end = config.steps if stop_after is None else min(config.steps, stop_after)
     make = lambda step: place(  # noqa: E731
-        data.train_batch(split.train, config.batch_size, config.seq_len, config.batch_seed, step)
+        functools.partial(data.train_batch, split.train, *shape, config.batch_seed, step), shape
     )
-    bar = _progress(config, start, end)
+    bar = _progress(config, start, end) if writer else _NoBar()
     t_start = t_log = time.perf_counter()
     last = {}
     prefetch = data.Prefetcher(make, start, end)
     try:
-        with metrics_path.open("a") as log:
+        with (metrics_path if writer else pathlib.Path(os.devnull)).open("a") as log:
             for step, tokens in prefetch:
                 params, rest, opt_state, m = train_step(params, rest, opt_state, tokens)
                 done = step + 1
@@ -117,7 +130,7 @@ def train(
                              tokens_per_s=steps_since * tokens_per_step / (now - t_log))
                     t_log, last = now, m
                     if done % config.eval_every == 0 or done == config.steps:
-                        m["val_loss"] = float(np.mean([float(eval_step(params, rest, place(v))) for v in val]))
+                        m["val_loss"] = float(np.mean([float(eval_step(params, rest, v)) for v in val]))
                     log.write(json.dumps(m) + "\n")
                     log.flush()
                     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}",
