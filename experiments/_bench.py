@@ -198,6 +198,8 @@ def _parse_value(text: str, default: Any, name: str) -> Any:
     except ValueError:
         raise ValueError(f"{name}={text!r}: expected a value like the default {default!r}") from None
     if default is None:  # an optional field: best effort
+        if text.lower() in ("true", "false", "yes", "no"):  # e.g. scalar_b_scale: bool | None
+            return text.lower() in ("true", "yes")
         for convert in (int, float):
             try:
                 return convert(text)

@@ -228,8 +228,9 @@ KERNELS = {
                              lambda rng, i: _grouped_wgrad(rng, grouped_gemm.GroupedGemmConfig.simple())),
     "gemm_cluster": ("dense tile x block, GemmConfig(cluster_m=2): 2-CTA clusters, b multicast (issue 19)",
                      lambda rng, i: _dense(rng, i, gemm.GemmConfig(cluster_m=2))),
-    "gemm_scalar_b": ("dense tile x block, GemmConfig(scalar_b_scale=True): b's block scale as one scalar (issue 19)",
-                      lambda rng, i: _dense(rng, i, gemm.GemmConfig(scalar_b_scale=True))),
+    "gemm_vector_b": ("dense tile x block, GemmConfig(scalar_b_scale=False): b's block scale as a per-column "
+                      "vector (the default before the deviceless build's census)",
+                      lambda rng, i: _dense(rng, i, gemm.GemmConfig(scalar_b_scale=False))),
     "gemm_early_scales": ("dense tile x block, GemmConfig(early_scale_loads=True): scales read before the wgmma (issue 19)",
                           lambda rng, i: _dense(rng, i, gemm.GemmConfig(early_scale_loads=True))),
     "gemm_cluster_n": ("dense tile x block, GemmConfig(cluster_n=2): 2-CTA clusters along N, a multicast (issue 19)",

@@ -171,9 +171,11 @@ def forms() -> dict[str, Form]:
     from gpu_session import BISECT_CONFIGS, GROUPED_BISECT_CONFIGS, WGRAD_BISECT_CONFIGS
     from pallas_kernels.configs import GemmConfig, GroupedGemmConfig
     from pallas_kernels.quantize import QuantizeConfig
+    from pallas_kernels.tuning import rule_config
+    import jax.numpy as jnp
 
     def wgs(cfg) -> int:
-        return 3 if cfg is None or cfg.warp_specialized else 1
+        return 3 if cfg.warp_specialized else 1
 
     def clustered(cfg) -> bool:
         return cfg is not None and max(getattr(cfg, "cluster_m", 1), cfg.cluster_n) > 1
@@ -181,7 +183,9 @@ def forms() -> dict[str, Form]:
     out: list[Form] = []
 
     def dense(name, what, cfg, **kw):
-        out.append(Form(name, what, _dense(cfg, **kw), wgs(cfg), clustered(cfg)))
+        # No config: the library's pick for the shape (`tuning.rule_config`; no tuned tables yet).
+        picked = cfg or rule_config(*kw.get("shape", DENSE), jnp.bfloat16, HOPPER_SMS)
+        out.append(Form(name, what, _dense(cfg, **kw), wgs(picked), clustered(picked)))
 
     def grouped(name, what, cfg, wgrad=False):
         build = (_grouped_wgrad if wgrad else _grouped)(cfg)

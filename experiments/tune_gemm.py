@@ -98,11 +98,12 @@ def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmCon
                 found.append(GemmConfig(tile_n=tile_n, max_concurrent_steps=stages, cluster_m=2))
             if m > 64 and n > tile_n and stages in (4, 6):  # ... or two column tiles to share a
                 found.append(GemmConfig(tile_n=tile_n, max_concurrent_steps=stages, cluster_n=2))
-    # b's block scale as one scalar (the tuner's b is 128 x 128-block-scaled, as in Fprop/Dgrad)
-    found += [dataclasses.replace(c, scalar_b_scale=True) for c in found
+    # b's block scale as the per-column vector instead of the default scalar (the tuner's b is
+    # 128 x 128-block-scaled, as in Fprop/Dgrad)
+    found += [dataclasses.replace(c, scalar_b_scale=False) for c in found
               if c.max_concurrent_steps in (4, 6) and jfp8.TILE % c.tile_n == 0]
     if m > 64:  # scale loads issued before the wgmma, on the default form with either b scale
-        found += [GemmConfig(early_scale_loads=True), GemmConfig(early_scale_loads=True, scalar_b_scale=True)]
+        found += [GemmConfig(early_scale_loads=True), GemmConfig(early_scale_loads=True, scalar_b_scale=False)]
         # one pipeline over each CTA's tiles, alone and with the promotion switches
         found += [GemmConfig(run_ahead=True), GemmConfig(run_ahead=True, scalar_b_scale=True, early_scale_loads=True)]
     if m > 64 and n > 128:  # 128 x 192 / 256 tiles, which the scalar b scale makes fit in registers
@@ -128,9 +129,10 @@ def grouped_candidates(rows: int, n: int, kp: int, out_dtype, num_sms: int) -> l
                 found.append(GroupedGemmConfig(tile_n=tile_n, max_concurrent_steps=stages,
                                                grid_tile_group=group))
     # Issue 19's switches on the 4-stage forms: clusters along N (where there are two column
-    # tiles to share a), the scalar weight scale, early scale loads, and all three.
+    # tiles to share a), the per-column weight-scale vector (the scalar is the default), early
+    # scale loads, and all three.
     for base in [c for c in found if c.warp_specialized and c.max_concurrent_steps == 4]:
-        found.append(dataclasses.replace(base, scalar_b_scale=True))
+        found.append(dataclasses.replace(base, scalar_b_scale=False))
         found.append(dataclasses.replace(base, early_scale_loads=True))
         if n > base.tile_n:
             found.append(dataclasses.replace(base, cluster_n=2))
@@ -147,7 +149,7 @@ def config_name(config) -> str:
     persistent = "p" if config.persistent else ""
     cluster = f"-c{config.cluster_m}" if getattr(config, "cluster_m", 1) > 1 else ""
     cluster += f"-n{config.cluster_n}" if config.cluster_n > 1 else ""
-    scalar = "-sb" if getattr(config, "scalar_b_scale", False) else ""
+    scalar = "" if getattr(config, "scalar_b", True) else "-vb"  # the per-column b-scale vector
     early = "-es" if getattr(config, "early_scale_loads", False) else ""
     early += "-ra" if getattr(config, "run_ahead", False) else ""
     return (f"{form}{persistent}-{config.tile_m}x{config.tile_n}-s{config.max_concurrent_steps}"

@@ -33,7 +33,7 @@ Launch structure, two forms selected by `GemmConfig`:
 - `GemmConfig(cluster_m=2)` (off by default until measured): the fast form in clusters of two
   CTAs along M that share each K step's b chunk, loaded half by each and TMA-multicast to both;
   `GemmConfig(cluster_n=2)`: along N, sharing a's chunk instead.
-- `GemmConfig(scalar_b_scale=True)` (off by default until measured): for 128 x 128-block-scaled
+- `GemmConfig(scalar_b_scale=...)` (on by default where the tile allows, `GemmConfig.scalar_b`): for 128 x 128-block-scaled
   b, the tile's one block scale per K step is read as a scalar instead of a per-column vector;
   a 192- or 256-wide tile, which spans two weight blocks, is promoted in 64- or 128-column
   slices with one scalar each.
@@ -307,8 +307,8 @@ def split_scaled_matmul(
         return (), lambda: jnp.zeros((m, n), out_dtype)  # nothing to launch; K = 0 sums to zero
     if config is None:
         config = tuning.dense_config(m, n, kp, out_dtype)
-    check_smem(config, out_dtype, kp // TILE_K)
-    scalar_b = config.scalar_b_scale and b_block_rows == TILE
+    scalar_b = config.scalar_b and b_block_rows == TILE
+    check_smem(config, out_dtype, kp // TILE_K, scalar_b=scalar_b)
     operands = _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows, scalar_b, config.tile_n)
     m_out, n_out = out_shape(m, n, out_dtype, config)
     tiles = (pl.cdiv(m, config.tile_m), pl.cdiv(n, config.tile_n))

@@ -287,7 +287,7 @@ def _grouped_matmul_call(
         # The row stores tile the output's columns like the SMEM tile (Mosaic's layout for it).
         width = out_shape(rows, n, out_dtype, config)[1]
         out_type = jax.ShapeDtypeStruct((rows, width), out_dtype)
-        scalar_b = config.scalar_b_scale
+        scalar_b = config.scalar_b
         if scalar_b:  # each block's scale as one 16-byte box, chunk-major: [G, C, blocks * 4]
             sb = jnp.repeat(rhs_scale.transpose(0, 2, 1), SCALE_BOX, axis=2)
         else:

@@ -223,7 +223,8 @@ def grouped_wgrad(
     if t == 0 or groups == 0 or kdim == 0 or n == 0:
         return jnp.zeros((groups, kdim, n), out_dtype)
     if config.warp_specialized:  # a dynamic K loop: the pipeline allocates every stage
-        check_smem(config, out_dtype, max(chunks, config.max_concurrent_steps))
+        # Its b (dy^T) is tile-scaled: a per-column scale vector per stage.
+        check_smem(config, out_dtype, max(chunks, config.max_concurrent_steps), scalar_b=False)
 
     return _grouped_wgrad_call(
         lhs_t_data, lhs_t_scale, rhs_t_data, rhs_t_scale, group_sizes,

@@ -82,7 +82,8 @@ def _narrowed(base, row_tiles: int, n: int, kp: int, out_dtype, num_sms: int, *,
     stages = MAX_STAGES if deepen or tile_n != base.tile_n else base.max_concurrent_steps
     config = dataclasses.replace(base, tile_n=tile_n, max_concurrent_steps=stages)
     chunks = max(kp // TILE_K, 1)
-    while config.max_concurrent_steps > 2 and smem_bytes(config, out_dtype, chunks) > SMEM_BYTES:
+    # Sized for the vector b scale (a tile-scaled b, Wgrad): the larger of the two layouts.
+    while config.max_concurrent_steps > 2 and smem_bytes(config, out_dtype, chunks, scalar_b=False) > SMEM_BYTES:
         config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
     return config
 

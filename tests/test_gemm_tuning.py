@@ -223,13 +223,13 @@ def test_tuner_candidates_start_with_the_rule_and_fit(tune, m, n, k):
     along_n = [c for c in found if c.cluster_n == 2]
     assert bool(along_n) == (m > 64 and n > 128), along_n
     assert all(("-n2" in tune.config_name(c)) == (c.cluster_n == 2) for c in found)
-    assert any(c.scalar_b_scale for c in found)
-    assert all(("-sb" in tune.config_name(c)) == c.scalar_b_scale for c in found)
+    assert any(not c.scalar_b for c in found) and any(c.scalar_b for c in found)
+    assert all(("-vb" in tune.config_name(c)) == (not c.scalar_b) for c in found)
     assert all(("-es" in tune.config_name(c)) == c.early_scale_loads for c in found)
     assert all(("-ra" in tune.config_name(c)) == c.run_ahead for c in found)
     assert any(c.run_ahead for c in found) == (m > 64)
     wide = [c for c in found if c.tile_n > 128]
-    assert bool(wide) == (m > 64 and n > 128) and all(c.scalar_b_scale for c in wide), wide
+    assert bool(wide) == (m > 64 and n > 128) and all(c.scalar_b for c in wide), wide
     assert len({tune.config_name(c) for c in found}) == len(found)
 
 
@@ -310,7 +310,7 @@ def test_grouped_tuner_candidates_start_with_the_rule_and_fit(tune, shape):
     assert all(gemm.smem_bytes(c, jnp.float32, kp // TILE) <= SMEM_BYTES
                for c in found if c.warp_specialized)
     # issue 19's switches are tried, named apart; clusters along N only over two column tiles
-    assert any(c.scalar_b_scale for c in found) and any(c.early_scale_loads for c in found)
+    assert any(not c.scalar_b for c in found if c.warp_specialized) and any(c.early_scale_loads for c in found)
     along_n = [c for c in found if c.cluster_n == 2]
     assert along_n and all(n > c.tile_n for c in along_n), along_n
     assert len({tune.config_name(c) for c in found}) == len(found)
