@@ -155,6 +155,9 @@ def initialize_distributed(config: DistributedConfig | None = None) -> bool:
         coordinator_address=config.coordinator, num_processes=config.num_processes,
         process_id=config.process_id, initialization_timeout=config.init_timeout_s,
         heartbeat_timeout_seconds=config.heartbeat_timeout_s, shutdown_timeout_seconds=config.shutdown_timeout_s,
+        # Everything is given: no detection, which under SLURM or Open MPI would also restrict a
+        # process to one GPU (its local rank's), not the whole host's.
+        cluster_detection_method="deactivate",
     )
     return True
 
@@ -198,6 +201,30 @@ def param_specs(params) -> object:
     )
 
 def shard_params(params, mesh: Mesh):
-    """Place params (or any nnx state) on the mesh following `param_specs`."""
+    """Place params (or any nnx state) on the mesh following `param_specs`. In a multi-process
+    job every process must hold the same values (the same seeded initialisation)."""
     specs = param_specs(params)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    return jax.tree.map(lambda x, s: _place(x, NamedSharding(mesh, s)), params, specs)
+
+def _place(x, sharding: NamedSharding) -> jax.Array:
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)  # one process, or already spread over the job: a reshard
+    # A value every process holds: each places its own devices' part. (`device_put` would first
+    # check that the processes agree, a collective per array.)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(_place(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+def barrier(name: str, timeout_s: float = 600) -> None:
+    """Waits until every process of the job reaches `barrier(name)`; nothing in a single process.
+
+    gloo gives the processes 30 s to meet at a collective they run for the first time (not
+    configurable from jax); a barrier of the coordination service after the local start-up work
+    (imports, data, initialisation: slower in some processes on a loaded machine) absorbs a
+    longer lead of one process."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the job's coordination client (orbax reaches it the same way)
+
+    distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
