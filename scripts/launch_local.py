@@ -73,8 +73,8 @@ def start(cmd: list[str], processes: int, logs: pathlib.Path, *, devices_per_pro
             log = None if (i == 0 and main_to_terminal) else logs / f"process-{i}.log"
             out = None if log is None else log.open("w")
             try:
-                job.procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                                  start_new_session=True))
+                job.procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out,
+                                                  stderr=subprocess.STDOUT if out else None, start_new_session=True))
             finally:
                 if out is not None:
                     out.close()
