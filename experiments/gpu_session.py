@@ -121,7 +121,7 @@ BISECT_CONFIGS = ("cluster_m=2", "scalar_b_scale=false", "early_scale_loads=true
                   "tile_n=192,scalar_b_scale=true", "tile_n=256,scalar_b_scale=true,max_concurrent_steps=3",
                   "warp_specialized=false,persistent=false,tile_m=64,grid_tile_group=1,max_concurrent_steps=2",
                   "persistent=false", "grid_tile_group=1", "tile_n=64", "max_concurrent_steps=3",
-                  "max_concurrent_steps=5", "tile_m=256")
+                  "max_concurrent_steps=5", "tile_m=256,max_concurrent_steps=3")
 # The grouped kernels' switches (GroupedGemmConfig; the Wgrad ignores scalar_b_scale), each alone
 # and together, at the first grouped shape (8 experts x 4096 rows, N=4096, K=7168).
 GROUPED_BISECT_CONFIGS = ("cluster_n=2", "scalar_b_scale=false", "early_scale_loads=true",

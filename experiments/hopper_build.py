@@ -8,7 +8,9 @@ XLA compiles *deviceless* for a GPU described by a target config
 (`benchmarks/hopper_build/targets/<target>.txtpb`, handed to
 `jax.experimental.topologies.get_topology_desc`), and the Mosaic GPU custom call compiles its
 kernel when XLA instantiates it: Mosaic passes, LLVM NVPTX, ptxas, a cubin. With
-`MOSAIC_GPU_DUMP_TO` each kernel's PTX, ptxas `-v` report and SASS land in a folder, read here.
+`MOSAIC_GPU_DUMP_PTXAS/SASS/RESOURCES=1` each kernel's ptxas `-v` report, SASS and SMEM count are
+printed on the compiling process's stdout, read here (`MOSAIC_GPU_DUMP_TO` would also write every
+MLIR pass, megabytes per kernel and most of the time).
 The toolchain (jax's CUDA plugin, ptxas, nvdisasm; `benchmarks/hopper_build/requirements.txt`)
 is installed by `scripts/hopper_toolchain.sh`, outside the project's environment.
 
@@ -30,7 +32,7 @@ import json
 import os
 import pathlib
 import platform
-import shutil
+import re
 import subprocess
 import sys
 import tempfile
@@ -210,6 +212,18 @@ def forms() -> dict[str, Form]:
     grouped("grouped_wgrad_simple", "grouped Wgrad, simple()", GroupedGemmConfig.simple(), wgrad=True)
     for name, what, build in quant:
         out.append(Form(name, what, build, 1))
+    # The rest of gpu_smoke.py's forms, by their smoke names (the GPU session compares its rows).
+    dense("gemm_cluster", "dense, GemmConfig(cluster_m=2)", GemmConfig(cluster_m=2))
+    dense("gemm_vector_b", "dense, GemmConfig(scalar_b_scale=False)", GemmConfig(scalar_b_scale=False))
+    dense("gemm_early_scales", "dense, GemmConfig(early_scale_loads=True)", GemmConfig(early_scale_loads=True))
+    dense("gemm_cluster_n", "dense, GemmConfig(cluster_n=2)", GemmConfig(cluster_n=2))
+    dense("gemm_run_ahead", "dense, GemmConfig(run_ahead=True)", GemmConfig(run_ahead=True))
+    dense("gemm_wide_tiles", "dense, GemmConfig(tile_n=192, scalar_b_scale=True, max_concurrent_steps=2)",
+          GemmConfig(tile_n=192, scalar_b_scale=True, max_concurrent_steps=2))
+    grouped("grouped_fprop_switches", "grouped Fprop, GroupedGemmConfig(cluster_n=2, scalar_b_scale=True, "
+            "early_scale_loads=True)", GroupedGemmConfig(cluster_n=2, scalar_b_scale=True, early_scale_loads=True))
+    grouped("grouped_wgrad_cluster_n", "grouped Wgrad, GroupedGemmConfig(cluster_n=2, early_scale_loads=True)",
+            GroupedGemmConfig(cluster_n=2, early_scale_loads=True), wgrad=True)
     for text in BISECT_CONFIGS:
         dense(f"gemm[{text}]", f"dense, GemmConfig({text})", parse_config(text, GemmConfig))
     for text in GROUPED_BISECT_CONFIGS:
@@ -230,7 +244,6 @@ CI_FORMS = ("gemm_default", "grouped_fprop", "grouped_wgrad", "quantize_tile", "
 # form shows other problems, and also when these go away (then delete the entry).
 KNOWN_DEFECTS: dict[str, tuple[str, ...]] = {
     "grouped_fprop": ("spills: 32 bytes stored, 48 loaded",),
-    "gemm[cluster_m=2]": ("spills: 36 bytes stored, 36 loaded",),
 }
 
 
@@ -263,7 +276,7 @@ def compile_form(name: str, target: str) -> dict:
     t2 = time.perf_counter()
     mem = compiled.memory_analysis()
     return {"lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
-            "mosaic_custom_calls": lowered.as_text().count("mosaic_gpu"),
+            "mosaic_custom_calls": lowered.as_text().count("@mosaic_gpu"),
             "xla_temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
 
 
@@ -287,14 +300,16 @@ def toolchain() -> pathlib.Path:
     return pathlib.Path(r.stdout.strip().splitlines()[-1])
 
 
-def child_env(tools: pathlib.Path, dump: pathlib.Path | None) -> dict:
+def child_env(tools: pathlib.Path) -> dict:
+    """The compiling process's environment: the toolchain on PATH (ptxas) and PYTHONPATH (jax's
+    CUDA plugin), nvdisasm for Mosaic's SASS dump, and the dumps on stdout."""
     cuda = tools / "nvidia" / "cu13"
     env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PATH=f"{cuda / 'bin'}:{os.environ['PATH']}",
                PYTHONPATH=os.pathsep.join(filter(None, [str(tools), os.environ.get("PYTHONPATH")])),
-               CUDA_ROOT=str(cuda), MOSAIC_GPU_CUDA_ROOT=str(cuda), TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("XLA_FLAGS", None)  # the host-device count of the test suite is not for this compile
-    if dump is not None:
-        env["MOSAIC_GPU_DUMP_TO"] = str(dump)
+               CUDA_ROOT=str(cuda), MOSAIC_GPU_CUDA_ROOT=str(cuda), TF_CPP_MIN_LOG_LEVEL="2",
+               MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_RESOURCES="1")
+    for name in ("XLA_FLAGS", "MOSAIC_GPU_DUMP_TO"):  # the test suite's host devices; files
+        env.pop(name, None)
     return env
 
 
@@ -303,17 +318,16 @@ def ptxas_version(tools: pathlib.Path) -> str:
     return r.stdout.strip().splitlines()[-1] if r.returncode == 0 else f"unknown ({r.stderr.strip()[:200]})"
 
 
-def read_dump(dump: pathlib.Path) -> dict:
-    """What the compiler said about the kernel(s) of one form: ptxas report, SASS census, SMEM."""
+def read_dump(text: str) -> dict:
+    """What the compiler said about the kernel(s) of one form (its process's stdout): ptxas
+    report, SASS census, SMEM."""
     from gpu_reports import parse_ptxas, sass_census
 
-    ptxas_text = "\n".join(p.read_text() for p in sorted(dump.glob("*.ptxas")))
-    sass_text = "\n".join(p.read_text() for p in sorted(dump.glob("*.sass_ctrl")))
-    resources = "\n".join(p.read_text() for p in sorted(dump.glob("*.resources.txt")))
-    ptxas = parse_ptxas(ptxas_text)
-    smem = [int(v) for v in __import__("re").findall(r"smem_scratch_bytes=(\d+)", resources)]
+    ptxas = parse_ptxas(text)
+    smem = [int(v) for v in re.findall(r"smem_scratch_bytes=(\d+)", text)]
+    sass = sass_census(text)
     return {
-        "kernels": len(list(dump.glob("*.ptxas"))),
+        "kernels": len(re.findall(r"Compiling entry function", text)),
         "registers": ptxas["registers"],
         "spill_stores": sum(f.get("spill_stores", 0) for f in ptxas["functions"].values()) if ptxas["functions"] else None,
         "spill_loads": sum(f.get("spill_loads", 0) for f in ptxas["functions"].values()) if ptxas["functions"] else None,
@@ -322,7 +336,7 @@ def read_dump(dump: pathlib.Path) -> dict:
         "ptxas_warnings": ptxas["warnings"],
         "setmaxnreg_ignored": ptxas["setmaxnreg_ignored"],
         "wgmma_serialized": ptxas["wgmma_serialized"],
-        "sass": sass_census(sass_text) if sass_text else None,
+        "sass": sass if sass["instructions"] else None,
     }
 
 
@@ -372,26 +386,24 @@ def build(names: list[str], target: str, tools: pathlib.Path, timeout: float = 6
     for name in names:
         form = all_forms[name]
         with tempfile.TemporaryDirectory(prefix="hopper-build-") as tmp:
-            dump, result = pathlib.Path(tmp) / "dump", pathlib.Path(tmp) / "result.json"
-            dump.mkdir()
+            result, out = pathlib.Path(tmp) / "result.json", pathlib.Path(tmp) / "stdout.txt"
             t0 = time.perf_counter()
             try:
-                p = subprocess.run([sys.executable, __file__, "--child", name, "--target", target,
-                                    "--result", str(result)], env=child_env(tools, dump), capture_output=True,
-                                   text=True, timeout=timeout, cwd=REPO)
+                with open(out, "w") as stdout:
+                    p = subprocess.run([sys.executable, __file__, "--child", name, "--target", target,
+                                        "--result", str(result)], env=child_env(tools), stdout=stdout,
+                                       stderr=subprocess.PIPE, text=True, timeout=timeout, cwd=REPO)
                 got = json.loads(result.read_text()) if result.exists() else {
                     "ok": False, "error": f"the compile process died (exit {p.returncode}): {p.stderr[-2000:]}"}
             except subprocess.TimeoutExpired:
                 got = {"ok": False, "error": f"timed out after {timeout} s"}
-            row = {"form": name, "what": form.what, "target": target, **got, **read_dump(dump),
+            text = out.read_text(errors="replace")
+            row = {"form": name, "what": form.what, "target": target, **got, **read_dump(text),
                    "wall_s": round(time.perf_counter() - t0, 1), "ptxas_version": version}
             if keep_dumps is not None:
-                kept = keep_dumps / target / "".join(c if c.isalnum() or c in "_-=," else "_" for c in name)
-                shutil.rmtree(kept, ignore_errors=True)
-                kept.mkdir(parents=True)
-                for f in dump.iterdir():  # not the MLIR pass log (megabytes)
-                    if f.suffix in (".ptx", ".ptxas", ".sass_ctrl", ".txt") and "passes" not in f.name:
-                        shutil.copy(f, kept / f.name)
+                kept = keep_dumps / target / ("".join(c if c.isalnum() or c in "_-=," else "_" for c in name) + ".txt")
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.write_text(text)
         row["problems"] = check_row(row, form)
         rows.append(row)
         log(format_row(row))
@@ -409,6 +421,28 @@ def format_row(r: dict) -> str:
             f"compile {r['compile_s']} s" + (f"  PROBLEMS: {r['problems']}" if r["problems"] else ""))
 
 
+def markdown_table(doc: dict) -> str:
+    """The committed rows of one target as the table in docs/gpu.md."""
+    head = ("| form | compiled | regs | spill st/ld | barriers | SMEM | QGMMA | FFMA/FMUL | LDL/STL | setmaxnreg "
+            "| TMA loads (multicast) | instr | problems |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in doc["rows"]:
+        if not r.get("ok"):
+            lines.append(f"| `{r['form']}` | **no**: {r.get('error', '')[:120]} |" + " |" * 11)
+            continue
+        s = r["sass"] or {}
+        q = ", ".join(f"{k.split('.')[0]} ×{v}" for k, v in s.get("qgmma", {}).items()) or "–"
+        regs = s.get("usetmaxreg", {})
+        setmax = "/".join(str(regs[k][0]) for k in ("DEALLOC", "ALLOC") if k in regs) or "–"
+        loads = sum(s.get("utmaldg", {}).values())
+        lines.append(
+            f"| `{r['form']}` | yes | {r['registers']} | {r['spill_stores']}/{r['spill_loads']} | {r['barriers']} "
+            f"| {r['smem_bytes']} | {q} | {s.get('ffma', 0)}/{s.get('fmul', 0)} | {s.get('ldl', 0)}/{s.get('stl', 0)} "
+            f"| {setmax} | {loads} ({s.get('utmaldg_multicast', 0)}) | {s.get('instructions')} "
+            f"| {'; '.join(r['problems']) or '–'} |")
+    return "\n".join(lines)
+
+
 def write(rows: list[dict], target: str, out: pathlib.Path) -> pathlib.Path:
     import jax
 
@@ -416,8 +450,9 @@ def write(rows: list[dict], target: str, out: pathlib.Path) -> pathlib.Path:
     path = out / f"kernels-{target}.json"
     old = json.loads(path.read_text())["rows"] if path.exists() else []
     names = {r["form"] for r in rows}
-    merged = [r for r in old if r["form"] not in names] + rows  # --only updates its rows in place
     order = list(forms())
+    # --only updates its rows in place; rows of forms that no longer exist are dropped
+    merged = [r for r in old if r["form"] not in names and r["form"] in order] + rows
     merged.sort(key=lambda r: order.index(r["form"]) if r["form"] in order else len(order))
     doc = {"target": target, "device_kind": TARGETS[target], "jax": jax.__version__,
            "ptxas": rows[0]["ptxas_version"] if rows else None,
@@ -437,12 +472,19 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true")
     p.add_argument("--out", type=pathlib.Path, default=OUT)
     p.add_argument("--timeout", type=float, default=600, help="seconds per form")
-    p.add_argument("--keep-dumps", type=pathlib.Path, help="keep each form's PTX, ptxas report and SASS here")
+    p.add_argument("--keep-dumps", type=pathlib.Path, help="keep each form's ptxas report and SASS here (FORM.txt)")
+    p.add_argument("--table", action="store_true", help="print the committed results as markdown tables")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return _child(args.child, args.target, args.result)
+    if args.table:
+        for target in (TARGETS if args.target == "all" else [args.target]):
+            doc = json.loads((args.out / f"kernels-{target}.json").read_text())
+            print(f"{target} ({doc['device_kind']}), ptxas {doc['ptxas']}, jax {doc['jax']}, {doc['date']}:\n")
+            print(markdown_table(doc) + "\n")
+        return 0
     all_forms = forms()
     if args.list:
         for f in all_forms.values():

@@ -12,6 +12,7 @@ identically. tests/test_deepgemm_parity.py checks it against a numpy port of Dee
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FP8_DTYPE = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
@@ -34,7 +35,9 @@ TILE = 128
 # `div_true_kernel`: "a * reciprocal(b)"; on the CPU PyTorch divides, one ulp off on ~half of the
 # amaxes). XLA:CPU does the same to `x / c` for any scalar c, under jit and eagerly, so writing
 # the product keeps jit, eager and the kernels identical too. tests/test_deepgemm_parity.py.
-INV_E4M3_MAX = float(1.0 / jnp.float32(E4M3_MAX))
+# numpy, not jnp: importing jfp8 must not start jax's backend (jax.distributed.initialize must
+# come first in a multi-process run).
+INV_E4M3_MAX = float(np.float32(1) / np.float32(E4M3_MAX))
 F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 

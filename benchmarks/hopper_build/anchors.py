@@ -438,6 +438,16 @@ def read_ours(dumps: pathlib.Path) -> dict:
     issue compares (absent ones recorded as such) and any other form found there."""
     forms = {}
     others = sorted(d.name for d in dumps.glob("*") if d.is_dir()) if dumps.is_dir() else []
+    texts = sorted(dumps.glob("*.txt")) if dumps.is_dir() else []
+    if texts:  # hopper_build.py now keeps each form's compiler stdout (ptxas report, SASS) as FORM.txt
+        for path in sorted(texts, key=lambda p: (p.stem not in ("gemm_default", "grouped_fprop", "grouped_wgrad"),
+                                                 p.stem)):
+            text = path.read_text()
+            row = {"present": True, "dir": str(path), **analyse(text, text, None)}
+            if m := re.search(r"smem_scratch_bytes=(\d+)", text):
+                row["smem_bytes"] = {"scratch": int(m.group(1))}
+            forms[path.stem] = row
+        return forms
     for form in dict.fromkeys(["gemm_default", "grouped_fprop", "grouped_wgrad", *others]):
         d = dumps / form
         sass_files = sorted(d.glob("*.sass_ctrl")) if d.is_dir() else []
