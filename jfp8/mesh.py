@@ -138,8 +138,8 @@ def initialize_distributed(config: DistributedConfig | None = None) -> bool:
     `jax.distributed.initialize`, with gloo collectives for CPU devices. Returns True when it
     joined, False when there is no job (single process).
 
-    jax must not hold arrays yet. Importing jfp8 computes a few constants with jax, which starts
-    its backend; with no array alive that backend is dropped and started again as part of the job.
+    jax must not hold arrays yet. Importing jfp8 does not start jax's backend; if something else
+    did (with no array alive), that backend is dropped and started again as part of the job.
     """
     config = DistributedConfig.from_env() if config is None else config
     if config is None:
@@ -149,7 +149,7 @@ def initialize_distributed(config: DistributedConfig | None = None) -> bool:
             f"initialize_distributed() must run before jax holds arrays ({len(alive)} alive, e.g. "
             f"{alive[0].shape} {alive[0].dtype}): call it at the start of the program"
         )
-    jax.extend.backend.clear_backends()  # the backend started by import-time constants
+    jax.extend.backend.clear_backends()  # a backend started before the job, if any
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=config.coordinator, num_processes=config.num_processes,
