@@ -58,8 +58,8 @@ def scale_from_amax(amax: jax.Array, pow2_scale: bool, amax_floor: float = AMAX_
 
     scale = max(amax, amax_floor) * f32(1 / E4M3_MAX), one correctly rounded f32 product, as
     DeepGEMM's `amax.clamp(1e-4) / 448.0` on CUDA for the default floor (activations, weights;
-    gradients use `GRAD_AMAX_FLOOR`, which binds only where the scale would not be a normal f32); optionally rounded up to a power of two (UE8M0,
-    DeepGEMM's `ceil_to_ue8m0`); NaN for a non-finite block so that the whole block dequantizes to
+    gradients use `GRAD_AMAX_FLOOR`, which binds only where the scale would not be a normal f32);
+    optionally rounded up to a power of two (UE8M0, DeepGEMM's `ceil_to_ue8m0`); NaN for a non-finite block so that the whole block dequantizes to
     NaN instead of to a silently wrong finite number (DeepGEMM gives an Inf block an Inf scale).
     Shared by `quantize` and the Pallas quantization kernels.
     """

@@ -33,10 +33,10 @@ Launch structure, two forms selected by `GemmConfig`:
 - `GemmConfig(cluster_m=2)` (off by default until measured): the fast form in clusters of two
   CTAs along M that share each K step's b chunk, loaded half by each and TMA-multicast to both;
   `GemmConfig(cluster_n=2)`: along N, sharing a's chunk instead.
-- `GemmConfig(scalar_b_scale=...)` (on by default where the tile allows, `GemmConfig.scalar_b`): for 128 x 128-block-scaled
-  b, the tile's one block scale per K step is read as a scalar instead of a per-column vector;
-  a 192- or 256-wide tile, which spans two weight blocks, is promoted in 64- or 128-column
-  slices with one scalar each.
+- `GemmConfig(scalar_b_scale=...)` (on by default where the tile allows, `GemmConfig.scalar_b`):
+  for 128 x 128-block-scaled b, the tile's one block scale per K step is read as a scalar
+  instead of a per-column vector; a 192- or 256-wide tile, which spans two weight blocks, is
+  promoted in 64- or 128-column slices with one scalar each.
 - `GemmConfig(early_scale_loads=True)` (off by default until measured): a K step's scales are
   read from SMEM before its wgmma is issued rather than after its wait.
 - `GemmConfig(run_ahead=True)` (off by default until measured): one pipeline over all of a

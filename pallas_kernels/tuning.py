@@ -83,7 +83,8 @@ def _narrowed(base, row_tiles: int, n: int, kp: int, out_dtype, num_sms: int, *,
     config = dataclasses.replace(base, tile_n=tile_n, max_concurrent_steps=stages)
     chunks = max(kp // TILE_K, 1)
     # Sized for the vector b scale (a tile-scaled b, Wgrad): the larger of the two layouts.
-    while config.max_concurrent_steps > 2 and smem_bytes(config, out_dtype, chunks, scalar_b=False) > SMEM_BYTES:
+    while (config.max_concurrent_steps > 2
+           and smem_bytes(config, out_dtype, chunks, scalar_b=False) > SMEM_BYTES):
         config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
     return config
 

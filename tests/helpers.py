@@ -1,5 +1,9 @@
 """Small helpers shared by the test files (pytest puts tests/ on sys.path)."""
 
+import importlib.util
+import pathlib
+import sys
+
 import jax
 import numpy as np
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
@@ -60,3 +64,18 @@ def on_cpu(fn, *args):
     with jax.default_device(cpu):
         args = jax.tree.map(lambda x: jax.device_put(x, cpu) if isinstance(x, jax.Array) else x, args)
         return np.asarray(fn(*args))
+
+
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+
+
+def load_experiment(name: str):
+    """experiments/<name>.py as a fresh module (the experiments folder on sys.path for its own
+    sibling imports)."""
+    if str(EXPERIMENTS) not in sys.path:
+        sys.path.insert(0, str(EXPERIMENTS))
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -2,26 +2,14 @@
 widened by the cross-machine spread (experiments/cross_machine.py), what to look at outside it, and
 the plot that draws both."""
 
-import importlib.util
 import json
 import math
 import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
-
-
-def _load(name):
-    if str(EXPERIMENTS) not in sys.path:
-        sys.path.insert(0, str(EXPERIMENTS))
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_experiment as _load
 
 
 @pytest.fixture(scope="module")

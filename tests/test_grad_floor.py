@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 import jfp8
 from jfp8.nn import ModelConfig
 from jfp8 import AMAX_FLOOR, GRAD_AMAX_FLOOR, TILE, Fp8Recipe, fp8_linear, grouped_fp8_linear, quantize
-from helpers import fresh_rng as _rng, rel_error as _rel
+from helpers import fresh_rng as _rng
 
 F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # 2^-126, the smallest normal f32
 XLA = Fp8Recipe(impl="xla")

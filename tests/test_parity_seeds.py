@@ -1,25 +1,13 @@
 """experiments/parity_seeds.py's statistics on synthetic finished runs (no training), and the
 demo's reading of one gap against the committed band."""
 
-import importlib.util
 import json
 import math
 import pathlib
-import sys
 
 import pytest
 
-EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
-
-
-def _load(name):
-    if str(EXPERIMENTS) not in sys.path:
-        sys.path.insert(0, str(EXPERIMENTS))
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_experiment as _load
 
 
 @pytest.fixture(scope="module")
