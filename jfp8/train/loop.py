@@ -69,7 +69,6 @@ def train(
     if mesh is not None:
         # Moments placed like their parameters, as the step returns them: else step 2 compiles again.
         opt_state = meshes.shard_params(opt_state, mesh)
-    if mesh is not None:
         meshes.barrier("jfp8-train-setup")  # before the first collectives (orbax's, the steps')
     ckpt = Checkpointer(out / "checkpoints", keep=config.keep_checkpoints, remove_partial=True)
     metrics_path = out / "metrics.jsonl"
