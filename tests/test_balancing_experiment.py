@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from test_parity_seeds import EXPERIMENTS, _load
+from helpers import EXPERIMENTS, load_experiment as _load
 
 RESULTS = EXPERIMENTS / "results" / "balancing-small"
 
