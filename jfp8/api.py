@@ -30,7 +30,7 @@ from jax.extend.core import Primitive
 import jax.extend
 from jax.interpreters import batching, mlir
 
-from jfp8 import fp8, reference
+from jfp8 import fp8, precompile, reference
 from jfp8.fp8 import AMAX_FLOOR, GRAD_AMAX_FLOOR, TILE, Block, Fp8Tensor, _check_block
 from jfp8.reference import check_nt_operands, chunk_operand
 from pallas_kernels import _mgpu, gemm, grouped_gemm, grouped_wgrad
@@ -73,11 +73,59 @@ _choice_p.multiple_results = True
 
 
 class _Choice(NamedTuple):
-    """The primitive's parameters (hashable: compared by identity, like functions)."""
+    """The primitive's parameters. Two choices are equal when they have the same `key` (see
+    `_choice_key`), else only when they are the same object. jax caches a primitive's lowering per
+    module by its parameters and operand types, so every call of one op at one shape, static
+    arguments and build target is lowered once, whatever layer or call site it comes from: one
+    Mosaic kernel (one payload, compiled once) instead of one per call site."""
 
     reference: jax.extend.core.ClosedJaxpr  # flat args -> flat results
     kernel: Callable  # flat args -> flat results, traced only when lowered for CUDA
     mosaic: bool  # impl="mosaic": lowering for anything but CUDA raises
+    key: tuple | None = None
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        return isinstance(other, _Choice) and self.key is not None and self.key == other.key
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash(self.key) if self.key is not None else id(self)
+
+
+def _callable_key(fn: Callable) -> tuple | None:
+    """What `fn` computes, as a hashable value, when that is knowable from the function itself:
+    a module-level function, or a `functools.partial` of one with hashable arguments (static
+    Python values: blocks, dtypes, floors, flags). None for anything else (a closure may hold
+    anything): such a choice stays equal only to itself."""
+    args, keywords = (), {}
+    while isinstance(fn, functools.partial):
+        args, keywords = fn.args + args, {**fn.keywords, **keywords}
+        fn = fn.func
+    if getattr(fn, "__qualname__", "").count("<") or not hasattr(fn, "__module__"):
+        return None  # a lambda or a function defined inside another: it may close over anything
+    key = (fn.__module__, fn.__qualname__, args, tuple(sorted(keywords.items())))
+    try:
+        hash(key)
+    except TypeError:  # a traced or mutable argument
+        return None
+    return key
+
+
+def _choice_key(kernel: Callable, xla: Callable, in_tree, flat: list, mosaic: bool) -> tuple | None:
+    """The key of a choice between `kernel` and `xla` on these operands: both functions' keys,
+    the operands' tree (static metadata such as an Fp8Tensor's block and logical shape) and
+    types, or None when either function has no key. The build target (`_mgpu.build_target`),
+    the GPU and a `_mgpu.profile` block are read when the kernel is traced, which is while the
+    module is lowered: one value for the whole module, so they need not be in it."""
+    kernel_key, xla_key = _callable_key(kernel), _callable_key(xla)
+    if kernel_key is None or xla_key is None:
+        return None
+    avals = tuple((tuple(x.shape), jnp.dtype(x.dtype), getattr(jax.typeof(x), "weak_type", False)) for x in flat)
+    return (kernel_key, xla_key, in_tree, avals, mosaic)
 
 
 def _flat(fn: Callable, in_tree, out_tree_box: list) -> Callable:
@@ -91,7 +139,8 @@ def _flat(fn: Callable, in_tree, out_tree_box: list) -> Callable:
     return run
 
 
-def _bind_choice(kernel_flat: Callable, reference_flat: Callable, flat: list, mosaic: bool) -> list:
+def _bind_choice(kernel_flat: Callable, reference_flat: Callable, flat: list, mosaic: bool,
+                 key: tuple | None = None) -> list:
     reference = jax.make_jaxpr(reference_flat)(*flat)
     if any(isinstance(c, jax.core.Tracer) for c in reference.consts):
         # The reference closed over traced values, which cannot live in a parameter: they become
@@ -102,7 +151,8 @@ def _bind_choice(kernel_flat: Callable, reference_flat: Callable, flat: list, mo
                 *c_and_args[n:]))(*consts, *flat)
         kernel_flat = functools.partial(_drop_leading, n, kernel_flat)
         flat = [*consts, *flat]
-    return _choice_p.bind(*flat, choice=_Choice(reference, kernel_flat, mosaic))
+        key = None  # traced values the key does not describe
+    return _choice_p.bind(*flat, choice=_Choice(reference, kernel_flat, mosaic, key))
 
 
 def _drop_leading(n: int, fn: Callable, *args):
@@ -114,7 +164,8 @@ def _choose_when_lowered(impl: Impl, kernel: Callable, xla: Callable, args: tupl
     out_tree: list = []
     reference_flat = _flat(xla, in_tree, out_tree)
     kernel_flat = _flat(kernel, in_tree, out_tree)
-    outs = _bind_choice(kernel_flat, reference_flat, flat, impl == "mosaic")
+    mosaic = impl == "mosaic"
+    outs = _bind_choice(kernel_flat, reference_flat, flat, mosaic, _choice_key(kernel, xla, in_tree, flat, mosaic))
     return jax.tree.unflatten(out_tree[0], outs)
 
 
@@ -134,7 +185,13 @@ def _lower_reference(ctx, *args, choice: _Choice):
 
 
 def _lower_kernel(ctx, *args, choice: _Choice):
-    return mlir.lower_fun(choice.kernel, multiple_results=True)(ctx, *args)
+    block = mlir.ir.InsertionPoint.current.block
+    before = len(block.operations)
+    with _mgpu.ptxas_version_asked_once():
+        outs = mlir.lower_fun(choice.kernel, multiple_results=True)(ctx, *args)
+    # The new ops' kernels are compiled in the background while the rest lowers (jfp8.precompile).
+    precompile.submit(ctx, list(block.operations)[before:])
+    return outs
 
 
 def _choice_batch(args, dims, *, choice: _Choice):
@@ -291,16 +348,17 @@ def quantize_weight(
     rule = _scale_rule(pow2_scale, amax_floor)
     fused = block == _BLOCK and w.ndim in (2, 3) and _quantize_unsupported(w, block) is None
 
-    def kernel(w):
-        data, scale, data_t = qk.quantize_block_and_transpose(w, **rule)
-        m, k = w.shape[-2:]
-        return Fp8Tensor(data, scale, block, (m, k)), Fp8Tensor(data_t, jnp.swapaxes(scale, -1, -2), block, (k, m))
-
     if not fused:  # the two passes, each through its own door
         q = quantize(w, block, **rule, impl=impl, interpret=interpret)
         return q, q.mT
     xla = functools.partial(fp8.quantize_weight, block=block, **rule)
-    return _dispatch(impl, interpret, kernel, xla, (w,))
+    return _dispatch(impl, interpret, functools.partial(_quantize_weight_kernel, block=block, **rule), xla, (w,))
+
+
+def _quantize_weight_kernel(w: jax.Array, *, block: Block, pow2_scale: bool, amax_floor: float):
+    data, scale, data_t = qk.quantize_block_and_transpose(w, pow2_scale=pow2_scale, amax_floor=amax_floor)
+    m, k = w.shape[-2:]
+    return Fp8Tensor(data, scale, block, (m, k)), Fp8Tensor(data_t, jnp.swapaxes(scale, -1, -2), block, (k, m))
 
 
 def quantize_wgrad_operand(
@@ -312,13 +370,14 @@ def quantize_wgrad_operand(
     x = _check_quantize_input(x, (TILE, 1))
     rule = _scale_rule(pow2_scale, amax_floor)
 
-    def kernel(x):
-        data, scale = qk.quantize_column(x, **rule, transpose=True)
-        return Fp8Tensor(data, scale, (1, TILE), (x.shape[1], x.shape[0]))
-
     unsupported = _quantize_unsupported(x, (TILE, 1)) or (None if x.ndim == 2 else f"{x.ndim}-D input")
-    return _dispatch(impl, interpret, kernel, functools.partial(fp8.quantize_wgrad_operand, **rule),
-                     (x,), unsupported)
+    return _dispatch(impl, interpret, functools.partial(_quantize_wgrad_operand_kernel, **rule),
+                     functools.partial(fp8.quantize_wgrad_operand, **rule), (x,), unsupported)
+
+
+def _quantize_wgrad_operand_kernel(x: jax.Array, *, pow2_scale: bool, amax_floor: float) -> Fp8Tensor:
+    data, scale = qk.quantize_column(x, pow2_scale=pow2_scale, amax_floor=amax_floor, transpose=True)
+    return Fp8Tensor(data, scale, (1, TILE), (x.shape[1], x.shape[0]))
 
 
 def quantize_grad(
@@ -331,14 +390,15 @@ def quantize_grad(
     dy = _check_quantize_input(dy, (1, TILE))
     rule = _scale_rule(pow2_scale, amax_floor)
 
-    def kernel(dy):
-        t, n = dy.shape
-        data, scale, data_t, scale_t = qk.quantize_tile_and_column_t(dy, **rule)
-        return Fp8Tensor(data, scale, (1, TILE), (t, n)), Fp8Tensor(data_t, scale_t, (1, TILE), (n, t))
-
     unsupported = _quantize_unsupported(dy, (TILE, 1)) or (None if dy.ndim == 2 else f"{dy.ndim}-D input")
-    return _dispatch(impl, interpret, kernel, functools.partial(fp8.quantize_grad, **rule),
-                     (dy,), unsupported)
+    return _dispatch(impl, interpret, functools.partial(_quantize_grad_kernel, **rule),
+                     functools.partial(fp8.quantize_grad, **rule), (dy,), unsupported)
+
+
+def _quantize_grad_kernel(dy: jax.Array, *, pow2_scale: bool, amax_floor: float):
+    t, n = dy.shape
+    data, scale, data_t, scale_t = qk.quantize_tile_and_column_t(dy, pow2_scale=pow2_scale, amax_floor=amax_floor)
+    return Fp8Tensor(data, scale, (1, TILE), (t, n)), Fp8Tensor(data_t, scale_t, (1, TILE), (n, t))
 
 
 def retile_wgrad_operand(
@@ -350,14 +410,15 @@ def retile_wgrad_operand(
     the kernels."""
     rule = _scale_rule(pow2_scale, amax_floor)
 
-    def kernel(t):
-        m, k = t.logical
-        data, scale = qk.retile_tile_to_column_t(t.data, t.scale, m=m, k=k, **rule)
-        return Fp8Tensor(data, scale, (1, TILE), (k, m))
-
     unsupported = None if (t.ndim == 2 and t.block == (1, TILE)) else f"a {t.ndim}-D tensor in blocks {t.block}"
-    return _dispatch(impl, interpret, kernel, functools.partial(fp8.retile_wgrad_operand, **rule),
-                     (t,), unsupported)
+    return _dispatch(impl, interpret, functools.partial(_retile_kernel, **rule),
+                     functools.partial(fp8.retile_wgrad_operand, **rule), (t,), unsupported)
+
+
+def _retile_kernel(t: Fp8Tensor, *, pow2_scale: bool, amax_floor: float) -> Fp8Tensor:
+    m, k = t.logical
+    data, scale = qk.retile_tile_to_column_t(t.data, t.scale, m=m, k=k, pow2_scale=pow2_scale, amax_floor=amax_floor)
+    return Fp8Tensor(data, scale, (1, TILE), (k, m))
 
 
 # ------------------------------------------------------------------------------ GEMMs
@@ -397,20 +458,20 @@ def scaled_matmul(
       interpreter and within `jfp8.accumulation.hardware_error_bound` on a Hopper GPU.
     """
     check_nt_operands(a, b, out_dtype)
-
-    def kernel(a, b):
-        kp = _padded_k(a)
-        a_data, a_scale = chunk_operand(a, kp)
-        if b.block == _BLOCK:
-            b_data, b_scale, b_rows = _k_padded_data(b, kp), b.scale, TILE
-        else:  # per-row scales serve every other layout (tiles, per tensor, other block heights)
-            b_data, b_scale = chunk_operand(b, kp)
-            b_rows = 1
-        return gemm.scaled_matmul(a_data, a_scale, b_data, b_scale, n=b.logical[0], b_block_rows=b_rows,
-                                  out_dtype=out_dtype)
-
     xla = functools.partial(reference.scaled_matmul_reference, out_dtype=out_dtype)
-    return _dispatch(impl, interpret, kernel, xla, (a, b))
+    return _dispatch(impl, interpret, functools.partial(_scaled_matmul_kernel, out_dtype=out_dtype), xla, (a, b))
+
+
+def _scaled_matmul_kernel(a: Fp8Tensor, b: Fp8Tensor, *, out_dtype) -> jax.Array:
+    kp = _padded_k(a)
+    a_data, a_scale = chunk_operand(a, kp)
+    if b.block == _BLOCK:
+        b_data, b_scale, b_rows = _k_padded_data(b, kp), b.scale, TILE
+    else:  # per-row scales serve every other layout (tiles, per tensor, other block heights)
+        b_data, b_scale = chunk_operand(b, kp)
+        b_rows = 1
+    return gemm.scaled_matmul(a_data, a_scale, b_data, b_scale, n=b.logical[0], b_block_rows=b_rows,
+                              out_dtype=out_dtype)
 
 
 def _check_grouped_rhs(b: Fp8Tensor) -> None:
@@ -441,15 +502,17 @@ def grouped_scaled_matmul(
     check_nt_operands(a, Fp8Tensor(b.data[0], b.scale[0], b.block, b.logical), out_dtype)
     group_sizes = jnp.asarray(group_sizes, jnp.int32)
 
-    def kernel(a, b, group_sizes):
-        kp = _padded_k(a)
-        a_data, a_scale = chunk_operand(a, kp)
-        return grouped_gemm.grouped_scaled_matmul(a_data, a_scale, _k_padded_data(b, kp), b.scale, group_sizes,
-                                                  n=b.logical[0], out_dtype=out_dtype)
-
     xla = functools.partial(reference.grouped_scaled_matmul_reference, out_dtype=out_dtype)
     unsupported = None if b.block == _BLOCK else f"block {b.block} weights (the grouped kernel takes {_BLOCK})"
-    return _dispatch(impl, interpret, kernel, xla, (a, b, group_sizes), unsupported)
+    return _dispatch(impl, interpret, functools.partial(_grouped_scaled_matmul_kernel, out_dtype=out_dtype), xla,
+                     (a, b, group_sizes), unsupported)
+
+
+def _grouped_scaled_matmul_kernel(a: Fp8Tensor, b: Fp8Tensor, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
+    kp = _padded_k(a)
+    a_data, a_scale = chunk_operand(a, kp)
+    return grouped_gemm.grouped_scaled_matmul(a_data, a_scale, _k_padded_data(b, kp), b.scale, group_sizes,
+                                              n=b.logical[0], out_dtype=out_dtype)
 
 
 def grouped_wgrad_matmul(
@@ -474,12 +537,14 @@ def grouped_wgrad_matmul(
     check_nt_operands(a_t, b_t, out_dtype)
     group_sizes = jnp.asarray(group_sizes, jnp.int32)
 
-    def kernel(a_t, b_t, group_sizes):
-        tp = _padded_k(a_t)
-        a_data, a_scale = chunk_operand(a_t, tp)
-        b_data, b_scale = chunk_operand(b_t, tp)
-        return grouped_wgrad.grouped_wgrad(a_data, a_scale, b_data, b_scale, group_sizes,
-                                           t=a_t.logical[1], out_dtype=out_dtype)
-
     xla = functools.partial(reference.grouped_wgrad_reference, out_dtype=out_dtype)
-    return _dispatch(impl, interpret, kernel, xla, (a_t, b_t, group_sizes))
+    return _dispatch(impl, interpret, functools.partial(_grouped_wgrad_kernel, out_dtype=out_dtype), xla,
+                     (a_t, b_t, group_sizes))
+
+
+def _grouped_wgrad_kernel(a_t: Fp8Tensor, b_t: Fp8Tensor, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
+    tp = _padded_k(a_t)
+    a_data, a_scale = chunk_operand(a_t, tp)
+    b_data, b_scale = chunk_operand(b_t, tp)
+    return grouped_wgrad.grouped_wgrad(a_data, a_scale, b_data, b_scale, group_sizes,
+                                       t=a_t.logical[1], out_dtype=out_dtype)

@@ -98,6 +98,40 @@ def device_kind() -> str:
     return device.device_kind if device.platform == "gpu" else H100_DEVICE_KIND
 
 
+_PTXAS_ISA_VERSION: list[int] = []  # the process's ptxas PTX ISA version, once asked
+
+
+@contextlib.contextmanager
+def ptxas_version_asked_once():
+    """Inside this block, Mosaic GPU asks ptxas its PTX ISA version once per process.
+
+    jax 0.11.2 asks at every FP8 conversion it lowers (`FragmentedArray.astype` calls the CUDA
+    plugin's `_get_ptxas_isa_version`, which runs `ptxas` in a subprocess, ~12 ms): ~7 times per
+    FP8 kernel, 357 runs and 4.4 s of the tiny FP8 training step's lowering on the 2-core machine
+    (measured with a timing wrapper around ptxas; `experiments/hopper_train_build.py`). The
+    answer cannot change within a process. Nothing changes where the plugin is not installed
+    (lowering on a host without it fails earlier, or runs the interpreter)."""
+    try:
+        from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+        ext = mosaic_gpu_lib._mosaic_gpu_ext
+        ask = ext._get_ptxas_isa_version
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def once():
+        if not _PTXAS_ISA_VERSION:
+            _PTXAS_ISA_VERSION.append(ask())
+        return _PTXAS_ISA_VERSION[0]
+
+    ext._get_ptxas_isa_version = once
+    try:
+        yield
+    finally:
+        ext._get_ptxas_isa_version = ask
+
+
 def lower_for_cuda(fn, *args, **kwargs) -> str:
     """StableHLO text of `jax.jit(fn)(*args, **kwargs)` lowered for CUDA, on any machine.
 

@@ -1,0 +1,110 @@
+"""One kernel per (op, shapes, static arguments) in a lowered program, whatever the call site
+(`jfp8.api._Choice`'s key): the same op at the same shape lowers once and shares one Mosaic payload;
+anything that changes what is computed (a shape, a block, a floor, an output dtype, an Fp8Tensor's
+logical shape) keeps its own. Checked on the CUDA lowering (payload hashes) and, on this CPU, on
+the results of the reference path, which shares the same lowering cache."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jfp8
+from jfp8 import api
+from jfp8.fp8 import GRAD_AMAX_FLOOR
+from pallas_kernels import _mgpu
+
+
+def _kernels(fn, *args) -> tuple[int, int]:
+    """(Mosaic custom calls, distinct payloads) of `fn` lowered for CUDA."""
+    text = _mgpu.lower_for_cuda(fn, *args)
+    hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+    return len(hashes), len(set(hashes))
+
+
+def _bf16(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+
+def test_the_same_op_at_the_same_shape_is_one_kernel():
+    """Four layers' worth of the same quantizer, GEMM and their call sites: one payload each."""
+
+    def layers(x, w):
+        # `lower_for_cuda` lowers under an abstract mesh, whose sharding the function's arguments
+        # do not carry (jax keys a lowering by it): start from values computed inside.
+        x, w = x * 1, w * 1
+        for _ in range(4):
+            qx = jfp8.quantize(x, impl="mosaic")
+            qw = jfp8.quantize(w, (128, 128), impl="mosaic")
+            x = jfp8.scaled_matmul(qx, qw, impl="mosaic")
+        return x
+
+    calls, kernels = _kernels(layers, _bf16(256, 256), jax.ShapeDtypeStruct((256, 256), jnp.float32))
+    assert (calls, kernels) == (12, 3)
+
+
+@pytest.mark.parametrize("other", ["shape", "block", "floor", "pow2", "dtype"])
+def test_what_changes_the_kernel_keeps_its_own(other):
+    """Two calls that differ in one thing the kernel depends on are two kernels."""
+    first = lambda x: jfp8.quantize(x, impl="mosaic").data  # noqa: E731
+    second = {
+        "shape": lambda x: jfp8.quantize(x[:128], impl="mosaic").data,
+        "block": lambda x: jfp8.quantize(x, (128, 128), impl="mosaic").data,
+        "floor": lambda x: jfp8.quantize(x, amax_floor=GRAD_AMAX_FLOOR, impl="mosaic").data,
+        "pow2": lambda x: jfp8.quantize(x, pow2_scale=True, impl="mosaic").data,
+        "dtype": lambda x: jfp8.quantize(x.astype(jnp.float32), impl="mosaic").data,
+    }[other]
+    calls, kernels = _kernels(lambda x: (first(x * 1), second(x * 1), first(x * 1)), _bf16(256, 256))
+    assert (calls, kernels) == (3, 2)
+
+
+def test_the_logical_shape_is_part_of_the_key():
+    """Same padded data and scales, different logical N: different outputs, different kernels."""
+    a = jax.eval_shape(lambda x: jfp8.quantize(x, impl="xla"), _bf16(256, 256))
+
+    def fn(a, wa, wb):
+        a = jax.tree.map(lambda v: v * 1, a)
+        qa = jfp8.quantize(wa, (128, 128), impl="mosaic")  # logical (96, 256): padded to 128 rows
+        qb = jfp8.quantize(wb, (128, 128), impl="mosaic")  # logical (128, 256)
+        return jfp8.scaled_matmul(a, qa, impl="mosaic"), jfp8.scaled_matmul(a, qb, impl="mosaic")
+
+    calls, kernels = _kernels(fn, a, _bf16(96, 256), _bf16(128, 256))
+    assert calls == 4 and kernels == 4  # two weight quantizers (two shapes), two GEMMs (N 96 and 128)
+
+
+def test_shared_lowerings_give_each_call_its_own_result():
+    """On this CPU the reference path goes through the same primitive and lowering cache: calls
+    that share a lowering are the same computation, and those that must not share do not (each
+    jitted result equals the call run alone)."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((256, 384)) * 1e-6, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 384)), jnp.bfloat16)
+
+    def calls(x, w):
+        return (jfp8.quantize(x).scale, jfp8.quantize(x, amax_floor=GRAD_AMAX_FLOOR).scale,
+                jfp8.quantize(x * 2).scale, jfp8.quantize(x, pow2_scale=True).scale,
+                jfp8.scaled_matmul(jfp8.quantize(x), jfp8.quantize(w, (128, 128))),
+                jfp8.scaled_matmul(jfp8.quantize(x), jfp8.quantize(w[:64], (128, 128))))
+
+    jitted = jax.jit(calls)(x, w)
+    for got, want in zip(jitted, calls(x, w), strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.array_equal(jitted[0], jitted[1])  # the floors bind here: the test can fail
+
+
+def test_choices_without_a_key_stay_distinct():
+    """A kernel given as a closure has no key: its choice equals only itself."""
+    assert api._callable_key(lambda x: x) is None
+    assert api._callable_key(api._quantize_grad_kernel) is not None
+    assert api._callable_key(jfp8.api.functools.partial(api._quantize_grad_kernel, pow2_scale=[1])) is None
+    keyed = api._callable_key(jfp8.api.functools.partial(api._quantize_grad_kernel, pow2_scale=False,
+                                                         amax_floor=1e-4))
+    assert keyed == api._callable_key(jfp8.api.functools.partial(api._quantize_grad_kernel, amax_floor=1e-4,
+                                                                 pow2_scale=False))
+    ref = jax.make_jaxpr(lambda x: x)(1.0)
+    a, b = api._Choice(ref, print, False), api._Choice(ref, print, False)
+    assert a == a and a != b and hash(a) != hash(b)
+    c, d = api._Choice(ref, print, False, ("k",)), api._Choice(ref, len, True, ("k",))
+    assert c == d and hash(c) == hash(d) and c != a
