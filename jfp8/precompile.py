@@ -84,7 +84,11 @@ def _get_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     if _pool is None:
         _pool = concurrent.futures.ThreadPoolExecutor(_threads(), thread_name_prefix="jfp8-precompile")
-        atexit.register(_pool.shutdown, wait=False, cancel_futures=True)
+        # Drop the kernels not started when the interpreter exits. `atexit` would run too late:
+        # the executor's own exit hook (threading's, which runs first) waits for every queued
+        # compile. Hooks registered there run last-in first-out, so this one runs before it.
+        register = getattr(threading, "_register_atexit", atexit.register)
+        register(_pool.shutdown, wait=False, cancel_futures=True)
     return _pool
 
 

@@ -108,3 +108,44 @@ def test_choices_without_a_key_stay_distinct():
     assert a == a and a != b and hash(a) != hash(b)
     c, d = api._Choice(ref, print, False, ("k",)), api._Choice(ref, len, True, ("k",))
     assert c == d and hash(c) == hash(d) and c != a
+
+
+def test_background_compiles_only_for_a_gpu_backend():
+    """Lowered for CUDA on this CPU host (no GPU backend to compile for), nothing is submitted;
+    the CI check of the tiny train step (tests/test_hopper_train_build.py) sees every kernel
+    submitted and compiled for a deviceless H100."""
+    from jfp8 import precompile
+
+    before = precompile.stats()["submitted"]
+    _kernels(lambda x: jfp8.quantize(x * 1, impl="mosaic").data, _bf16(256, 384))
+    assert precompile.stats()["submitted"] == before
+
+
+def test_background_compile_threads_setting(monkeypatch):
+    from jfp8 import precompile
+
+    monkeypatch.setenv("JFP8_PRECOMPILE_THREADS", "3")
+    assert precompile._threads() == 3
+    for bad in ("0", "two"):
+        monkeypatch.setenv("JFP8_PRECOMPILE_THREADS", bad)
+        with pytest.raises(ValueError, match="JFP8_PRECOMPILE"):
+            precompile._threads()
+    monkeypatch.delenv("JFP8_PRECOMPILE_THREADS")
+    assert precompile._threads() >= 1
+
+
+def test_exit_does_not_wait_for_queued_background_compiles():
+    """A process that lowers and exits (an export, a dry run) does not sit through the compiles
+    still queued: those not started are dropped at exit (the one running finishes)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = ("import time\nfrom jfp8 import precompile\n"
+            "for _ in range(6):\n    precompile._get_pool().submit(time.sleep, 1.0)\n"
+            "print(time.time(), flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env={**os.environ, "JFP8_PRECOMPILE_THREADS": "1"}).stdout
+    exit_s = time.time() - float(out.split()[-1])
+    assert exit_s < 3.0, exit_s  # 6 s if the queue were drained
