@@ -175,11 +175,13 @@ def compile_step(preset: str, precision: str, step: str, target: str, batch: int
     import jax
 
     # "cpu": the same step compiled for this machine's CPU, where jfp8 runs the reference (the
-    # CPU path's FP8/BF16 compile ratio); else deviceless for the GPU of a target config.
-    device = jax.devices("cpu")[0] if target == "cpu" else _topology_device(target)
+    # CPU path's FP8/BF16 compile ratio); "local": for this machine's first device (on a GPU
+    # machine, its GPU: a real first jit); else deviceless for the GPU of a target config.
+    device = {"cpu": lambda: jax.devices("cpu")[0], "local": lambda: jax.devices()[0]}.get(
+        target, lambda: _topology_device(target))()
     fn, args = abstract_step(preset, precision, step, batch, device)
     t0 = time.perf_counter()
-    with contextlib.nullcontext() if target == "cpu" else _mgpu.build_target(TARGETS[target], HOPPER_SMS):
+    with _mgpu.build_target(TARGETS[target], HOPPER_SMS) if target in TARGETS else contextlib.nullcontext():
         traced = fn.trace(*args)
         t1 = time.perf_counter()
         lowered = traced.lower()
@@ -187,7 +189,7 @@ def compile_step(preset: str, precision: str, step: str, target: str, batch: int
     compiled = lowered.compile()
     t3 = time.perf_counter()
     tokens = args[-1].shape
-    row = {"preset": preset, "precision": precision, "step": step, "target": target,
+    row = {"preset": preset, "precision": precision, "step": step, "target": target, "device_kind": device.device_kind,
            "batch_size": tokens[0], "seq_len": tokens[1],
            "trace_s": round(t1 - t0, 2), "lower_s": round(t2 - t0, 2), "compile_s": round(t3 - t2, 2),
            "total_s": round(t3 - t0, 2)}
@@ -231,12 +233,13 @@ def _child(spec: str, target: str, result_path: str) -> int:
 # ------------------------------------------------------------------------------ the parent
 
 
-def build_env(tools: pathlib.Path, cache_dir: str | None = None, precompile: bool = True) -> dict:
+def build_env(tools: pathlib.Path | None, cache_dir: str | None = None, precompile: bool = True) -> dict:
     """The compiling process's environment: `hopper_build`'s, without the kernel dumps (they
     cost compile time), and with a persistent compilation cache when `cache_dir` is given."""
-    env = child_env(tools)
+    # No toolchain (targets "cpu" and "local"): this environment's jax, as it is.
+    env = child_env(tools) if tools is not None else {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     for name in ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_RESOURCES"):
-        env.pop(name)
+        env.pop(name, None)
     for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE"):
         env.pop(name, None)
     env["JFP8_PRECOMPILE"] = "1" if precompile else "0"
@@ -447,9 +450,11 @@ def write(doc_update: dict, target: str, out: pathlib.Path) -> pathlib.Path:
                            PRECISIONS.index(r["precision"]) if r.get("precision") in PRECISIONS else 0,
                            str(r.get("variant", "")), str(r.get("what", "")))
         doc[field] = sorted(merged, key=order)
-    doc.update(target=target, device_kind=TARGETS.get(target, f"this host's CPU ({platform.processor() or 'x86'})"),
+    kinds = {r["device_kind"] for r in doc["rows"] if r.get("device_kind")}
+    doc.update(target=target, device_kind=TARGETS.get(target, ", ".join(sorted(kinds)) or "?"),
                device_memory_bytes=device_memory(target) if target in TARGETS else None,
-               jax=jax.__version__, ptxas=ptxas_version(toolchain()), date=datetime.date.today().isoformat(),
+               jax=jax.__version__, ptxas=ptxas_version(toolchain()) if target in TARGETS else None,
+               date=datetime.date.today().isoformat(),
                host=f"{platform.node()} ({os.cpu_count()} CPUs)", command=doc_update.get("command"))
     fd, tmp = tempfile.mkstemp(dir=out, prefix=path.name)
     with os.fdopen(fd, "w") as f:
@@ -460,8 +465,9 @@ def write(doc_update: dict, target: str, out: pathlib.Path) -> pathlib.Path:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", choices=[*TARGETS, "all", "cpu"], default="h100_sxm",
-                   help="a GPU target config, or cpu: the same steps compiled for this CPU (the reference path)")
+    p.add_argument("--target", choices=[*TARGETS, "all", "cpu", "local"], default="h100_sxm",
+                   help="a GPU target config (deviceless); cpu: the same steps for this CPU (the reference path); "
+                        "local: for this machine's own first device (on a GPU machine, its GPU; no toolchain)")
     p.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
     p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
     p.add_argument("--cache-check", action="store_true",
@@ -479,8 +485,8 @@ def main(argv=None) -> int:
     if args.child:
         return _child(args.child, args.target, args.result)
     targets = list(TARGETS) if args.target == "all" else [args.target]
-    if args.target == "cpu" and (args.max_batch or args.cache_check):
-        p.error("--max-batch and --cache-check are for a GPU target (h100_sxm, h200)")
+    if args.target in ("cpu", "local") and args.max_batch:
+        p.error("--max-batch is for a GPU target config (h100_sxm, h200)")
     if args.table:
         for target in targets:
             path = args.out / f"train-{target}.json"
@@ -489,11 +495,12 @@ def main(argv=None) -> int:
                 print(f"{target} ({doc['device_kind']}), jax {doc['jax']}, ptxas {doc['ptxas']}, {doc['date']}, "
                       f"{doc['host']}:\n\n{markdown_tables(doc)}\n")
         return 0
-    tools = toolchain()
+    tools = toolchain() if any(t in TARGETS for t in targets) else None
     command = "python experiments/hopper_train_build.py " + " ".join(argv if argv is not None else sys.argv[1:])
     failed = 0
     for target in targets:
-        print(f"== {target} ({TARGETS.get(target, 'this CPU')}), ptxas {ptxas_version(tools)}", flush=True)
+        print(f"== {target} ({TARGETS.get(target, 'this machine')})"
+              + (f", ptxas {ptxas_version(tools)}" if tools else ""), flush=True)
         log = lambda s: print(s, flush=True)  # noqa: E731
         update: dict = {"command": command, "rows": [], "cache": [], "largest_batch": []}
         for preset in args.presets:
