@@ -458,7 +458,12 @@ def write(rows: list[dict], target: str, out: pathlib.Path) -> pathlib.Path:
            "ptxas": rows[0]["ptxas_version"] if rows else None,
            "date": datetime.date.today().isoformat(), "host": platform.node(),
            "command": "python experiments/hopper_build.py --target " + target, "rows": merged}
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=path.name)
+    return write_json(path, doc)
+
+
+def write_json(path: pathlib.Path, doc: dict) -> pathlib.Path:
+    """`doc` as indented JSON at `path`, atomically (a temporary file beside it, renamed)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name)
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, path)

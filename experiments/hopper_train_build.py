@@ -40,7 +40,8 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
 
-from hopper_build import HOPPER_SMS, OUT, TARGETS, TARGETS_DIR, child_env, ptxas_version, toolchain  # noqa: E402
+from hopper_build import (  # noqa: E402
+    HOPPER_SMS, OUT, TARGETS, TARGETS_DIR, child_env, ptxas_version, toolchain, write_json)
 
 PRESETS = ("tiny", "small", "gpu")
 PRECISIONS = ("bf16", "fp8")
@@ -456,11 +457,7 @@ def write(doc_update: dict, target: str, out: pathlib.Path) -> pathlib.Path:
                jax=jax.__version__, ptxas=ptxas_version(toolchain()) if target in TARGETS else None,
                date=datetime.date.today().isoformat(),
                host=f"{platform.node()} ({os.cpu_count()} CPUs)", command=doc_update.get("command"))
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=path.name)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json(path, doc)
 
 
 def main(argv=None) -> int:

@@ -39,3 +39,19 @@ def _reset_interpreter_after_failure():
 
 def cpu_devices() -> list:
     return jax.devices("cpu")
+
+
+@pytest.fixture(scope="module")
+def toolchain():
+    """The deviceless Hopper build's toolchain directory (`scripts/hopper_toolchain.sh`, which
+    scripts/test.sh installs), or a skip that says why it could not be installed."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+    import hopper_build
+
+    try:
+        return hopper_build.toolchain()
+    except SystemExit as e:  # no package index: say why instead of pretending to have checked
+        pytest.skip(f"the Hopper build toolchain could not be installed: {e}")

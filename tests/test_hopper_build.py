@@ -99,14 +99,6 @@ def test_committed_results_cover_every_form(target):
             assert r["ok"] and set(r["problems"]) <= set(hb.KNOWN_DEFECTS.get(r["form"], ())), r
 
 
-@pytest.fixture(scope="module")
-def toolchain():
-    try:
-        return hb.toolchain()
-    except SystemExit as e:  # no package index: say why instead of pretending to have checked
-        pytest.skip(f"the Hopper build toolchain could not be installed: {e}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("form", hb.CI_FORMS)
 def test_default_forms_compile_for_sm90a(toolchain, form):

@@ -57,14 +57,6 @@ def test_committed_cache_and_batch_results():
     assert found["fp8"]["largest_batch"] > found["bf16"]["largest_batch"]
 
 
-@pytest.fixture(scope="module")
-def toolchain():
-    try:
-        return hb.toolchain()
-    except SystemExit as e:  # no package index: say why instead of pretending to have checked
-        pytest.skip(f"the Hopper build toolchain could not be installed: {e}")
-
-
 @pytest.mark.slow
 def test_tiny_fp8_train_step_compiles_for_h100(toolchain):
     """A user's first jit of the tiny FP8 train step, for an H100, in a fresh process: it compiles,
