@@ -58,23 +58,32 @@ def _topology_device(target: str):
     return topologies.get_topology_desc("", "cuda", target_config=text, topology="1x1x1").devices[0]
 
 
-def abstract_step(preset: str, precision: str, step: str, batch: int | None, device):
-    """(jitted step, its abstract arguments on `device`) for a preset, nothing initialized."""
-    import jax
-    import jax.numpy as jnp
+def _abstract_model(preset: str, precision: str, batch: int | None):
+    """(the preset's TrainConfig, as experiments/train_moe.py makes it, graphdef, params, rest):
+    the model as ShapeDtypeStructs, nothing initialized."""
     from flax import nnx
 
     from jfp8.nn import Transformer
     from jfp8.train.config import PRESET_TRAINING, TrainConfig
     from jfp8.train.optim import OptimizerConfig
-    from jfp8.train.step import _split, _step_functions
+    from jfp8.train.step import _split
 
-    d = PRESET_TRAINING[preset]  # the preset's run, as experiments/train_moe.py makes it
+    d = PRESET_TRAINING[preset]
     config = TrainConfig(preset=preset, precision=precision, steps=d["steps"], batch_size=batch or d["batch_size"],
                          seq_len=d["seq_len"], optimizer=OptimizerConfig(peak_lr=d["peak_lr"], warmup_steps=d["warmup"]))
     model_cfg = config.model_config()
-    graphdef, params, rest = _split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
-    tx, _, train_step, eval_step = _step_functions(graphdef, model_cfg, config.optimizer, config.steps,
+    return (config, *_split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))))
+
+
+def abstract_step(preset: str, precision: str, step: str, batch: int | None, device):
+    """(jitted step, its abstract arguments on `device`) for a preset, nothing initialized."""
+    import jax
+    import jax.numpy as jnp
+
+    from jfp8.train.step import _step_functions
+
+    config, graphdef, params, rest = _abstract_model(preset, precision, batch)
+    tx, _, train_step, eval_step = _step_functions(graphdef, config.model_config(), config.optimizer, config.steps,
                                                    config.loss_scale)
     sharding = jax.sharding.SingleDeviceSharding(device)
     on = lambda tree: jax.tree.map(  # noqa: E731
@@ -94,14 +103,9 @@ def saved_residuals(preset: str, precision: str, batch: int | None = None) -> di
     import jax.numpy as jnp
     from flax import nnx
 
-    from jfp8.nn import Transformer, model_loss
-    from jfp8.train.config import PRESET_TRAINING, TrainConfig
-    from jfp8.train.step import _split
+    from jfp8.nn import model_loss
 
-    d = PRESET_TRAINING[preset]
-    config = TrainConfig(preset=preset, precision=precision, batch_size=batch or d["batch_size"], seq_len=d["seq_len"])
-    model_cfg = config.model_config()
-    graphdef, params, rest = _split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+    config, graphdef, params, rest = _abstract_model(preset, precision, batch)
     tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
 
     def vjp(params, rest, tokens):
@@ -167,13 +171,13 @@ def _hlo_census(hlo: str) -> dict:
 
 def compile_step(preset: str, precision: str, step: str, target: str, batch: int | None = None,
                  census: bool = True) -> dict:
-    """Trace, lower and compile one step deviceless for `target` in this process."""
-    from jfp8 import precompile
-    from pallas_kernels import _mgpu
-
+    """Trace, lower and compile one step for `target` in this process."""
     import contextlib
 
     import jax
+
+    from jfp8 import precompile
+    from pallas_kernels import _mgpu
 
     # "cpu": the same step compiled for this machine's CPU, where jfp8 runs the reference (the
     # CPU path's FP8/BF16 compile ratio); "local": for this machine's first device (on a GPU
@@ -216,8 +220,7 @@ def compile_step(preset: str, precision: str, step: str, target: str, batch: int
     row["hlo"] = _hlo_census(compiled.as_text())
     if step == "train":
         row["residual_bytes"] = saved_residuals(preset, precision, batch)
-    row["precompile"] = {k: v for k, v in precompile.stats().items() if k != "errors"} | {
-        "enabled": precompile.enabled(), "errors": precompile.stats()["errors"]}
+    row["precompile"] = {**precompile.stats(), "enabled": precompile.enabled()}
     return row
 
 
@@ -424,7 +427,7 @@ def markdown_tables(doc: dict) -> str:
                        f"| {c.get('cache_read_error') or 'hit'} |")
     if doc.get("largest_batch"):
         out += ["", "| preset | precision | memory budget | largest batch (× seq) | its peak GB | next batch's peak GB "
-                "| bytes per sequence |", "|---|---|---|---|---|---|---|"]
+                "| MB per sequence, batch 32 → 64 |", "|---|---|---|---|---|---|---|"]
         for b in doc["largest_batch"]:
             out.append(f"| {b['preset']} | {b['precision']} | {b['budget_bytes'] / 1e9:.1f} GB ({b['what']}) "
                        f"| {b['largest_batch']} | {(b['peak_bytes'] or 0) / 1e9:.2f} "

@@ -51,20 +51,13 @@ def enabled() -> bool:
 
 def stats() -> dict:
     """What the workers did in this process: kernels submitted, compiled, failed, still pending,
-    and the first failures' messages."""
+    and the first failures' messages. (`_compile` returns False on a failure, never raises.)"""
     with _lock:
         futures = list(_submitted.values())
-    done = [f for f in futures if f.done() and not f.cancelled()]
-    failed = sum(1 for f in done if f.exception() is not None or f.result() is False)
-    return {"submitted": len(futures), "compiled": len(done) - failed, "failed": failed,
-            "pending": len(futures) - len(done), "errors": list(_errors[:5])}
-
-
-def wait(timeout: float | None = None) -> None:
-    """Block until every submitted kernel is compiled (for tests and measurements)."""
-    with _lock:
-        futures = list(_submitted.values())
-    concurrent.futures.wait(futures, timeout=timeout)
+        errors = list(_errors)
+    results = [f.result() for f in futures if f.done() and not f.cancelled()]
+    return {"submitted": len(futures), "compiled": results.count(True), "failed": results.count(False),
+            "pending": sum(not f.done() for f in futures), "errors": errors}
 
 
 def _threads() -> int:
@@ -124,17 +117,22 @@ def _mosaic_calls(ops, symbol_table) -> list:
     return found
 
 
-def _standalone(op) -> tuple[bytes, bytes] | None:
-    """(kernel hash, MLIR bytecode of a module whose main runs just this custom call), or None
-    when the op carries no kernel hash."""
+def _kernel_hash(op) -> bytes | None:
+    """The payload hash a Mosaic custom call carries in its backend config, or None."""
+    from jax._src.lib.mlir import ir
+
+    if "mhlo.backend_config" not in op.attributes:
+        return None
+    config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+    return ir.StringAttr(config["kernel_hash"]).value_bytes if "kernel_hash" in config else None
+
+
+def _standalone(op) -> bytes:
+    """MLIR bytecode of a module whose main runs just this custom call."""
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import func
 
-    config = op.attributes["mhlo.backend_config"] if "mhlo.backend_config" in op.attributes else None
-    if config is None or "kernel_hash" not in ir.DictAttr(config):
-        return None
-    kernel_hash = ir.StringAttr(ir.DictAttr(config)["kernel_hash"]).value_bytes
     with op.context, ir.Location.unknown():
         module = ir.Module.create()
         module.operation.attributes["sym_name"] = ir.StringAttr.get("jfp8_precompile")
@@ -149,7 +147,7 @@ def _standalone(op) -> tuple[bytes, bytes] | None:
                 call = ir.Operation.create("stablehlo.custom_call", results=out_types,
                                            operands=list(block.arguments), attributes=attrs)
                 func.ReturnOp(call.results)
-        return kernel_hash, mlir.module_to_bytecode(module)
+        return mlir.module_to_bytecode(module)
 
 
 def _compile(backend, bytecode: bytes) -> bool:
@@ -167,8 +165,7 @@ def _compile(backend, bytecode: bytes) -> bool:
             compiler.backend_compile_and_load(backend, module, xc.DeviceList(tuple(devices)), options, [])
         return True
     except Exception as e:  # noqa: BLE001 - XLA's whole-program compile reports real errors
-        with _lock:
-            _errors.append(f"{type(e).__name__}: {e}"[:500])
+        _record(f"{type(e).__name__}: {e}")
         log.debug("background compile of a Mosaic kernel failed", exc_info=True)
         return False
 
@@ -181,17 +178,27 @@ def submit(ctx, ops) -> int:
     backend = ctx.module_context.backend
     new = 0
     try:
-        found = _mosaic_calls(ops, ctx.module_context.symbol_table)
-        calls = [got for op in found if (got := _standalone(op)) is not None]
+        calls = []
+        for op in _mosaic_calls(ops, ctx.module_context.symbol_table):
+            kernel_hash = _kernel_hash(op)
+            with _lock:
+                known = kernel_hash is None or kernel_hash in _submitted
+            if not known:  # the one-kernel module is built only for a kernel not seen before
+                calls.append((kernel_hash, _standalone(op)))
     except Exception as e:  # noqa: BLE001 - an IR this code does not know: no precompile, same program
-        with _lock:
-            _errors.append(f"reading the lowered kernel: {type(e).__name__}: {e}"[:500])
+        _record(f"reading the lowered kernel: {type(e).__name__}: {e}")
         return 0
-    for got in calls:
-        kernel_hash, bytecode = got
+    for kernel_hash, bytecode in calls:
         with _lock:
             if kernel_hash in _submitted:
                 continue
             _submitted[kernel_hash] = _get_pool().submit(_compile, backend, bytecode)
         new += 1
     return new
+
+
+def _record(error: str) -> None:
+    """Keep the first few failures' messages for `stats()`."""
+    with _lock:
+        if len(_errors) < 5:
+            _errors.append(error[:500])
