@@ -242,9 +242,7 @@ CI_FORMS = ("gemm_default", "grouped_fprop", "grouped_wgrad", "quantize_tile", "
 # Defects the build found and that are not fixed yet (docs/gpu.md, "Compiled for Hopper without a
 # Hopper"): form -> its `check_row` problems, exactly, at ptxas 13.5. The CI check fails when a
 # form shows other problems, and also when these go away (then delete the entry).
-KNOWN_DEFECTS: dict[str, tuple[str, ...]] = {
-    "grouped_fprop": ("spills: 32 bytes stored, 48 loaded",),
-}
+KNOWN_DEFECTS: dict[str, tuple[str, ...]] = {}
 
 
 # ------------------------------------------------------------------------------ the child: one compile

@@ -1,7 +1,8 @@
 """The GEMM main loop shared by the dense and the grouped kernels: one K chunk's wgmma and FP32
 promotion (`promote`), the TMA block specs of a K step, the persistent tile walk, the output
-tile's store, and the warp-specialized pipeline (`warp_specialized_tiles`) that runs them, or
-one pipeline over all of a persistent CTA's tiles (`run_ahead_tiles`)."""
+tile's store, and the warp-specialized loop that runs them (`branch_once_tiles`: each warpgroup
+branches to its role once and walks all of the CTA's tiles), or jax's warp-specialized pipeline
+over all of a persistent CTA's (tile, K chunk) steps (`run_ahead_tiles`)."""
 
 from __future__ import annotations
 
@@ -142,9 +143,10 @@ def cluster_tiles(config, tiles: tuple[int, int]) -> tuple[int, int]:
     return pl.cdiv(tiles[0], cm), pl.cdiv(tiles[1], cn)
 
 
-def for_each_tile(config: GemmConfig, tiles: tuple[int, int], tile_fn) -> None:
+def for_each_tile(config: GemmConfig, tiles: tuple[int, int], tile_fn, *, init_carry=None):
     """Calls `tile_fn(mi, ni)` for this CTA's output tiles: non-persistent, CTA i computes tile
     i of `tile_at`; persistent, CTA i computes tiles i, i + #CTAs, i + 2 #CTAs, ...
+    With `init_carry`, `tile_fn(mi, ni, carry)` returns the next carry, and the last is returned.
 
     In clusters (`cluster_m` or `cluster_n` = 2) the walk is over cluster tiles (grid axis "sm"
     counts clusters) and CTA c of a cluster computes row tile `cluster_m * i + c` of column tile
@@ -154,13 +156,20 @@ def for_each_tile(config: GemmConfig, tiles: tuple[int, int], tile_fn) -> None:
     zero-fills and whose store it drops.
     """
     grid = cluster_tiles(config, tiles)
+    carried = init_carry is not None
     if not config.persistent:
-        tile_fn(*cta_tile(config, tiles, lax.axis_index("sm")))
-        return
+        return tile_fn(*cta_tile(config, tiles, lax.axis_index("sm")), *((init_carry,) if carried else ()))
+    if not carried:
+        @plgpu.nd_loop((grid[0] * grid[1],), collective_axes="sm")
+        def _(loop_info):
+            tile_fn(*cta_tile(config, tiles, loop_info.index[0]))
+        return None
 
-    @plgpu.nd_loop((grid[0] * grid[1],), collective_axes="sm")
-    def _(loop_info):
-        tile_fn(*cta_tile(config, tiles, loop_info.index[0]))
+    @plgpu.nd_loop((grid[0] * grid[1],), collective_axes="sm", init_carry=init_carry)
+    def last(loop_info, carry):
+        return tile_fn(*cta_tile(config, tiles, loop_info.index[0]), carry)
+
+    return last
 
 
 def cta_tile(config, tiles: tuple[int, int], lin) -> tuple[jax.Array, jax.Array]:
@@ -184,70 +193,165 @@ def store_tile(out: jax.Array, out_smem, out_gmem_tile) -> None:
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_gmem_tile)
 
-def warp_specialized_tiles(config, operands, out_dtype, schedule, *, out_transforms=(), dynamic_k=False,
-                           scalar_b=False):
-    """The warp-specialized main loop, shared by the dense and the grouped kernels.
+def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(), dynamic_k=False,
+                      scalar_b=False):
+    """The warp-specialized main loop, shared by the dense and the grouped kernels: the warpgroups
+    branch to their roles once per kernel, not once per tile.
 
     Runs in a kernel of `WS_CONSUMER_WGS + 1` warpgroups (thread axis "wg"): warpgroup
     `WS_CONSUMER_WGS` only issues TMA; consumer warpgroup w (0 <= w < WS_CONSUMER_WGS) owns rows
-    [w * wm, (w + 1) * wm) of each (tile_m, tile_n) tile, wm = tile_m / WS_CONSUMER_WGS. Each
-    consumer runs `promote` on its rows with its own FP32 registers and stores its rows itself,
-    so the consumers only meet at the pipeline's "consumed" barrier: while one promotes a chunk
-    (FMA units), the other's wgmma can occupy the tensor cores.
+    [w * wm, (w + 1) * wm) of each (tile_m, tile_n) tile, wm = tile_m / WS_CONSUMER_WGS, runs
+    `promote` on them with its own FP32 registers and stores them itself, so the consumers only
+    meet at the "consumed" barrier: while one promotes a chunk (FMA units), the other's wgmma can
+    occupy the tensor cores.
 
-    The SMEM stages and the output tile are allocated once, for every tile the CTA computes (a
-    scoped allocation per tile would synchronise the three warpgroups at every tile), and sized
-    by `operands` = (a [M', Kp], b [N', Kp], sa [C, M''], sb [C, N'']), GMEM refs as in
-    `_simple_kernel`. Then `schedule(run_tile, wg, out_rows)` runs on every warpgroup, with
-    `out_rows` this consumer's rows of the output tile, and calls, the same way on all of them,
+    Why not jax's warp-specialized pipeline once per tile (this project's loop until issue 31):
+    the pipeline splits the warpgroups, sets their register budgets and drains its stages at
+    every call, so whatever the tile loop keeps live the producer must hold within its
+    `WS_PRODUCER_REGISTERS` across each `setmaxnreg` (the grouped Fprop spilled 32 bytes there,
+    clusters along N 28 to 76), and the next tile's loads wait for the last one's K loop to end.
+    Here each role loops over the CTA's tiles on its own, as DeepGEMM's kernels do:
+    the TMA warpgroup (`WS_CONSUMER_WGS`) lowers its registers once and issues every tile's K
+    steps, the consumers raise theirs once and run every tile's K loop and epilogue. The roles
+    meet only at the stages' barriers ("produced": the stage's four TMA loads landed; "consumed":
+    both consumers finished with it), numbered by a step counter that runs on over the tiles.
 
-        run_tile(mi, ni, views, epilogue, *, k_first=0, k_steps=C, before_chunk=None)
+    The producer refills a stage as soon as both consumers release it, whichever tile the next
+    step belongs to, so it runs ahead across tile boundaries. The SMEM stages and the output tile
+    are allocated once for all the CTA's tiles. `operands` =
+    (a [M', Kp], b [N', Kp], sa [C, M''], sb [C, N'']) gives the stages' shapes. Then
 
-    for each output tile: the K loop of tile (mi, ni) over `views` (refs shaped like `operands`,
-    e.g. one group's weight), from chunk `k_first` for `k_steps` chunks (dynamic with
+        schedule(k_tile, wg, out_rows, step) -> step
+
+    runs on every warpgroup (the producer's `out_rows` are unused) and must visit the same tiles
+    in the same order on all of them, threading `step` (a traced int32, 0 at first) through
+
+        k_tile(mi, ni, views, epilogue, step, *, k_first=0, k_steps=C, before_chunk=None) -> step
+
+    for each tile with a K loop: tile (mi, ni) of `views` (refs shaped like `operands`, e.g. one
+    group's weight) from chunk `k_first` for `k_steps` chunks (at least one; traced with
     `dynamic_k`), with `before_chunk(step, a_rows)` run by each consumer on its rows of a chunk
-    before the wgmma; then `epilogue(out, out_rows)` on each consumer, out its [wm, tile_n] f32
-    result.
+    before the wgmma; then, on each consumer, `epilogue(out, out_rows)` with out its
+    [wm, tile_n] f32 result. Work without a K loop (a tile of zeros) the schedule does
+    itself, on the consumers (`wg < WS_CONSUMER_WGS`).
+
+    In clusters the shared operand is multicast (`step_specs`): a stage is then refilled in both
+    CTAs at once, so "consumed" is a cluster barrier that both CTAs' consumers arrive at, and both
+    CTAs must run the same K loops (the schedule's tiles of one cluster tile do).
     """
     tm, tn = config.tile_m, config.tile_n
     wm = tm // WS_CONSUMER_WGS
     chunks = operands[0].shape[1] // TILE_K
+    # A static K loop shorter than the pipeline needs fewer stages; a dynamic one may use all.
+    stages = config.max_concurrent_steps if dynamic_k else min(config.max_concurrent_steps, chunks)
+    shape_specs = in_specs(config, 0, 0, scalar_b=scalar_b)
+    buffers = [
+        plgpu.SMEM((stages, *_block_shape(spec)), ref.dtype, transforms=getattr(spec, "transforms", ()))
+        for spec, ref in zip(shape_specs, operands)
+    ]
 
-    def scoped(stages, out_smem):
+    def scoped(bufs, produced, consumed, out_smem):
         wg = lax.axis_index("wg")
-        rows = pl.ds(wg * wm, wm)  # this consumer's rows of the tile
+        step0 = jnp.int32(0)
 
-        def run_tile(mi, ni, views, epilogue, *, k_first=0, k_steps=chunks, before_chunk=None):
-            def body(idx, a_smem, b_smem, sa_smem, sb_smem, out):
-                a_rows = a_smem.at[rows]
-                if before_chunk is not None:
-                    before_chunk(idx[0], a_rows)
-                return _promote_rows(config, rows, a_smem, b_smem, sa_smem, sb_smem, out, scalar_b)
+        @pl.when(wg == WS_CONSUMER_WGS)
+        def _producer():
+            plgpu.set_max_registers(WS_PRODUCER_REGISTERS, action="decrease")
 
-            def compute_context(run_pipeline):
-                epilogue(run_pipeline(zeros((wm, tn))), out_smem.at[rows])
+            def k_tile(mi, ni, views, epilogue, step, *, k_first=0, k_steps=chunks, before_chunk=None):
+                del epilogue, before_chunk  # the consumers' part
+                specs = in_specs(config, mi, ni, k_first, scalar_b=scalar_b)
 
-            specs = in_specs(config, mi, ni, k_first, scalar_b=scalar_b)
-            _ws_pipeline(config, specs, k_steps, body, compute_context)(*views, allocations=stages)
+                def load(k, step):
+                    slot = lax.rem(step, stages)
 
-        schedule(run_tile, wg, out_smem.at[rows])
+                    @pl.when(step >= stages)  # the stage's previous K step is consumed
+                    def _():
+                        plgpu.barrier_wait(consumed.at[slot])
 
-    # A static grid shorter than the pipeline allocates fewer stages; a dynamic one allocates all.
-    alloc_steps = max(chunks, config.max_concurrent_steps) if dynamic_k else chunks
-    _with_ws_scratch(config, operands, out_dtype, out_transforms, alloc_steps, scalar_b, scoped)
+                    for spec, ref, buf in zip(specs, views, bufs):
+                        plgpu.copy_gmem_to_smem(ref.at[_block_slices(spec, k)], buf.at[slot], produced.at[slot],
+                                                collective_axes=spec.collective_axes or None)
+                    return step + 1
+
+                return lax.fori_loop(0, k_steps, load, step)
+
+            last = schedule(k_tile, wg, None, step0)
+
+            # Wait for the consumers to release the last stages, as every one before them was
+            # waited for before its reload, so that each barrier completes exactly its phases.
+            @pl.loop(lax.max(last - stages, 0), last)
+            def _(step):
+                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+        @pl.when(wg < WS_CONSUMER_WGS)
+        def _consumers():
+            plgpu.set_max_registers(_consumer_registers(), action="increase")
+            rows = pl.ds(wg * wm, wm)  # this consumer's rows of the tile
+            out_rows = out_smem.at[rows]
+
+            def k_tile(mi, ni, views, epilogue, step, *, k_first=0, k_steps=chunks, before_chunk=None):
+                del mi, ni, views, k_first  # the producer's part
+
+                def chunk(k, carry):
+                    step, out = carry
+                    slot = lax.rem(step, stages)
+                    plgpu.barrier_wait(produced.at[slot])
+                    if before_chunk is not None:
+                        before_chunk(k, bufs[0].at[slot].at[rows])
+                    out = _promote_rows(config, rows, *(buf.at[slot] for buf in bufs), out, scalar_b)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return step + 1, out
+
+                step, out = lax.fori_loop(0, k_steps, chunk, (step, zeros((wm, tn))))
+                epilogue(out, out_rows)
+                return step
+
+            schedule(k_tile, wg, out_rows, step0)
+
+    if cluster_shape(config) == (1, 1):
+        consumed = plgpu.Barrier(num_arrivals=WS_CONSUMER_WGS, num_barriers=stages)
+    else:
+        consumed = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=WS_CONSUMER_WGS,
+                                        num_barriers=stages)
+    pl.run_scoped(
+        scoped,
+        bufs=buffers,
+        produced=plgpu.Barrier(num_arrivals=len(buffers), num_barriers=stages),
+        consumed=consumed,
+        out_smem=plgpu.SMEM((tm, tn), out_dtype, transforms=out_transforms),
+        collective_axes="wg",
+    )
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _consumer_registers() -> int:
+    """Each consumer's `setmaxnreg` budget: what the producer leaves of 512 per thread slot
+    (jax's pipeline gives the same), a multiple of 8, at most 256."""
+    return min(256, (512 - WS_PRODUCER_REGISTERS) // WS_CONSUMER_WGS) // 8 * 8
+
+
+def _block_shape(spec) -> tuple[int, ...]:
+    return tuple(b for b in spec.block_shape if b is not None)
+
+
+def _block_slices(spec, k) -> tuple:
+    """The GMEM slices of `spec`'s block at K step `k` (a `None` block dim is an index)."""
+    return tuple(i if b is None else pl.ds(i * b, b) for i, b in zip(spec.index_map(k), spec.block_shape))
 
 
 def run_ahead_tiles(config, operands, out_dtype, tiles: tuple[int, int], units: int, epilogue, *,
                     out_transforms=(), scalar_b=False):
-    """The persistent warp-specialized dense loop as one pipeline over all of this CTA's (tile, K
-    chunk) steps (`GemmConfig.run_ahead`), so that the producer loads the next tile's first
-    chunks while the consumers finish this one, instead of the pipeline draining at every tile.
+    """The persistent warp-specialized dense loop as one jax pipeline over all of this CTA's
+    (tile, K chunk) steps (`GemmConfig.run_ahead`): the producer loads the next tile's first
+    chunks while the consumers finish this one, as in `branch_once_tiles`, but through
+    `plgpu.emit_pipeline_warp_specialized`, with the tile's store in a `cond` in the K loop.
 
     Step s of CTA (or cluster) `sm` is chunk s % C of its tile s // C, cluster tile number
     `sm + (s // C) * units` of the `for_each_tile` walk (`units` CTAs or clusters, as launched).
     Each consumer carries its rows' FP32 result across the steps; after a tile's last chunk it
     runs `epilogue(out, out_rows, mi, ni, wg)` and carries zeros into the next tile. The
-    additions are the same as `warp_specialized_tiles`', in the same order."""
+    additions are the same as `branch_once_tiles`', in the same order."""
     tm, tn = config.tile_m, config.tile_n
     wm = tm // WS_CONSUMER_WGS
     chunks = operands[0].shape[1] // TILE_K

@@ -95,13 +95,13 @@ class GemmConfig:
       early_scale_loads: read a K step's scales from SMEM before issuing its wgmma (their latency
         then overlaps the tensor cores) instead of after the wgmma's wait; the scale vectors are
         then live across the wgmma. Off by default until measured.
-      run_ahead: run each persistent CTA's tiles as one pipeline over all its (tile, K step)
-        pairs, so that the producer loads the next tile's first chunks while the consumers
-        finish this one, instead of the pipeline filling and draining at every tile. Each
-        consumer stores a tile after its last chunk and carries zeros into the next. The grid is
-        then dynamic (the CTA's tile count), so all `max_concurrent_steps` stages are allocated
-        even for fewer K steps. Needs `persistent` and `warp_specialized`. Off by default until
-        measured.
+      run_ahead: run each persistent CTA's tiles as one jax warp-specialized pipeline over all
+        its (tile, K step) pairs: each consumer stores a tile after its last chunk (a `cond` in
+        the K loop) and carries zeros into the next. The default loop (`branch_once_tiles`)
+        already loads the next tile's first chunks while the consumers finish this one; this
+        form is the same schedule through jax's pipeline, kept as a bisect row. The grid is
+        dynamic (the CTA's tile count), so all `max_concurrent_steps` stages are allocated even
+        for fewer K steps. Needs `persistent` and `warp_specialized`. Off by default.
     """
 
     tile_m: int = 128
@@ -186,7 +186,7 @@ class GroupedGemmConfig:
         arrive expanded per column, as in the dense kernel).
       max_concurrent_steps: chunks in flight in the TMA pipeline (SMEM slots per operand).
       warp_specialized: one TMA warpgroup and two wgmma warpgroups per CTA
-        (`_mainloop.warp_specialized_tiles`); otherwise one warpgroup per CTA does both.
+        (`_mainloop.branch_once_tiles`); otherwise one warpgroup per CTA does both.
       persistent: one CTA per SM walking its share of the (work item, column tile) pairs; needs
         `warp_specialized` (the simple kernels launch one CTA per tile).
       grid_tile_group: row tiles (work items) walked together along the tile order (L2 reuse of a

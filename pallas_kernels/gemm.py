@@ -25,11 +25,13 @@ Launch structure, two forms selected by `GemmConfig`:
   (2 stages), and the same warpgroup waits for each chunk, runs the wgmma, waits for it and
   promotes.
 - `GemmConfig()`, the fast form (the default): 128 x 128 tiles, 4 SMEM stages, warp-specialized
-  (`plgpu.emit_pipeline_warp_specialized`: warpgroup 2 only issues TMA, with 40 registers per
-  thread; consumer warpgroups 0 and 1 each own 64 rows of the tile, with 232 registers), and
-  persistent (one CTA per SM looping over tiles in a grouped order, `plgpu.nd_loop` +
-  `plgpu.planar_snake`). The stages are allocated once per CTA and reused by every tile.
-  The four changes are independent fields, so each can be measured alone.
+  (`_mainloop.branch_once_tiles`: warpgroup 2 only issues TMA, with 40 registers per thread;
+  consumer warpgroups 0 and 1 each own 64 rows of the tile, with 232 registers; each role
+  branches once and loops over all the CTA's tiles, meeting the other at the stages' mbarriers),
+  and persistent (one CTA per SM looping over tiles in a grouped order, `plgpu.nd_loop` +
+  `plgpu.planar_snake`). The stages are allocated once per CTA and reused by every tile, and the
+  producer fills them across tile boundaries. The four changes are independent fields, so each
+  can be measured alone.
 - `GemmConfig(cluster_m=2)` (off by default until measured): the fast form in clusters of two
   CTAs along M that share each K step's b chunk, loaded half by each and TMA-multicast to both;
   `GemmConfig(cluster_n=2)`: along N, sharing a's chunk instead.
@@ -39,9 +41,10 @@ Launch structure, two forms selected by `GemmConfig`:
   promoted in 64- or 128-column slices with one scalar each.
 - `GemmConfig(early_scale_loads=True)` (off by default until measured): a K step's scales are
   read from SMEM before its wgmma is issued rather than after its wait.
-- `GemmConfig(run_ahead=True)` (off by default until measured): one pipeline over all of a
-  persistent CTA's (tile, K step) pairs, so that the producer loads the next tile's chunks while
-  the consumers finish the current one, instead of the pipeline draining at every tile.
+- `GemmConfig(run_ahead=True)` (off by default): the same schedule through jax's
+  `plgpu.emit_pipeline_warp_specialized`, one pipeline over all of a persistent CTA's (tile, K
+  step) pairs with the tile's store in a `cond` inside the K loop; a bisect row for the default
+  loop.
 
 In both, the fp8 tiles are in the 128-byte swizzle that wgmma needs, b is stored K-major, `(N, K)`,
 and handed to wgmma transposed (fp8 wgmma takes no other B layout), and each warpgroup casts its
@@ -93,9 +96,9 @@ from pallas_kernels._mainloop import (
     launch_tiles,
     persistent_units,
     promote,
+    branch_once_tiles,
     run_ahead_tiles,
     store_tile,
-    warp_specialized_tiles,
 )
 from pallas_kernels.configs import GemmConfig, block_pieces, check_smem, out_shape, smem_bytes
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE
@@ -131,7 +134,7 @@ def _simple_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem, *, conf
     plgpu.wait_smem_to_gmem(0)
 
 def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles, scalar_b, units):
-    """Warp-specialized dense GEMM (`warp_specialized_tiles`) over the tiles of `for_each_tile`,
+    """Warp-specialized dense GEMM (`branch_once_tiles`) over the tiles of `for_each_tile`,
     or with `run_ahead` one pipeline over all of them (`run_ahead_tiles`; `units` CTAs or
     clusters launched). Refs as in `_simple_kernel`."""
     tm, tn = config.tile_m, config.tile_n
@@ -147,18 +150,18 @@ def _ws_kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config, tiles, sca
                         out_transforms=out_transforms, scalar_b=scalar_b)
         return
 
-    def schedule(run_tile, wg, _):
-        def tile(mi, ni):
+    def schedule(k_tile, wg, _, step):
+        def tile(mi, ni, step):
             def epilogue(out, out_rows):
                 rows = out_gmem.at[pl.ds(mi * tm + wg * wm, wm), pl.ds(ni * tn, tn)]
                 store_tile(out, out_rows, rows)
 
-            run_tile(mi, ni, operands, epilogue)
+            return k_tile(mi, ni, operands, epilogue, step)
 
-        for_each_tile(config, tiles, tile)
+        return for_each_tile(config, tiles, tile, init_carry=step)
 
-    warp_specialized_tiles(config, operands, out_gmem.dtype, schedule, out_transforms=out_transforms,
-                           scalar_b=scalar_b)
+    branch_once_tiles(config, operands, out_gmem.dtype, schedule, out_transforms=out_transforms,
+                      scalar_b=scalar_b)
 
 def _check_inputs(a_data, a_scale, b_data, b_scale, n, b_block_rows, out_dtype) -> None:
     for name, x in (("a_data", a_data), ("b_data", b_data)):

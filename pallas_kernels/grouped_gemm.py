@@ -22,7 +22,7 @@ Two forms, selected by the frozen `GroupedGemmConfig`:
   (per work item and column tile for the row-grouped GEMM), a plain `emit_pipeline`, the
   weight-block scale read as one number per K step (Lane semantics, untiled output SMEM).
 - `GroupedGemmConfig()`, the fast form (the default): the dense kernel's warp-specialized main
-  loop, `warp_specialized_tiles` — one TMA warpgroup, two wgmma warpgroups on 64 rows each
+  loop, `branch_once_tiles` — one TMA warpgroup, two wgmma warpgroups on 64 rows each
   of a 128-row tile, 4 SMEM stages allocated once per CTA — with a persistent grid in grouped
   tile order (`for_each_tile`). What is grouped is only the schedule:
   * Fprop/Dgrad walks the (work item, column tile) pairs of `row_tile_work`; an item runs the
@@ -68,11 +68,12 @@ from pallas_kernels._hopper import (
     zeros,
 )
 from pallas_kernels._mainloop import (
+    branch_once_tiles,
     chunk_product,
+    cluster_shape,
     cluster_tiles,
     for_each_tile,
     launch_tiles,
-    warp_specialized_tiles,
 )
 from pallas_kernels.configs import GroupedGemmConfig, check_smem, out_shape
 from pallas_kernels.fp8_math import TILE
@@ -170,7 +171,7 @@ def _ws_matmul_kernel(
     scalar_b: bool,
 ):
     """Warp-specialized, optionally persistent `grouped_scaled_matmul`: the dense kernel's main
-    loop (`warp_specialized_tiles`) over the (work item, column tile) pairs.
+    loop (`branch_once_tiles`) over the (work item, column tile) pairs.
 
     A work item of group g < G is the dense tile (its row tile, ni) with g's weight and scales;
     each consumer then stores only its rows inside the item's `[lo, hi)`. Items of the
@@ -181,31 +182,42 @@ def _ws_matmul_kernel(
     tm, tn = config.tile_m, config.tile_n
     wm = tm // WS_CONSUMER_WGS
     operands = (a_gmem, b_gmem.at[0], sa_gmem, sb_gmem.at[0])  # the shapes the stages are cut to
+    tiles = (group_ref.shape[0], cdiv(n, tn))
 
-    def schedule(run_tile, wg, out_rows):
-        def tile(item, ni):
-            g, row_tile, lo, hi = group_ref[item], tile_ref[item], lo_ref[item], hi_ref[item]
-            row0 = row_tile * tm + wg * wm  # this consumer's first row
-            lo_w, hi_w = (jnp.clip(x, row0, row0 + wm) for x in (lo, hi))
+    def item_tile(item, ni, wg, out_rows, k_tile, *carry):
+        """Work item `item` with column tile `ni`: its K loop (`k_tile`) or its zeros."""
+        g, row_tile, lo, hi = group_ref[item], tile_ref[item], lo_ref[item], hi_ref[item]
+        row0 = row_tile * tm + wg * wm  # this consumer's first row
+        lo_w, hi_w = (jnp.clip(x, row0, row0 + wm) for x in (lo, hi))
 
-            def epilogue(out, smem):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores
-                smem[...] = out.astype(smem.dtype)
-                plgpu.commit_smem()
-                _store_rows(smem, o_gmem, row0, lo_w, hi_w, ni * tn)
+        def epilogue(out, smem):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores
+            smem[...] = out.astype(smem.dtype)
+            plgpu.commit_smem()
+            _store_rows(smem, o_gmem, row0, lo_w, hi_w, ni * tn)
 
-            @pl.when(g < groups)
-            def _():
-                views = (a_gmem, b_gmem.at[g], sa_gmem, sb_gmem.at[g])
-                run_tile(row_tile, ni, views, epilogue)
+        def k_loop(*carry):
+            views = (a_gmem, b_gmem.at[g], sa_gmem, sb_gmem.at[g])
+            return k_tile(row_tile, ni, views, epilogue, *carry)
+
+        if carry:
+            carry = (jax.lax.cond(g < groups, k_loop, lambda c: c, *carry),)
+        else:
+            pl.when(g < groups)(k_loop)
+
+        if out_rows is not None:  # None: the producer of `branch_once_tiles`
 
             @pl.when((g == groups) & (hi > lo) & (wg < WS_CONSUMER_WGS))
             def _():
                 epilogue(zeros((wm, tn)), out_rows)
 
-        for_each_tile(config, (group_ref.shape[0], cdiv(n, tn)), tile)
+        return carry[0] if carry else None
 
-    warp_specialized_tiles(config, operands, o_gmem.dtype, schedule, scalar_b=scalar_b)
+    def schedule(k_tile, wg, out_rows, step):  # each role walks the items on its own
+        return for_each_tile(config, tiles, lambda item, ni, step: item_tile(item, ni, wg, out_rows, k_tile, step),
+                             init_carry=step)
+
+    branch_once_tiles(config, operands, o_gmem.dtype, schedule, scalar_b=scalar_b)
 
 def grouped_scaled_matmul(
     lhs_data: jax.Array,

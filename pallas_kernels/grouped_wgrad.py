@@ -33,12 +33,12 @@ from pallas_kernels._hopper import (
     zeros,
 )
 from pallas_kernels._mainloop import (
+    branch_once_tiles,
     chunk_product,
     cluster_tiles,
     for_each_tile,
     launch_tiles,
     store_tile,
-    warp_specialized_tiles,
 )
 from pallas_kernels.configs import GroupedGemmConfig, check_smem, out_shape
 from pallas_kernels.fp8_math import TILE
@@ -136,7 +136,7 @@ def _ws_wgrad_kernel(
     n: int,
 ):
     """Warp-specialized, optionally persistent `grouped_wgrad`: the dense tile x tile GEMM
-    (`warp_specialized_tiles`) over the (group, K tile, N tile) tiles, each with a dynamic K
+    (`branch_once_tiles`) over the (group, K tile, N tile) tiles, each with a dynamic K
     loop over its group's own token chunks. Each consumer masks the other groups' tokens out of
     its rows of a shared chunk (the first and last), as `_grouped_wgrad_kernel` does."""
     tm, tn = config.tile_m, config.tile_n
@@ -144,8 +144,8 @@ def _ws_wgrad_kernel(
     m_tiles = cdiv(kdim, tm)
     operands = (a_gmem, b_gmem, sa_gmem, sb_gmem)
 
-    def schedule(run_tile, wg, out_rows):
-        def tile(gm, ni):
+    def schedule(k_tile, wg, out_rows, step):
+        def tile(gm, ni, step):
             g, mi = gm // m_tiles, gm % m_tiles
             start, end, first, count = start_ref[g], end_ref[g], first_ref[g], count_ref[g]
             dst = o_gmem.at[g, pl.ds(mi * tm + wg * wm, wm), pl.ds(ni * tn, tn)]
@@ -160,21 +160,23 @@ def _ws_wgrad_kernel(
                 def _():
                     _mask_tokens(a_rows, start - chunk_start, end - chunk_start)
 
-            @pl.when(count > 0)
-            def _():
-                run_tile(mi, ni, operands, epilogue, k_first=first, k_steps=count,
-                         before_chunk=before_chunk)
+            def k_loop(step):
+                return k_tile(mi, ni, operands, epilogue, step, k_first=first, k_steps=count,
+                              before_chunk=before_chunk)
 
-            @pl.when((count == 0) & (wg < WS_CONSUMER_WGS))
-            def _():
-                epilogue(zeros((wm, tn)), out_rows)  # an empty group's gradient
+            step = jax.lax.cond(count > 0, k_loop, lambda step: step, step)
+            if out_rows is not None:  # None: the producer
 
-        for_each_tile(config, (start_ref.shape[0] * m_tiles, cdiv(n, tn)), tile)
+                @pl.when(count == 0)
+                def _():
+                    epilogue(zeros((wm, tn)), out_rows)  # an empty group's gradient
+
+            return step
+
+        return for_each_tile(config, (start_ref.shape[0] * m_tiles, cdiv(n, tn)), tile, init_carry=step)
 
     out_transforms = swizzled(o_gmem.dtype, tn)
-    warp_specialized_tiles(
-        config, operands, o_gmem.dtype, schedule, out_transforms=out_transforms, dynamic_k=True
-    )
+    branch_once_tiles(config, operands, o_gmem.dtype, schedule, out_transforms=out_transforms, dynamic_k=True)
 
 def grouped_wgrad(
     lhs_t_data: jax.Array,
