@@ -57,9 +57,12 @@ def promotion_block(k, n=128, acc="R24", waves=1, ffma=None, scale_loads=2, arri
         k.i("@!P0 SYNCS.ARRIVE.TRANS64.RED.A1T0 RZ, [R25+URZ], RZ")
 
 
-def kernel_with_loop(unroll=1, waves=1, n=128, ctrl=False, stub=True, outer=True, **kw):
-    """prologue; [outer persistent loop:] header; `unroll` K blocks; backward branch; epilogue;
-    EXIT; then an out-of-line mbarrier retry stub that jumps back into the loop body."""
+def kernel_with_loop(unroll=1, waves=1, n=128, ctrl=False, stub=True, outer=True, masked=0,
+                     skip_all=False, **kw):
+    """prologue; [outer persistent loop:] header; [a branch over `masked` instructions, as a
+    group's first/last K block's masking;] `unroll` K blocks [all branched over with
+    `skip_all`]; backward branch; epilogue; EXIT; then an out-of-line mbarrier retry stub that
+    jumps back into the loop body."""
     k = Kernel(ctrl)
     k.i("S2R R0, SR_TID.X")
     k.i("ISETP.NE.AND P0, PT, R0, RZ, PT")
@@ -67,8 +70,17 @@ def kernel_with_loop(unroll=1, waves=1, n=128, ctrl=False, stub=True, outer=True
         k.label(".L_x_1")
         k.i("IADD3 R9, R9, 0x1, RZ")
     k.label(".L_x_5")
+    if masked:
+        k.i("@!P4 BRA `(.L_x_60)")
+        for j in range(masked):
+            k.i(f"PRMT R{40 + j % 8}, R{40 + j % 8}, 0x7610, RZ")
+        k.label(".L_x_60")
+    if skip_all:
+        k.i("@P5 BRA `(.L_x_61)")
     for _ in range(unroll):
         promotion_block(k, n=n, waves=waves, **kw)
+    if skip_all:
+        k.label(".L_x_61")
     k.label(".L_x_91")
     k.i("IADD3 R2, R2, 0x1, RZ")
     k.i("ISETP.GE.AND P2, PT, R2, 0x40, PT")
@@ -208,3 +220,17 @@ def test_no_qgmma_no_loops():
     k.i("EXIT")
     assert mainloop_census(k.text()) == {"loops": [], "main": None, "num_loops": 0}
     assert mainloop_census("") == {"loops": [], "main": None, "num_loops": 0}
+
+
+def test_fewest_path_skips_conditional_blocks():
+    """A block a branch jumps over (a group's first/last K block masking) counts in the static
+    body, not in the fewest path; without one the two agree; a path around the QGMMAs is none."""
+    plain = mainloop_census(kernel_with_loop())["main"]
+    assert plain["fewest_path_per_k128"] == plain["per_k128"]
+    masked = mainloop_census(kernel_with_loop(masked=50))["main"]
+    static, fewest = masked["per_k128"], masked["fewest_path_per_k128"]
+    assert static["instructions"] == plain["per_k128"]["instructions"] + 1 + 50  # the BRA and the block
+    assert fewest["instructions"] == plain["per_k128"]["instructions"] + 1       # the BRA only
+    assert fewest["ffma"] == static["ffma"] == 64 and fewest["qgmma_total"] == 4
+    skipped = mainloop_census(kernel_with_loop(skip_all=True))["main"]
+    assert skipped["per_k128"]["qgmma_total"] == 4 and skipped["fewest_path_per_k128"] is None

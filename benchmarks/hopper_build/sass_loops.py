@@ -282,6 +282,36 @@ def _chains(qg: list[dict]) -> dict:
     return {"lengths": chains, "carried": dict(carried), "destinations": sorted(set(dests))}
 
 
+def _fewest_path(h, body, blocks, succ, start, latch_end) -> list[int] | None:
+    """The in-line body blocks (within [start, latch_end)) of the cycle through header `h` with
+    the fewest instructions (Dijkstra, a block weighing its instruction count), as a list."""
+    import heapq
+
+    inline = {b for b in body if start <= blocks[b][0] < latch_end}
+    size = {b: blocks[b][1] - blocks[b][0] for b in inline}
+    best, prev = {h: size[h]}, {}
+    heap = [(size[h], h)]
+    done = set()
+    end, end_cost = None, None
+    while heap:
+        cost, u = heapq.heappop(heap)
+        if u in done:
+            continue
+        done.add(u)
+        if h in succ[u] and (end_cost is None or cost < end_cost):
+            end, end_cost = u, cost
+        for v in succ[u]:
+            if v in inline and v != h and cost + size[v] < best.get(v, float("inf")):
+                best[v], prev[v] = cost + size[v], u
+                heapq.heappush(heap, (best[v], v))
+    if end is None:
+        return None
+    path = [end]
+    while path[-1] != h:
+        path.append(prev[path[-1]])
+    return path[::-1]
+
+
 def mainloop_census(sass_text: str, m_waves: int | None = None) -> dict:
     """Innermost QGMMA loops of one kernel's SASS, counted per iteration and per 128 K.
 
@@ -338,6 +368,11 @@ def mainloop_census(sass_text: str, m_waves: int | None = None) -> dict:
             k_it = k_insn * len(qg) / waves
         f = 128 / k_it if k_it else 0
         per_k128 = _scale(per_it, f)
+        path = _fewest_path(h, body, blocks, succ, start, latch_end)
+        path_insns = [insns[i] for b in path for i in range(*blocks[b])] if path else []
+        path_counts = count_body(path_insns) if path else None
+        if path_counts and path_counts["qgmma_total"] != per_it["qgmma_total"]:
+            path_counts = None  # a path around a QGMMA is not an iteration's work
         tile_units = waves * n_insn / 128 if n_insn else 0
         out.append({
             "header": name_of.get(start, hex(insns[start]["addr"])),
@@ -352,6 +387,10 @@ def mainloop_census(sass_text: str, m_waves: int | None = None) -> dict:
             "k_per_iteration": k_it,
             "per_k128": per_k128,
             "per_64x128x128": _scale(per_k128, 1 / tile_units) if tile_units else None,
+            # The fewest instructions one iteration can issue: the shortest way around the loop
+            # through the same QGMMAs, skipping the blocks a branch jumps over (e.g. work done on
+            # a group's first and last K block only); None when no such path exists.
+            "fewest_path_per_k128": _scale(path_counts, f) if path_counts else None,
         })
     main = max(out, key=lambda l: (l["per_iteration"]["qgmma_total"], l["k_per_iteration"]), default=None)
     return {"loops": out, "main": main, "num_loops": len(out)}
