@@ -62,7 +62,8 @@ shape-free (the tile, cluster and schedule are compile-time and fixed in the .cu
 Per-128-K-block numbers: benchmarks/hopper_build/sass_loops.py (mainloop_census). Our kernels'
 rows ("jfp8") come from experiments/hopper_build.py --keep-dumps (--ours DIR/h100_sxm), read by the
 same census; `--only ours` refreshes them alone. `anchors.py --table FILE.json` prints the
-side-by-side markdown table of a recorded result.
+side-by-side markdown table of a recorded result; `anchors.py --recensus FILE.json` re-runs the
+main-loop census on the SASS the anchors' builds kept (a newer census without a rebuild).
 """
 
 from __future__ import annotations
@@ -506,6 +507,33 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def recensus(path: pathlib.Path) -> None:
+    """Re-run the main-loop census on the SASS each anchor's build kept (`cwd`/kernel.sass or
+    example67.sass, when that folder is still there) with the recorded function and m_waves, so
+    that a newer census (e.g. the fewest-instruction path) covers the anchors without a rebuild.
+    The static per-128-K counts must come out as recorded: otherwise the SASS is not the one the
+    row was built from, and the row is left alone."""
+    result = json.loads(path.read_text())
+    for group in ("deepgemm", "cutlass"):
+        for name, row in result.get(group, {}).items():
+            sass_path = next((pathlib.Path(row.get("cwd", "")) / f for f in ("kernel.sass", "example67.sass")
+                              if (pathlib.Path(row.get("cwd", "")) / f).exists()), None)
+            if not row.get("built") or sass_path is None:
+                print(f"{group} {name}: no kept SASS, unchanged")
+                continue
+            text = split_functions(sass_path.read_text()).get(row["function"])
+            census = mainloop_census(text, m_waves=row["mainloop"]["main"]["m_waves"]) if text else None
+            if not census or census["main"]["per_k128"] != row["mainloop"]["main"]["per_k128"]:
+                print(f"{group} {name}: {sass_path} does not reproduce the recorded counts, unchanged")
+                continue
+            row["mainloop"] = census
+            print(f"{group} {name}: re-read {sass_path}")
+    result.setdefault("commands", []).append(
+        "python benchmarks/hopper_build/anchors.py --recensus " + str(path.relative_to(REPO) if path.is_absolute() and
+                                                                      path.is_relative_to(REPO) else path))
+    path.write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--deepgemm", type=pathlib.Path, required=True, help="DeepGEMM sources (extracted)")
@@ -527,6 +555,11 @@ def main(argv=None) -> int:
     p.add_argument("--alt-ptxas", help="also assemble the anchors' PTX with this ptxas (default: the project's "
                    "Hopper toolchain's, the one jfp8's kernels go through; 'none' to skip)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per compile")
+    if argv is None and "--recensus" in sys.argv:   # re-read the anchors' kept SASS (see recensus)
+        path = pathlib.Path(sys.argv[sys.argv.index("--recensus") + 1])
+        recensus(path)
+        print(table(json.loads(path.read_text())))
+        return 0
     if argv is None and "--table" in sys.argv:      # print the table of an existing result
         path = pathlib.Path(sys.argv[sys.argv.index("--table") + 1])
         print(table(json.loads(path.read_text())))
