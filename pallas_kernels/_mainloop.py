@@ -230,10 +230,10 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
 
     for each tile with a K loop: tile (mi, ni) of `views` (refs shaped like `operands`, e.g. one
     group's weight) from chunk `k_first` for `k_steps` chunks (at least one; traced with
-    `dynamic_k`), with `before_chunk(step, a_rows)` run by each consumer on its rows of a chunk
+    `dynamic_k`), with `before_chunk(k, a_rows)` run by each consumer on its rows of chunk k of the loop
     before the wgmma; then, on each consumer, `epilogue(out, out_rows)` with out its
     [wm, tile_n] f32 result. Work without a K loop (a tile of zeros) the schedule does
-    itself, on the consumers (`wg < WS_CONSUMER_WGS`).
+    itself, on the consumers (the warpgroups given `out_rows`).
 
     In clusters the shared operand is multicast (`step_specs`): a stage is then refilled in both
     CTAs at once, so "consumed" is a cluster barrier that both CTAs' consumers arrive at, and both

@@ -70,7 +70,6 @@ from pallas_kernels._hopper import (
 from pallas_kernels._mainloop import (
     branch_once_tiles,
     chunk_product,
-    cluster_shape,
     cluster_tiles,
     for_each_tile,
     launch_tiles,
@@ -184,8 +183,9 @@ def _ws_matmul_kernel(
     operands = (a_gmem, b_gmem.at[0], sa_gmem, sb_gmem.at[0])  # the shapes the stages are cut to
     tiles = (group_ref.shape[0], cdiv(n, tn))
 
-    def item_tile(item, ni, wg, out_rows, k_tile, *carry):
-        """Work item `item` with column tile `ni`: its K loop (`k_tile`) or its zeros."""
+    def item_tile(item, ni, wg, out_rows, k_tile, step):
+        """Work item `item` with column tile `ni` on warpgroup `wg`: its K loop (`k_tile`) or,
+        on a consumer (`out_rows` given), its zeros; returns the next pipeline step."""
         g, row_tile, lo, hi = group_ref[item], tile_ref[item], lo_ref[item], hi_ref[item]
         row0 = row_tile * tm + wg * wm  # this consumer's first row
         lo_w, hi_w = (jnp.clip(x, row0, row0 + wm) for x in (lo, hi))
@@ -196,22 +196,18 @@ def _ws_matmul_kernel(
             plgpu.commit_smem()
             _store_rows(smem, o_gmem, row0, lo_w, hi_w, ni * tn)
 
-        def k_loop(*carry):
+        def k_loop(step):
             views = (a_gmem, b_gmem.at[g], sa_gmem, sb_gmem.at[g])
-            return k_tile(row_tile, ni, views, epilogue, *carry)
+            return k_tile(row_tile, ni, views, epilogue, step)
 
-        if carry:
-            carry = (jax.lax.cond(g < groups, k_loop, lambda c: c, *carry),)
-        else:
-            pl.when(g < groups)(k_loop)
+        step = jax.lax.cond(g < groups, k_loop, lambda step: step, step)
+        if out_rows is not None:  # None: the producer
 
-        if out_rows is not None:  # None: the producer of `branch_once_tiles`
-
-            @pl.when((g == groups) & (hi > lo) & (wg < WS_CONSUMER_WGS))
+            @pl.when((g == groups) & (hi > lo))
             def _():
                 epilogue(zeros((wm, tn)), out_rows)
 
-        return carry[0] if carry else None
+        return step
 
     def schedule(k_tile, wg, out_rows, step):  # each role walks the items on its own
         return for_each_tile(config, tiles, lambda item, ni, step: item_tile(item, ni, wg, out_rows, k_tile, step),

@@ -153,10 +153,10 @@ def _ws_wgrad_kernel(
             def epilogue(out, smem):
                 store_tile(out, smem, dst)
 
-            def before_chunk(step, a_rows):
-                chunk_start = (first + step) * TILE
+            def before_chunk(k, a_rows):  # k: the chunk's number in the group's K loop
+                chunk_start = (first + k) * TILE
 
-                @pl.when((step == 0) | (step == count - 1))
+                @pl.when((k == 0) | (k == count - 1))
                 def _():
                     _mask_tokens(a_rows, start - chunk_start, end - chunk_start)
 
