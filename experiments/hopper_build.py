@@ -239,10 +239,16 @@ def forms() -> dict[str, Form]:
 # and Wgrad, and the fused quantizers the training step runs.
 CI_FORMS = ("gemm_default", "grouped_fprop", "grouped_wgrad", "quantize_tile", "quantize_weight", "quantize_grad",
             "gemm[cluster_m=2]")
-# Defects the build found and that are not fixed yet (docs/gpu.md, "Compiled for Hopper without a
-# Hopper"): form -> its `check_row` problems, exactly, at ptxas 13.5. The CI check fails when a
-# form shows other problems, and also when these go away (then delete the entry).
-KNOWN_DEFECTS: dict[str, tuple[str, ...]] = {}
+# Defects the build found and that are not fixed (docs/gpu.md, "Compiled for Hopper without a
+# Hopper", item 2): form -> its `check_row` problems, exactly, at ptxas 13.5. No default form has
+# one. The committed tables are held to this for every form, and CI's compile of `CI_FORMS` too: a
+# form showing other problems fails, and so does one whose problems went away (delete its entry).
+KNOWN_DEFECTS: dict[str, tuple[str, ...]] = {
+    # A consumer's 64 x 256 (or 128 x 128) f32 result plus its chunk's partial sum is 2 x 128
+    # registers, over its 232 (promotion in 64 x 128 waves was tried: docs/gpu.md).
+    "gemm[tile_n=256,scalar_b_scale=true,max_concurrent_steps=3]": ("spills: 356 bytes stored, 356 loaded",),
+    "gemm[tile_m=256,max_concurrent_steps=3]": ("spills: 320 bytes stored, 320 loaded",),
+}
 
 
 # ------------------------------------------------------------------------------ the child: one compile

@@ -94,9 +94,9 @@ def test_committed_results_cover_every_form(target):
     assert [r["form"] for r in doc["rows"]] == list(hb.forms())
     for r in doc["rows"]:
         assert r["ptxas_version"] == doc["ptxas"]
-        # Compiled, or a defect the docs name: a default form's problems are only the known ones.
-        if r["form"] in hb.CI_FORMS:
-            assert r["ok"] and set(r["problems"]) <= set(hb.KNOWN_DEFECTS.get(r["form"], ())), r
+        # Compiled, with exactly the problems the docs name (none for a default form).
+        assert r["ok"] and sorted(r["problems"]) == sorted(hb.KNOWN_DEFECTS.get(r["form"], ())), r
+    assert not set(hb.KNOWN_DEFECTS) & set(hb.CI_FORMS)
 
 
 @pytest.mark.slow
