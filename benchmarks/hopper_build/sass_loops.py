@@ -36,6 +36,7 @@ issues per 128-K block (the body is per-thread code; every consumer warpgroup ru
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections import Counter
 
@@ -285,8 +286,6 @@ def _chains(qg: list[dict]) -> dict:
 def _fewest_path(h, body, blocks, succ, start, latch_end) -> list[int] | None:
     """The in-line body blocks (within [start, latch_end)) of the cycle through header `h` with
     the fewest instructions (Dijkstra, a block weighing its instruction count), as a list."""
-    import heapq
-
     inline = {b for b in body if start <= blocks[b][0] < latch_end}
     size = {b: blocks[b][1] - blocks[b][0] for b in inline}
     best, prev = {h: size[h]}, {}
