@@ -14,8 +14,25 @@ TILE_K = TILE
 
 # Hopper TMA: every GMEM stride but the innermost must be a multiple of 16 bytes.
 TMA_ALIGN_BYTES = 16
-# One f32 scale as a TMA box of its own: repeated to the 16 bytes a box needs at least.
-SCALE_BOX = TMA_ALIGN_BYTES // 4
+# A TMA copy's SMEM end (cp.async.bulk.tensor) must start on a 128-byte boundary: every
+# pipeline slot of a TMA-filled buffer must therefore be a multiple of 128 bytes, or slot 1 on
+# faults with CUDA_ERROR_MISALIGNED_ADDRESS (seen on an H100, 2026-11-26, with 16-byte slots).
+# The Mosaic GPU interpreter and the deviceless compile do not check it: `check_tma_slot`.
+TMA_SMEM_ALIGN_BYTES = 128
+# One f32 scale as a TMA box of its own: repeated to fill one 128-byte SMEM slot.
+SCALE_BOX = TMA_SMEM_ALIGN_BYTES // 4
+
+
+def check_tma_slot(what: str, shape: tuple[int, ...], dtype) -> None:
+    """Raises unless one pipeline slot of `shape` x `dtype` keeps the next slot's TMA address
+    128-byte aligned (`TMA_SMEM_ALIGN_BYTES`)."""
+    nbytes = jnp.dtype(dtype).itemsize
+    for d in shape:
+        nbytes *= d
+    if nbytes % TMA_SMEM_ALIGN_BYTES:
+        raise ValueError(f"{what}: a TMA slot of {shape} {jnp.dtype(dtype).name} is {nbytes} bytes, "
+                         f"not a multiple of {TMA_SMEM_ALIGN_BYTES} (TMA's SMEM alignment): the "
+                         "next slot's copy would fault on the GPU")
 
 # Swizzled SMEM tiles are 8 rows high, and TMA then tiles the GMEM array the same way: its rows
 # must be a multiple of 8 and its columns a multiple of the swizzle width (the tails are padded).

@@ -18,6 +18,7 @@ from pallas_kernels._hopper import (
     TILE_K,
     WS_CONSUMER_WGS,
     WS_PRODUCER_REGISTERS,
+    check_tma_slot,
     swizzled,
     zeros,
 )
@@ -98,7 +99,7 @@ def step_specs(config, locate, *, scalar_b: bool = False) -> list[plgpu.BlockSpe
     cluster; along N they share (mi, c), and a and its scales are.
 
     b's scales: per output column, `[C, N']`; with `scalar_b`, per weight block, `[C, blocks *
-    SCALE_BOX]` (each block's scale repeated to one 16-byte TMA box), the box of the tile's block,
+    SCALE_BOX]` (each block's scale repeated to one 128-byte TMA box), the box of the tile's block,
     or for tiles wider than a block per column tile, `[C, tiles * SCALE_BOX]`, box j holding the
     block scales of tile j's `block_pieces`. A box is too small to split between a cluster's
     CTAs, so each loads its own."""
@@ -110,6 +111,8 @@ def step_specs(config, locate, *, scalar_b: bool = False) -> list[plgpu.BlockSpe
     def at(index):  # block index from (mi, ni, c)
         return lambda s: index(*locate(s))
 
+    check_tma_slot("a's scales", (tm,), jnp.float32)
+    check_tma_slot("b's scales", (SCALE_BOX if scalar_b else tn,), jnp.float32)
     if scalar_b and tn > TILE_K:  # one box per column tile: its slices' block scales
         sb_spec = plgpu.BlockSpec((None, SCALE_BOX), at(lambda mi, ni, c: (c, ni)))
     elif scalar_b:  # one box per weight block, shared by its column tiles

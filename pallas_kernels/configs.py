@@ -23,6 +23,7 @@ from pallas_kernels._hopper import (
     SWIZZLE_ROWS,
     TILE_K,
     TMA_ALIGN_BYTES,
+    TMA_SMEM_ALIGN_BYTES,
     WGMMA_M,
     WGMMA_MAX_N,
     WS_CONSUMER_WGS,
@@ -31,6 +32,10 @@ from pallas_kernels._hopper import (
     tma_extent,
 )
 from pallas_kernels.fp8_math import TILE
+
+# tile_n steps: bf16 output rows of at least 32 bytes (swizzled), and the tile's f32 column
+# scales (a tile-scaled b: Wgrad, tile x tile) one or more whole 128-byte TMA slots.
+TILE_N_STEP = max(MIN_TILE_N, TMA_SMEM_ALIGN_BYTES // 4)
 
 
 # The narrowest column slice `scalar_b_scale` promotes with its own scalar in a tile wider than
@@ -80,13 +85,13 @@ class GemmConfig:
         grouped kernels, whose neighbouring row tiles may belong to different groups' weights.
         At most one of `cluster_m`, `cluster_n` exceeds 1; needs `warp_specialized`.
       scalar_b_scale: when b is block-scaled (128 x 128 weights: Fprop, Dgrad), read its scale
-        for a K step as the one scalar it is over the tile (one 16-byte TMA box and one SMEM load;
+        for a K step as the one scalar it is over the tile (one 128-byte TMA box and one SMEM load;
         `sa * sb` on the row vector before broadcasting) instead of a tile_n-wide per-column
         vector (a 128-float copy, a layout load and a [rows, tile_n] multiply, holding about 32
         more registers per consumer thread). Needs 128 % tile_n == 0 (the tile's columns in one
         weight block) or tile_n a multiple of 64: then a 192- or 256-wide tile, which spans two
         weight blocks, is promoted in `block_pieces` (64- or 128-column slices, each in one
-        block) with one scalar each, all read from one 16-byte box per K step. Tile-scaled b
+        block) with one scalar each, all read from one 128-byte box per K step. Tile-scaled b
         (Wgrad) keeps the vector. None (the default): on wherever the tile allows it
         (`scalar_b`); True: required; False: the per-column vector. On by default since the
         deviceless Hopper build (docs/gpu.md) counted the main loop per 128-K block: 122
@@ -123,9 +128,10 @@ class GemmConfig:
             raise ValueError(
                 f"tile_m={self.tile_m} must be a multiple of {rows}{why} and at most {MAX_TMA_BOX}"
             )
-        if self.tile_n < MIN_TILE_N or self.tile_n % MIN_TILE_N or self.tile_n > MAX_TMA_BOX:
+        if self.tile_n < TILE_N_STEP or self.tile_n % TILE_N_STEP or self.tile_n > MAX_TMA_BOX:
             raise ValueError(
-                f"tile_n={self.tile_n} must be a multiple of {MIN_TILE_N} and at most {MAX_TMA_BOX}"
+                f"tile_n={self.tile_n} must be a multiple of {TILE_N_STEP} and at most {MAX_TMA_BOX}"
+                f" (a tile's f32 column scales fill whole {TMA_SMEM_ALIGN_BYTES}-byte TMA slots)"
             )
         if self.max_concurrent_steps < 1:
             raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 1")
@@ -263,7 +269,7 @@ def _scalar_b_fits(tile_n: int) -> bool:
 def smem_bytes(config: GemmConfig, out_dtype, chunks: int, *, scalar_b: bool | None = None) -> int:
     """Shared memory the kernel allocates, in bytes, for `chunks` = Kp // 128 K steps.
 
-    `scalar_b`: whether b's scales arrive as one 16-byte box per stage (`config.scalar_b`, the
+    `scalar_b`: whether b's scales arrive as one 128-byte box per stage (`config.scalar_b`, the
     default, for a block-scaled b) or as a tile_n-wide vector (False: a tile-scaled b, Wgrad).
     Per stage a [tile_m, 128] and b [tile_n, 128] fp8 tile and their f32 scales, plus the output
     tile and the pipeline's mbarriers (one per stage, two with warp specialization: "produced"
@@ -283,7 +289,7 @@ def smem_bytes(config: GemmConfig, out_dtype, chunks: int, *, scalar_b: bool | N
         stages * tm * TILE_K,  # a, fp8
         stages * tn * TILE_K,  # b, fp8
         stages * tm * f32,  # a's scales
-        stages * (SCALE_BOX if scalar_b else tn) * f32,  # b's scales: a 16-byte box, or a vector
+        stages * (SCALE_BOX if scalar_b else tn) * f32,  # b's scales: a 128-byte box, or a vector
         tm * tn * jnp.dtype(out_dtype).itemsize,  # output tile
     )
     barriers = stages * (2 if config.warp_specialized else 1)

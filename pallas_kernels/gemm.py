@@ -205,7 +205,8 @@ def _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows, scalar_b
       TMA box; b's are expanded to one scale per output column (a 128x128 block's scale repeated
       over its rows), which serves both pairings with one kernel. Both are small (1/32 of the
       fp8 data) and padded to 16-byte rows for TMA. With `scalar_b` (block-scaled b,
-      `GemmConfig.scalar_b_scale`) b's are one per block instead, each repeated to a 16-byte box:
+      `GemmConfig.scalar_b_scale`) b's are one per block instead, each repeated to a 128-byte
+      box (one TMA slot, `SCALE_BOX`):
       `[C, blocks * SCALE_BOX]`; for `tile_n` wider than a block, one box per column tile,
       holding the scales of the blocks under its `block_pieces`: `[C, tiles * SCALE_BOX]`.
     - The fp8 operands' rows are zero-padded to a multiple of 8 for the swizzled TMA: this copies

@@ -161,7 +161,7 @@ def _ws_matmul_kernel(
     sa_gmem,  # [C, Tpad] f32: lhs scales, chunk-major
     b_gmem,  # [G, Np, Kp] e4m3
     sb_gmem,  # [G, C, Np] f32: each weight block's scale repeated over its 128 columns, or with
-    #           `scalar_b` [G, C, Np // 128 * SCALE_BOX]: each block's scale as one 16-byte box
+    #           `scalar_b` [G, C, Np // 128 * SCALE_BOX]: each block's scale as one 128-byte box
     o_gmem,  # [T, n padded to the output tile's swizzle width (`out_shape`)]
     *,
     config: GroupedGemmConfig,
@@ -296,7 +296,7 @@ def _grouped_matmul_call(
         width = out_shape(rows, n, out_dtype, config)[1]
         out_type = jax.ShapeDtypeStruct((rows, width), out_dtype)
         scalar_b = config.scalar_b
-        if scalar_b:  # each block's scale as one 16-byte box, chunk-major: [G, C, blocks * 4]
+        if scalar_b:  # each block's scale as one 128-byte box, chunk-major: [G, C, blocks * SCALE_BOX]
             sb = jnp.repeat(rhs_scale.transpose(0, 2, 1), SCALE_BOX, axis=2)
         else:
             # Each weight block's scale repeated over its 128 columns, chunk-major: [G, C, Np]. One

@@ -2,8 +2,10 @@
 
 Each kernel reads its input once and writes E4M3 data plus one FP32 scale per block, bit-identical
 to `jfp8.quantize` (DeepSeek-V3 §3.3, "Fine-Grained Quantization") because both call the same
-elementwise rules of `fp8_math` (`abs_for_amax`, `scale_from_amax`, `reciprocal`,
-`encode_scaled`). Raw arrays in, raw arrays out; `jfp8` wraps them in `Fp8Tensor`s.
+elementwise rules of `fp8_math` (`abs_for_amax`, `scale_from_amax`, `encode_scaled`), and the
+kernels take a scale's reciprocal as `_mgpu.ieee_reciprocal`, the correctly rounded
+`fp8_math.reciprocal` (a plain `1 / x` compiles to an approximate reciprocal in Mosaic GPU).
+Raw arrays in, raw arrays out; `jfp8` wraps them in `Fp8Tensor`s.
 
   quantize_tile            (1, 128) tiles along the last axis: activations.
   quantize_block           (128, 128) blocks: weights.
@@ -61,10 +63,10 @@ from pallas_kernels.fp8_math import (
     TILE,
     abs_for_amax,
     encode_scaled,
-    reciprocal,
     scale_from_amax,
 )
 from pallas_kernels._hopper import SWIZZLE_ROWS, swizzle_elems
+from pallas_kernels._mgpu import ieee_reciprocal
 from pallas_kernels._hopper import swizzled as swizzled_layout
 
 # TMA: every GMEM stride but the innermost, and the innermost extent of a copy, must be a multiple
@@ -203,7 +205,7 @@ def _rows_chunk(x_ref, *, pow2_scale: bool, amax_floor: float, swizzled: bool):
     rows = x_ref.shape[0]
     x = _load_f32(x_ref, swizzled)
     scale = scale_from_amax(jnp.max(abs_for_amax(x), axis=1), pow2_scale, amax_floor)
-    q = encode_scaled(x, jax.lax.broadcast_in_dim(reciprocal(scale), (rows, TILE), (0,)))
+    q = encode_scaled(x, jax.lax.broadcast_in_dim(ieee_reciprocal(scale), (rows, TILE), (0,)))
     return q, scale
 
 
@@ -223,7 +225,7 @@ def _transposed_chunk(x_ref, xs_ref, bounce_refs, *, pow2_scale: bool, amax_floo
         s_in = plgpu.load(xs_ref, layout=_WGMMA_ROW, optimized=False)
         x = x * jax.lax.broadcast_in_dim(s_in, (TILE, rows), (0,))
     scale = scale_from_amax(jnp.max(abs_for_amax(x), axis=0), pow2_scale, amax_floor)  # [rows]
-    q = encode_scaled(x, jax.lax.broadcast_in_dim(reciprocal(scale), (TILE, rows), (1,)))
+    q = encode_scaled(x, jax.lax.broadcast_in_dim(ieee_reciprocal(scale), (TILE, rows), (1,)))
     q_ref, scale_ref = bounce_refs
     q_ref[...] = q.astype(jnp.float16)
     q_t = plgpu.load(q_ref.T, layout=_WGMMA, optimized=swizzled).astype(FP8_DTYPE)
@@ -378,10 +380,10 @@ def _column_chunk(x_ref, d_ref, dt_ref=None, bounce_ref=None, *, per_column: boo
     ]
     if per_column:
         scale = [scale_from_amax(a, pow2_scale, amax_floor) for a in col_amax]
-        inv = [jax.lax.broadcast_in_dim(reciprocal(s), (TILE, _HALF), (1,)) for s in scale]
+        inv = [jax.lax.broadcast_in_dim(ieee_reciprocal(s), (TILE, _HALF), (1,)) for s in scale]
     else:
         scale = scale_from_amax(jnp.maximum(*[jnp.max(a, axis=0) for a in col_amax]), pow2_scale, amax_floor)
-        inv = [jnp.broadcast_to(reciprocal(scale), (TILE, _HALF))] * len(halves)
+        inv = [jnp.broadcast_to(ieee_reciprocal(scale), (TILE, _HALF))] * len(halves)
     for h, inv_h in zip(halves, inv):
         q = encode_scaled(_load_f32(x_ref.at[:, h], swizzled), inv_h)
         d_ref[:, h] = q
@@ -508,11 +510,11 @@ def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, pow2_scale: bool, amax_floo
         row_amax = r if row_amax is None else jnp.maximum(row_amax, r)
         col_scales.append(scale_from_amax(jnp.max(a, axis=0), pow2_scale, amax_floor))
     row_scale = scale_from_amax(row_amax, pow2_scale, amax_floor)
-    inv_row = jax.lax.broadcast_in_dim(reciprocal(row_scale), (TILE, _HALF), (0,))
+    inv_row = jax.lax.broadcast_in_dim(ieee_reciprocal(row_scale), (TILE, _HALF), (0,))
     for h, col_scale in zip(halves, col_scales):
         x = _load_f32(x_ref.at[:, h], swizzled)
         d_ref[:, h] = encode_scaled(x, inv_row)
-        inv_col = jax.lax.broadcast_in_dim(reciprocal(col_scale), (TILE, _HALF), (1,))
+        inv_col = jax.lax.broadcast_in_dim(ieee_reciprocal(col_scale), (TILE, _HALF), (1,))
         _store_half_transposed(encode_scaled(x, inv_col), h, dt_ref, bounce_ref, swizzled)
     return row_scale, col_scales
 

@@ -381,6 +381,8 @@ def test_invalid_inputs_raise(change, error, match):
         dict(cluster_m=2, cluster_n=2),  # a 2 x 2 cluster is not built
         dict(scalar_b_scale=True, tile_n=160),  # slices of 32 columns: not built
         dict(scalar_b_scale=True, tile_n=48),
+        dict(tile_n=16),  # its 64-byte column-scale slot would misalign TMA's next slot
+        dict(tile_n=48),
         dict(run_ahead=True, persistent=False),  # one tile per CTA: nothing to run ahead into
         dict(run_ahead=True, tile_m=64, warp_specialized=False),
     ],
@@ -445,11 +447,11 @@ def test_each_change_lowers_for_hopper(config):
     "config,out_dtype,chunks",
     [
         (FAST, jnp.float32, 56),
-        (dataclasses.replace(FAST, tile_n=48), jnp.bfloat16, 2),  # 2 of the 4 stages allocated
-        (gemm.GemmConfig(256, 16, 3, warp_specialized=False, persistent=False), jnp.float32, 9),
+        (dataclasses.replace(FAST, tile_n=96), jnp.bfloat16, 2),  # 2 of the 4 stages allocated
+        (gemm.GemmConfig(256, 32, 3, warp_specialized=False, persistent=False), jnp.float32, 9),
         (CLUSTER, jnp.bfloat16, 7),  # cluster barriers are mbarriers too
         (CLUSTER_N, jnp.float32, 3),
-        (dataclasses.replace(SCALAR_B, tile_n=64), jnp.float32, 5),  # a 16-byte b-scale box
+        (dataclasses.replace(SCALAR_B, tile_n=64), jnp.float32, 5),  # a 128-byte b-scale box
         (RUN_AHEAD, jnp.bfloat16, 2),  # a dynamic grid allocates all 4 stages for 2 K steps
     ],
 )

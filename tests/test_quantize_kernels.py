@@ -438,6 +438,37 @@ def test_lowers_for_hopper(kind, m, k, dtype):
     assert "mosaic_gpu" in _lower(kind, m, k, dtype)
 
 
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_reciprocal_is_correctly_rounded_on_hopper(kind):
+    """Mosaic GPU compiles an f32 `1 / x` as `rcp.approx.f32` (LLVM's -nvptx-prec-divf32=1), up
+    to one ulp off the reference's reciprocal: on an H100 that flipped E4M3 ties in `quantize_grad`
+    and `retile`, which the interpreter (exact division) cannot show. Every kernel takes its
+    scales' reciprocals as `rcp.rn.f32` (`_mgpu.ieee_reciprocal`) and divides nowhere."""
+    S = jax.ShapeDtypeStruct
+    if kind == "retile":
+        fn = functools.partial(qk.retile_tile_to_column_t, m=256, k=384)
+        text = _mgpu.lower_for_cuda(fn, S((256, 384), FP8_DTYPE), S((256, 3), jnp.float32))
+    else:
+        fn = functools.partial(_kernel, kind=kind, pow2_scale=False)
+        text = _mgpu.lower_for_cuda(fn, S((256, 384), jnp.bfloat16))
+    assert "rcp.rn.f32" in text
+    assert "divf" not in text and "rcp.approx" not in text
+
+
+def test_ieee_reciprocal_outside_kernels():
+    """In XLA (and so in the interpreter) the primitive is the plain, correctly rounded division,
+    specials included; it batches and rejects other dtypes."""
+    x = np.random.default_rng(_seed()).standard_normal(4096).astype(np.float32)
+    # No input with a subnormal reciprocal (XLA:CPU flushes those to zero, rcp.rn keeps them):
+    # scales lie in [2^-126, 2^120] (`fp8_math.scale_from_amax`), so kernels never meet one.
+    x = np.concatenate([x, np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 2.0**-126, 2.0**120])])
+    want = np.float32(1) / x
+    np.testing.assert_array_equal(np.asarray(jax.jit(_mgpu.ieee_reciprocal)(x)), want)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(_mgpu.ieee_reciprocal)(x)), want)
+    with pytest.raises(TypeError, match="float32"):
+        _mgpu.ieee_reciprocal(jnp.ones(3, jnp.bfloat16))
+
+
 def test_stacked_block_t_lowers_for_hopper():
     """The experts' weights of a DeepSeek-V3 MoE layer, [G, K, N] f32, in one launch."""
     fn = qk.quantize_block_and_transpose
