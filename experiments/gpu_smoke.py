@@ -88,6 +88,7 @@ class Check:
     metric: str  # "rel_fro" (GEMMs, against the hardware bound) or "bits_differ" (quantizers)
     error: float
     bound: float  # the largest passing error
+    detail: object = None  # where a quantizer differs (`_where_bits_differ`), when it does
 
     @property
     def ok(self) -> bool:
@@ -159,6 +160,30 @@ def _bits_differ(got, want) -> int:
     return total
 
 
+def _where_bits_differ(got, want, samples: int = 4) -> list[dict]:
+    """Where a quantizer's outputs differ from the reference, leaf by leaf (data, scales, and the
+    transposed pair for the fused kernels): the count of differing elements, the span of their
+    indices along each axis, and a few (index, got, want) samples, so that a mismatch seen on
+    hardware says which output and which tiles without another device call."""
+    found = []
+    for leaf, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+        g, w = np.asarray(g), np.asarray(w)
+        if g.shape != w.shape or g.dtype != w.dtype:
+            found.append({"leaf": leaf, "mismatch": f"{g.shape} {g.dtype} vs {w.shape} {w.dtype}"})
+            continue
+        bits = np.uint8 if g.dtype.itemsize == 1 else np.uint32
+        bad = np.argwhere(g.view(bits) != w.view(bits))
+        if not len(bad):
+            continue
+        found.append({
+            "leaf": leaf, "shape": list(g.shape), "dtype": str(g.dtype), "elements_differ": len(bad),
+            "span": [[int(bad[:, a].min()), int(bad[:, a].max())] for a in range(bad.shape[1])],
+            "samples": [[[int(i) for i in idx], float(g[tuple(idx)]), float(w[tuple(idx)])]
+                        for idx in bad[:samples]],
+        })
+    return found
+
+
 def _quantizer(kernel_fn, reference_fn, shape=QUANT_SHAPE, dtype=jnp.bfloat16, prepare=None):
     """`prepare(x)`, on the CPU, makes the kernel's input when it is not x itself."""
     def run(rng, interpret: bool) -> Check:
@@ -168,7 +193,8 @@ def _quantizer(kernel_fn, reference_fn, shape=QUANT_SHAPE, dtype=jnp.bfloat16, p
         got = kernel_fn(_to_device(x), interpret)
         want = _on_cpu(reference_fn, x)
         differ = _bits_differ(got, want)
-        return Check("bits_differ", float(differ if differ >= 0 else np.inf), 0.0)
+        detail = _where_bits_differ(got, want) if differ else None
+        return Check("bits_differ", float(differ if differ >= 0 else np.inf), 0.0, detail)
 
     return run
 
@@ -184,6 +210,12 @@ def _mosaic(fn, **kw):
     return lambda x, interpret: fn(x, impl="mosaic", interpret=interpret, **kw)
 
 
+def _xla(fn, **kw):
+    """The reference: XLA, also inside the interpreter's context (where impl="auto" would run
+    the kernel itself, and a rehearsal would compare the kernel with itself)."""
+    return lambda x: fn(x, impl="xla", **kw)
+
+
 
 
 # ------------------------------------------------------------------------------ the registry
@@ -194,7 +226,7 @@ KERNELS = {
     "gemm_simple": ("dense tile x block, GemmConfig.simple() (one warpgroup, 64x128 tiles)",
                     lambda rng, i: _dense(rng, i, gemm.GemmConfig.simple())),
     "quantize_tile": ("1x128 activation tiles, swizzled SMEM", _quantizer(_mosaic(jfp8.quantize, block=(1, TILE)),
-                                                                    lambda x: jfp8.quantize(x, (1, TILE)))),
+                                                                    _xla(jfp8.quantize, block=(1, TILE)))),
     "gemm_default": ("dense tile x block, GemmConfig() (warp-specialized, persistent, 128x128)",
                      lambda rng, i: _dense(rng, i, gemm.GemmConfig())),
     "gemm_tile_x_tile": ("dense tile x tile (Wgrad operands), GemmConfig()",
@@ -204,24 +236,24 @@ KERNELS = {
     "grouped_wgrad": ("grouped Wgrad (K grouped along tokens), GroupedGemmConfig()",
                       lambda rng, i: _grouped_wgrad(rng, grouped_gemm.GroupedGemmConfig())),
     "quantize_block": ("128x128 weight blocks", _quantizer(_mosaic(jfp8.quantize, block=(TILE, TILE)),
-                                                          lambda x: jfp8.quantize(x, (TILE, TILE)),
+                                                          _xla(jfp8.quantize, block=(TILE, TILE)),
                                                           dtype=jnp.float32)),
     "quantize_weight": ("fused weight quantizer: blocks and their transpose",
-                        _quantizer(_mosaic(jfp8.quantize_weight), jfp8.quantize_weight, dtype=jnp.float32)),
+                        _quantizer(_mosaic(jfp8.quantize_weight), _xla(jfp8.quantize_weight), dtype=jnp.float32)),
     "quantize_grad": ("fused gradient quantizer: dy tiles and dy^T per 128 tokens",
-                      _quantizer(_mosaic(jfp8.quantize_grad), jfp8.quantize_grad)),
+                      _quantizer(_mosaic(jfp8.quantize_grad), _xla(jfp8.quantize_grad))),
     "quantize_column_t": ("x^T per 128 tokens (Wgrad operand)",
-                          _quantizer(_mosaic(jfp8.quantize_wgrad_operand), jfp8.quantize_wgrad_operand)),
+                          _quantizer(_mosaic(jfp8.quantize_wgrad_operand), _xla(jfp8.quantize_wgrad_operand))),
     "retile": ("saved FP8 x re-tiled for Wgrad", _quantizer(
-        _mosaic(jfp8.retile_wgrad_operand), jfp8.retile_wgrad_operand,
-        prepare=lambda x: jfp8.quantize(x, (1, TILE)))),
+        _mosaic(jfp8.retile_wgrad_operand), _xla(jfp8.retile_wgrad_operand),
+        prepare=_xla(jfp8.quantize, block=(1, TILE)))),
     "gemm_small_m": ("dense at M=48: the tuning rule's pick (one warpgroup, narrowed tiles)",
                      lambda rng, i: _dense(rng, i, None, m=SMALL_M)),
     "quantize_tile_unswizzled": ("1x128 tiles, a shape TMA cannot tile (unswizzled kernel)",
                                  _quantizer(_mosaic(jfp8.quantize, block=(1, TILE)),
-                                            lambda x: jfp8.quantize(x, (1, TILE)), shape=QUANT_TAILS)),
+                                            _xla(jfp8.quantize, block=(1, TILE)), shape=QUANT_TAILS)),
     "quantize_tile_ring": ("1x128 tiles through a 2-slot SMEM ring", _quantizer(
-        _ring_tile, lambda x: jfp8.quantize(x, (1, TILE)), shape=(128, 1024))),
+        _ring_tile, _xla(jfp8.quantize, block=(1, TILE)), shape=(128, 1024))),
     "grouped_fprop_simple": ("grouped Fprop/Dgrad, GroupedGemmConfig.simple()",
                              lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig.simple())),
     "grouped_wgrad_simple": ("grouped Wgrad, GroupedGemmConfig.simple()",
@@ -312,6 +344,8 @@ def run(name: str, seed: int, interpret: bool) -> dict:
         with context:
             check = fn(np.random.default_rng(seed), interpret)
         result.update(ok=check.ok, metric=check.metric, error=check.error, bound=check.bound)
+        if check.detail is not None:
+            result["detail"] = check.detail
     except Exception as e:  # noqa: BLE001 - reported as the kernel's result
         result.update(ok=False, failure=f"{type(e).__name__}: {str(e)[:2000]}")
     result["seconds"] = round(time.perf_counter() - t0, 3)

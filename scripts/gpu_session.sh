@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# A GPU session, one device call per command (each under 8 minutes), run from the repository root
+# A GPU session, one device call per command (each under 7 minutes), run from the repository root
 # on the GPU machine with its preinstalled jax:
 #   bash scripts/gpu_session.sh                      # call 1: env, smoke (each kernel alone), pytest -m gpu
 #   bash scripts/gpu_session.sh --command bench      # call 2: the benchmarks against their baselines
-#   bash scripts/gpu_session.sh --command bisect     # call 3: config bisection, ncu, Mosaic profile, sanitizers
+#   bash scripts/gpu_session.sh --command bisect     # call 3, when device time is left: config bisection, ncu, Mosaic profile, sanitizers
 #   bash scripts/gpu_session.sh --command tune_gemm  # optional: the tuning tables (tune_grouped likewise)
 # Results under $OUT (else benchmarks/results); the log streams as it runs. Anywhere:
 #   python experiments/gpu_session.py --dry-run      # the three calls' plans

@@ -76,6 +76,28 @@ def test_a_wrong_kernel_is_reported_wrong(monkeypatch):
     assert result["ok"] is False and result["error"] > result["bound"] and "failure" not in result
 
 
+def test_a_wrong_quantizer_says_where(monkeypatch):
+    """A quantizer that differs comes back ok=False with where: which output, how many elements,
+    their index span and samples (read off the log of a hardware run with no further call)."""
+    import numpy as np
+
+    smoke = _load("gpu_smoke")
+    real = smoke.qk.quantize_tile_and_column_t
+
+    def off_by_one_scale_row(*a, **kw):  # the kernel's dy^T scales, row 5, doubled
+        data, scale, data_t, scale_t = real(*a, **kw)
+        return data, scale, data_t, scale_t.at[5, :].multiply(2.0)
+
+    monkeypatch.setattr(smoke.qk, "quantize_tile_and_column_t", off_by_one_scale_row)
+    result = smoke.run("quantize_grad", 0, interpret=True)
+    assert result["ok"] is False and "failure" not in result
+    [where] = result["detail"]
+    assert where["leaf"] == 3 and where["span"][0] == [5, 5], where  # dy^T's scales, row 5
+    assert where["elements_differ"] == where["shape"][1] and where["dtype"] == "float32"
+    (index, got, want), *_ = where["samples"]
+    assert index[0] == 5 and np.isclose(got, 2 * want)
+
+
 # ------------------------------------------------------------------------------ readers
 
 
