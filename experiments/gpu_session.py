@@ -95,6 +95,9 @@ SMOKE_KERNEL_TIMEOUT = 45.0
 SMOKE_FIRST_TIMEOUT = 75.0  # the first kernel also pays for CUDA and jax start-up
 PYTEST_TEST_TIMEOUT = 90
 MIN_STAGE_SECONDS = 15
+# The test files with `gpu`-marked tests, each run in a process of its own (`worker_pytest_gpu`),
+# quantizers first: the cheapest, and the swizzled layouts only hardware checks.
+GPU_TEST_FILES = ("test_quantize_kernels.py", "test_gemm_kernel.py", "test_grouped_kernel.py")
 # A call's wall clock: two calls and their starts (~30 s each on an H100, 2026-11-26) inside a
 # session's 15 minutes of device time.
 DEFAULT_BUDGET_S = 400
@@ -309,12 +312,8 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
             stage.summary = {"kernels": kernels, "cuda_root": root_note}
             stages.append(stage)
         elif name == "pytest_gpu":
-            argv = [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE",
-                    "--continue-on-collection-errors", f"--junitxml={work / 'pytest.xml'}",
-                    "-o", f"faulthandler_timeout={PYTEST_TEST_TIMEOUT - 10}"]
-            if _pytest_timeout_available():
-                argv.append(f"--timeout={PYTEST_TEST_TIMEOUT}")
-            argv.append(str(REPO / "tests" / ("test_quantize_kernels.py" if rehearse else "")))
+            files = ("test_quantize_kernels.py",) if rehearse else GPU_TEST_FILES
+            argv = [py, me, "--worker", "pytest_gpu", "--junit-dir", str(work), "--files", ",".join(files)]
             stages.append(Stage("pytest_gpu", argv, TIMEOUTS["pytest_gpu"], skip=no_gpu))
         elif name == "bench_gemm":
             stages.append(bench(name, "bench_gemm.py", args.gemm_shapes, configs("--config", args.gemm_config)))
@@ -518,9 +517,14 @@ def summarize(stage: Stage, text: str, ctx: Session, since: float) -> dict:
                 return json.loads(line[len("GPU_SESSION_ENV "):])
         return {}
     if stage.name == "pytest_gpu":
-        xml = ctx.work / "pytest.xml"
-        if xml.exists():
-            return gpu_reports.parse_junit(xml.read_text())
+        parsed = {p.stem.removeprefix("pytest-"): gpu_reports.parse_junit(p.read_text())
+                  for p in sorted(ctx.work.glob("pytest-*.xml"))}
+        if parsed:
+            out = {k: sum(r[k] for r in parsed.values()) for k in ("tests", "failures", "errors", "skipped")}
+            out["failed"] = [f for r in parsed.values() for f in r["failed"]]
+            out["files"] = {name: {k: r[k] for k in ("tests", "failures", "errors", "skipped")}
+                            for name, r in parsed.items()}
+            return out
         tail = text.strip().splitlines()[-1:] or [""]
         return {"last_line": tail[0]}
     if stage.kind == "bench":
@@ -741,6 +745,29 @@ def run_command(command: str, args, gpu: Gpu) -> int:
 # ------------------------------------------------------------------------------ workers
 
 
+def pytest_gpu_argv(junit: pathlib.Path, test_file: str) -> list[str]:
+    """`pytest -m gpu` over one test file, JUnit XML to `junit`."""
+    argv = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE",
+            "--continue-on-collection-errors", f"--junitxml={junit}",
+            "-o", f"faulthandler_timeout={PYTEST_TEST_TIMEOUT - 10}"]
+    if _pytest_timeout_available():
+        argv.append(f"--timeout={PYTEST_TEST_TIMEOUT}")
+    return argv + [str(REPO / "tests" / test_file)]
+
+
+def worker_pytest_gpu(junit_dir: str, files: str) -> int:
+    """`pytest -m gpu`, one process per test file, in turn. A kernel fault leaves the process's
+    CUDA context unusable (a sticky error), so one process for all files failed every test after
+    the first fault and then segfaulted (an H100, 2026-11-26); a file of its own keeps the other
+    files' results."""
+    rc = 0
+    for name in filter(None, files.split(",")):
+        junit = pathlib.Path(junit_dir) / f"pytest-{pathlib.Path(name).stem}.xml"
+        print(f"--- pytest -m gpu {name}", flush=True)
+        rc = subprocess.run(pytest_gpu_argv(junit, name)).returncode or rc
+    return rc
+
+
 def worker_env() -> int:
     """Prints the software and hardware this call runs on, as one JSON line."""
     import platform
@@ -876,7 +903,9 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
     p.add_argument("--assume-hopper", action="store_true",
                    help="with --dry-run: plan as on an H100 (to read the GPU commands anywhere)")
-    p.add_argument("--worker", choices=("env", "ncu", "sanitizer"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("env", "ncu", "sanitizer", "pytest_gpu"), help=argparse.SUPPRESS)
+    p.add_argument("--junit-dir", help=argparse.SUPPRESS)
+    p.add_argument("--files", help=argparse.SUPPRESS)
     p.add_argument("--tool", help=argparse.SUPPRESS)
     p.add_argument("--kernel", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -887,6 +916,8 @@ def main(argv=None) -> int:
         return worker_ncu()
     if args.worker == "sanitizer":
         return worker_sanitizer(args.tool, args.kernel)
+    if args.worker == "pytest_gpu":
+        return worker_pytest_gpu(args.junit_dir, args.files)
     if args.assume_hopper and not args.dry_run:
         p.error("--assume-hopper only plans: use it with --dry-run")
     if args.stages:

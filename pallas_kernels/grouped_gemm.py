@@ -62,6 +62,7 @@ from pallas_kernels._hopper import (
     check_fp8,
     check_out_dtype,
     check_scale,
+    check_tma_slot,
     pad_rows,
     round_up,
     store_width,
@@ -129,6 +130,7 @@ def _grouped_matmul_kernel(
         s = sa * sb_gmem[weight, ni, c]
         return out + partial * jax.lax.broadcast_in_dim(s, (tm, tn), (0,))
 
+    check_tma_slot("a's scales", (tm,), jnp.float32)
     pipeline = plgpu.emit_pipeline(
         promote,
         grid=(chunks,),

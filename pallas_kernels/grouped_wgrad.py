@@ -26,6 +26,7 @@ from pallas_kernels._hopper import (
     check_fp8,
     check_out_dtype,
     check_scale,
+    check_tma_slot,
     pad_rows,
     round_up,
     store_width,
@@ -96,6 +97,8 @@ def _grouped_wgrad_kernel(
         return out + partial * s
 
     # A dynamic grid: the group's own chunks only, so no CTA reads the other groups' tokens.
+    check_tma_slot("x's scales", (tm,), jnp.float32)
+    check_tma_slot("dy's scales", (tn,), jnp.float32)
     pipeline = plgpu.emit_pipeline(
         promote,
         grid=(count,),

@@ -507,3 +507,16 @@ def test_on_gpu_matches_reference(m, n, k, b_block_rows, config):
     # interpreter's, and hardware is held to the simulated accumulator's error (with margin).
     err, bound = rel_error(out, ref), hardware_error_bound(a, b)
     assert err <= bound, f"seed={seed}: relative Frobenius error {err:.3e} > bound {bound:.3e}"
+
+
+def test_tma_slots_are_128_byte_multiples():
+    """cp.async.bulk.tensor needs a 128-byte aligned SMEM address: a ring of 16-byte slots (the
+    scalar b scale's box until 2026-11-26) faulted from slot 1 on an H100, which neither the
+    interpreter nor ptxas can see. The check rejects such a slot; the scale box fills one."""
+    from pallas_kernels import _hopper
+
+    _hopper.check_tma_slot("box", (_hopper.SCALE_BOX,), jnp.float32)
+    _hopper.check_tma_slot("tile", (64, TILE), jnp.float8_e4m3fn)
+    for shape in [(4,), (16,), (48,)]:
+        with pytest.raises(ValueError, match="multiple of 128"):
+            _hopper.check_tma_slot("scales", shape, jnp.float32)

@@ -160,6 +160,15 @@ def test_kernel_filters_follow_the_tools_help(session):
 # ------------------------------------------------------------------------------ the calls
 
 
+def test_pytest_gpu_covers_every_file_with_gpu_tests(session):
+    """Each file is its own process (a sticky CUDA fault cannot fail the others' tests), so the
+    list must name every test file that has `gpu`-marked tests."""
+    tests = pathlib.Path(__file__).resolve().parent
+    marked = {p.name for p in tests.glob("test_*.py")
+              if "@pytest.mark.gpu" in p.read_text() and p.name != pathlib.Path(__file__).name}
+    assert set(session.GPU_TEST_FILES) == marked
+
+
 def test_dry_run_plans_three_calls_smoke_first(session, tmp_path, capsys):
     assert session.main(["--dry-run", "--assume-hopper", "--gemm-config", "tile_n=64",
                          "--out", str(tmp_path)]) == 0
@@ -175,8 +184,11 @@ def test_dry_run_plans_three_calls_smoke_first(session, tmp_path, capsys):
     kernels = smoke["summary"]["kernels"]
     assert kernels[0] == "gemm_simple" and "gemm[tile_n=64]" in kernels and "_hang" not in kernels
     pytest_argv = first["stages"][2]["argv"]
-    assert "-m" in pytest_argv and "gpu" in pytest_argv
-    assert any(a.startswith("faulthandler_timeout=") for a in pytest_argv)
+    assert pytest_argv[pytest_argv.index("--worker") + 1] == "pytest_gpu"
+    assert pytest_argv[pytest_argv.index("--files") + 1].split(",") == list(session.GPU_TEST_FILES)
+    one_file = session.pytest_gpu_argv(tmp_path / "x.xml", "test_gemm_kernel.py")
+    assert one_file[one_file.index("-m", 2) + 1] == "gpu" and one_file[-1].endswith("test_gemm_kernel.py")
+    assert any(a.startswith("faulthandler_timeout=") for a in one_file)
     bench = json.loads(next(tmp_path.glob("gpu_session-*-bench.json")).read_text())
     gemm = bench["stages"][0]["argv"]
     assert gemm[gemm.index("--shapes") + 1] == "8192x8192x8192" and "tile_n=64" in gemm
@@ -208,6 +220,7 @@ def test_rehearsal_of_the_smoke_call(session, tmp_path):
     assert stages["env"]["status"] == "ok" and stages["env"]["summary"]["jax"]
     assert stages["smoke"]["status"] == "ok"  # the rehearsal's own hang and crash do not count
     assert summary["pytest_gpu"]["tests"] > 0 and summary["pytest_gpu"]["failures"] == 0
+    assert list(summary["pytest_gpu"]["files"]) == ["test_quantize_kernels"]  # a process per file
     log = next(tmp_path.glob("gpu_session-cpu-*-smoke.log")).read_text()
     # Streamed: the hang's own start line is there although the process was killed.
     assert "SMOKE start _hang" in log and "--- smoke _hang: timeout" in log
