@@ -184,10 +184,10 @@ def _where_bits_differ(got, want, samples: int = 4) -> list[dict]:
     return found
 
 
-def _quantizer(kernel_fn, reference_fn, shape=QUANT_SHAPE, dtype=jnp.bfloat16, prepare=None):
+def _quantizer(kernel_fn, reference_fn, shape=QUANT_SHAPE, dtype=jnp.bfloat16, prepare=None, row_spread=True):
     """`prepare(x)`, on the CPU, makes the kernel's input when it is not x itself."""
     def run(rng, interpret: bool) -> Check:
-        x = _gaussian(rng, shape).astype(dtype)
+        x = _gaussian(rng, shape, row_spread).astype(dtype)
         if prepare is not None:
             x = _on_cpu(prepare, x)
         got = kernel_fn(_to_device(x), interpret)
@@ -280,6 +280,15 @@ KERNELS = {
     "grouped_wgrad_cluster_n": (
         "grouped Wgrad, GroupedGemmConfig(cluster_n=2, early_scale_loads=True): a multicast (issue 19)",
         lambda rng, i: _grouped_wgrad(rng, grouped_gemm.GroupedGemmConfig(cluster_n=2, early_scale_loads=True))),
+    # quantize_grad differed on an H100 at the smoke shape (256 x 384, rows spread: 3 column
+    # chunks, a CTA owns 4) and not at the benchmarks' shapes (docs/gpu.md, "First contact"):
+    # the same kernel with whole CTAs, and with rows of one magnitude, tell the two suspects apart.
+    "quantize_grad_whole_ctas": ("quantize_grad at 256x512: every CTA's 4 column chunks in the array",
+                                 _quantizer(_mosaic(jfp8.quantize_grad), _xla(jfp8.quantize_grad),
+                                            shape=(256, 512))),
+    "quantize_grad_flat_rows": ("quantize_grad at the smoke shape, rows of one magnitude",
+                                _quantizer(_mosaic(jfp8.quantize_grad), _xla(jfp8.quantize_grad),
+                                           row_spread=False)),
 }
 
 
