@@ -113,6 +113,19 @@ def test_ptxas_report(reports):
     assert reports.parse_ptxas("no report here")["registers"] is None
 
 
+def test_readers_on_a_real_h100_dump(reports):
+    """The smoke dump of `gemm_default` that an H100 compiled (2026-11-26, after the TMA fix):
+    the readers give what the deviceless build committed for it (168 registers, no spills, no
+    ptxas warning, 4 QGMMA and 2 setmaxnreg in SASS and PTX)."""
+    dump = (FIXTURES / "smoke_dump_h100_gemm_default.txt").read_text()
+    r = reports.parse_ptxas(dump)
+    assert (r["registers"], r["spill_bytes"], r["warnings"]) == (168, 0, [])
+    assert not r["setmaxnreg_ignored"] and not r["wgmma_serialized"]
+    assert reports.count_sass(dump) == {"QGMMA": 4, "HGMMA": 0, "HMMA": 0, "IMMA": 0,
+                                        "USETMAXREG": 2, "LDL": 0, "STL": 0}
+    assert reports.count_ptx(dump) == {"wgmma": 4, "wgmma_e4m3": 4, "setmaxnreg": 2}
+
+
 def test_sass_and_ptx_counts(reports):
     dump = (FIXTURES / "smoke_dump_ws_gemm.txt").read_text()
     assert reports.count_sass(dump) == {"QGMMA": 2, "HGMMA": 0, "HMMA": 0, "IMMA": 0,
