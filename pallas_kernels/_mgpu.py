@@ -15,6 +15,8 @@ from jax.extend import core as jax_core
 from jax.interpreters import mlir
 from jax.sharding import AbstractDevice, AbstractMesh
 
+from pallas_kernels import fp8_math
+
 # The machine the kernels are written for; used to lower (and to size persistent grids) on a
 # machine without a GPU.
 H100_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
@@ -194,14 +196,11 @@ def compiler_params() -> dict:
 # kept) instead.
 
 
-def _ieee_reciprocal_xla(x):
-    return jnp.float32(1) / x
-
-
 ieee_reciprocal_p = jax_core.Primitive("jfp8_ieee_reciprocal")
 ieee_reciprocal_p.def_impl(functools.partial(dispatch.apply_primitive, ieee_reciprocal_p))
 ieee_reciprocal_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
-mlir.register_lowering(ieee_reciprocal_p, mlir.lower_fun(_ieee_reciprocal_xla, multiple_results=False))
+# In XLA (and so in the interpreter): the reference's own rule.
+mlir.register_lowering(ieee_reciprocal_p, mlir.lower_fun(fp8_math.reciprocal, multiple_results=False))
 batching.defvectorized(ieee_reciprocal_p)
 
 

@@ -441,8 +441,8 @@ def test_lowers_for_hopper(kind, m, k, dtype):
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_reciprocal_is_correctly_rounded_on_hopper(kind):
     """Mosaic GPU compiles an f32 `1 / x` as `rcp.approx.f32` (LLVM's -nvptx-prec-divf32=1), up
-    to one ulp off the reference's reciprocal: on an H100 that flipped E4M3 ties in `quantize_grad`
-    and `retile`, which the interpreter (exact division) cannot show. Every kernel takes its
+    to one ulp off the reference's reciprocal: on an H100 that flipped E4M3 ties in `retile`,
+    which the interpreter (exact division) cannot show. Every kernel takes its
     scales' reciprocals as `rcp.rn.f32` (`_mgpu.ieee_reciprocal`) and divides nowhere."""
     S = jax.ShapeDtypeStruct
     if kind == "retile":
