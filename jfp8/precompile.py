@@ -10,7 +10,7 @@ What this buys is overlap: the kernels' LLVM and ptxas run on other cores while 
 rest of the program and while XLA compiles its own fusions (the whole-program compile runs the
 custom calls' compiles one by one). It changes no result: the program XLA compiles is the same,
 and a kernel the workers have not finished is compiled by XLA as before. Measured by
-`experiments/hopper_train_build.py` (docs/gpu.md, "The training step compiled for Hopper").
+`benchmarks/hopper_train_build.py` (docs/gpu.md, "The training step compiled for Hopper").
 
 - On by default when lowering for a GPU backend (a Hopper, or a deviceless topology); nothing is
   done for any other backend, or when the CUDA plugin is not installed.

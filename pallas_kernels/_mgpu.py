@@ -72,7 +72,7 @@ _TARGET: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar
 def build_target(device_kind: str, num_sms: int):
     """Kernels traced inside this block are built for this GPU (its SM count sizes persistent
     grids, its kind picks tuned configs): for compiling deviceless, for a GPU described by an XLA
-    target config rather than present (`experiments/hopper_build.py`)."""
+    target config rather than present (`benchmarks/hopper_build.py`)."""
     token = _TARGET.set((device_kind, num_sms))
     try:
         yield
@@ -116,7 +116,7 @@ def ptxas_version_asked_once():
     jax 0.11.2 asks at every FP8 conversion it lowers (`FragmentedArray.astype` calls the CUDA
     plugin's `_get_ptxas_isa_version`, which runs `ptxas` in a subprocess, ~12 ms): ~7 times per
     FP8 kernel, 357 runs and 4.4 s of the tiny FP8 training step's lowering on the 2-core machine
-    (measured with a timing wrapper around ptxas; `experiments/hopper_train_build.py`). The
+    (measured with a timing wrapper around ptxas; `benchmarks/hopper_train_build.py`). The
     answer cannot change within a process. Nothing changes where the plugin is not installed
     (lowering on a host without it fails earlier, or runs the interpreter)."""
     try:

@@ -53,7 +53,7 @@ until that SMEM is needed again. The numerics do not depend on the config: every
 gets the same chunk products promoted in the same order. Called without a config,
 `scaled_matmul` runs the one `tuning.dense_config` picks for the problem: `GemmConfig()` wherever
 128 x 128 tiles fill the GPU (every DENSE_SHAPES entry), narrower or one-warpgroup forms for
-small M, or what `experiments/tune_gemm.py` measured best on this GPU model.
+small M, or what `benchmarks/tune_gemm.py` measured best on this GPU model.
 
 What each form is predicted to change on a GPU, and what to look for there (SASS, ncu), is in
 `docs/gpu.md`; nothing here has been timed.

@@ -1,7 +1,7 @@
 """Problem shapes shared by the kernel tests (CUDA lowering) and the benchmarks.
 
 DeepSeek-V3's M=4096 GEMM shapes (N x K of its projections, as DeepGEMM benchmarks them), a square
-8192^3, and MoE grouped shapes. Tests lower every kernel at these shapes; `experiments/bench_gemm.py`
+8192^3, and MoE grouped shapes. Tests lower every kernel at these shapes; `benchmarks/bench_gemm.py`
 times them.
 """
 

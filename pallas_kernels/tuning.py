@@ -1,7 +1,7 @@
 """Which config the dense and grouped GEMMs run for a problem when the caller gives none.
 
 Two sources, in order:
-1. A table measured on this GPU model by `experiments/tune_gemm.py` (`tuned/gemm-<device>.json`
+1. A table measured on this GPU model by `benchmarks/tune_gemm.py` (`tuned/gemm-<device>.json`
    for the dense kernel, `tuned/grouped-<device>.json` for the grouped one, next to this file,
    or the files named by `$JFP8_GEMM_TABLE` / `$JFP8_GROUPED_TABLE`): for the problem's (N, Kp,
    output dtype) — and for the grouped kernel its number of groups G — the fastest config found
@@ -161,7 +161,7 @@ def _load_table(path: pathlib.Path, version: tuple, kind: str) -> tuple[tuple[tu
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(
             f"{kind} tuning table {path} is unreadable ({type(e).__name__}: {e}); regenerate it "
-            f"with experiments/tune_gemm.py, delete it, or point ${TABLE_KINDS[kind]} elsewhere"
+            f"with benchmarks/tune_gemm.py, delete it, or point ${TABLE_KINDS[kind]} elsewhere"
         ) from e
 
 

@@ -6,12 +6,12 @@
 #   bash scripts/gpu_session.sh --command bisect     # call 3, when device time is left: config bisection, ncu, Mosaic profile, sanitizers
 #   bash scripts/gpu_session.sh --command tune_gemm  # optional: the tuning tables (tune_grouped likewise)
 # Results under $OUT (else benchmarks/results); the log streams as it runs. Anywhere:
-#   python experiments/gpu_session.py --dry-run      # the three calls' plans
-#   python experiments/gpu_session.py --rehearse     # CPU: the same plumbing, kernels in the interpreter
-# See experiments/gpu_session.py. Uses the machine's python3; JFP8_PYTHON overrides it.
+#   python benchmarks/gpu_session.py --dry-run      # the three calls' plans
+#   python benchmarks/gpu_session.py --rehearse     # CPU: the same plumbing, kernels in the interpreter
+# See benchmarks/gpu_session.py. Uses the machine's python3; JFP8_PYTHON overrides it.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-exec "${JFP8_PYTHON:-python3}" experiments/gpu_session.py "$@"
+exec "${JFP8_PYTHON:-python3}" benchmarks/gpu_session.py "$@"

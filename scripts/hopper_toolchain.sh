@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Installs the deviceless Hopper build's toolchain (benchmarks/hopper_build/requirements.txt:
+# Installs the deviceless Hopper build's toolchain (benchmarks/hopper/requirements.txt:
 # jax's CUDA plugin, ptxas, nvcc, nvdisasm; no GPU or driver needed) and prints its directory.
 # It goes to a cache shared by every clone, keyed by the pins (set JFP8_HOPPER_TOOLCHAIN to choose
 # the directory), so CI installs it once per machine. Needs scripts/env.sh's .venv (its Python
 # picks the plugin's wheel). Exit status 1, with the reason on stderr, when it cannot install.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-reqs="$repo/benchmarks/hopper_build/requirements.txt"
+reqs="$repo/benchmarks/hopper/requirements.txt"
 py="${JFP8_VENV:-$repo/.venv}/bin/python"
 if [ ! -x "$py" ]; then
     echo "no project environment at ${JFP8_VENV:-$repo/.venv}: run 'source scripts/env.sh' first" >&2

@@ -48,7 +48,7 @@ def toolchain():
     import pathlib
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     import hopper_build
 
     try:

@@ -66,16 +66,27 @@ def on_cpu(fn, *args):
         return np.asarray(fn(*args))
 
 
-EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+EXPERIMENTS = REPO / "experiments"  # the science
+BENCHMARKS = REPO / "benchmarks"  # the speed and hardware tooling
+
+
+def _load_script(folder: pathlib.Path, name: str):
+    """<folder>/<name>.py as a fresh module, the folder on sys.path for its sibling imports."""
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_experiment(name: str):
-    """experiments/<name>.py as a fresh module (the experiments folder on sys.path for its own
-    sibling imports)."""
-    if str(EXPERIMENTS) not in sys.path:
-        sys.path.insert(0, str(EXPERIMENTS))
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """experiments/<name>.py as a fresh module."""
+    return _load_script(EXPERIMENTS, name)
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a fresh module."""
+    return _load_script(BENCHMARKS, name)

@@ -5,7 +5,6 @@ real: a wrong implementation is reported as failed (and not timed), with exit st
 """
 
 import dataclasses
-import importlib.util
 import json
 import pathlib
 import sys
@@ -15,23 +14,18 @@ import pytest
 
 import jfp8
 
-EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
-sys.path.insert(0, str(EXPERIMENTS))  # the scripts' shared module, _bench, lives there
+from helpers import BENCHMARKS, load_benchmark as _load
+
+sys.path.insert(0, str(BENCHMARKS))  # the scripts' shared module, _bench, lives there
 from _bench import parse_config  # noqa: E402
+
 FAST = ["--warmup", "0", "--repeats", "1", "--max-seconds", "0.5"]
 GEMM_KEYS = {"impl", "m", "n", "k", "ms", "tflops", "ratio_vs_bf16", "rel_error"}
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 # The grouped kernel's simple form as a --config row (it cannot run here: recorded as skipped).
 GROUPED_SIMPLE = "warp_specialized=false,persistent=false,tile_m=64,max_concurrent_steps=2"
+
 
 def _record(out: pathlib.Path, name: str) -> dict:
     (path,) = out.glob(f"{name}-*.json")

@@ -198,7 +198,7 @@ def test_a_table_of_the_other_kind_is_an_error(monkeypatch, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# experiments/tune_gemm.py: what it would measure, and the table it writes.
+# benchmarks/tune_gemm.py: what it would measure, and the table it writes.
 
 
 @pytest.fixture(scope="module")

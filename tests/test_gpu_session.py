@@ -1,6 +1,6 @@
 """The GPU session's plan, rehearsed on the CPU so that its plumbing is tested before a GPU runs it.
 
-- Every smoke form (experiments/gpu_smoke.py) runs and passes in the Mosaic GPU interpreter.
+- Every smoke form (benchmarks/gpu_smoke.py) runs and passes in the Mosaic GPU interpreter.
 - The readers of ptxas / SASS / sanitizer / pytest / ncu / profiler output, on committed samples
   (tests/fixtures/gpu/).
 - `--rehearse` runs the real calls on the CPU: subprocesses, per-kernel timeouts and kills, the
@@ -8,26 +8,15 @@
 - The dry run plans the three device calls with the smoke stage first.
 """
 
-import importlib.util
 import json
 import pathlib
-import sys
 import tarfile
 
 import pytest
 
-EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
+from helpers import load_benchmark as _load
+
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "gpu"
-
-
-def _load(name):
-    if str(EXPERIMENTS) not in sys.path:
-        sys.path.insert(0, str(EXPERIMENTS))
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The deviceless Hopper build (experiments/hopper_build.py): the SASS census on a committed dump
+"""The deviceless Hopper build (benchmarks/hopper_build.py): the SASS census on a committed dump
 and on random synthetic text, the row checks, the committed results, and, when the toolchain
 installs (scripts/test.sh installs it; `scripts/hopper_toolchain.sh`), the default kernel forms
 compiled for sm_90a through ptxas on every CI run."""
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 import hopper_build as hb  # noqa: E402
 from gpu_reports import parse_ptxas, sass_census  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The training step compiled for Hopper from this CPU host (experiments/hopper_train_build.py): the
+"""The training step compiled for Hopper from this CPU host (benchmarks/hopper_train_build.py): the
 committed table's claims, and on every CI run the `tiny` FP8 train step compiled deviceless for an
 H100 within a time budget: the strongest check that the whole program, not only each kernel,
 compiles for CUDA."""
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 import hopper_build as hb  # noqa: E402
 import hopper_train_build as htb  # noqa: E402
 

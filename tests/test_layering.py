@@ -91,3 +91,63 @@ def test_the_library_is_not_the_bench(forbidden):
             names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
             names |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
             assert forbidden not in names, f"{path.relative_to(ROOT)} imports {forbidden}"
+
+
+# The top layer: experiments/ holds the science, benchmarks/ the speed and hardware tooling.
+# Both stand on the library; neither imports the other (a helper lives with its users), and
+# the library imports neither.
+SCRIPT_FOLDERS = {"experiments": ROOT / "experiments", "benchmarks": ROOT / "benchmarks"}
+
+
+def _script_modules(folder: pathlib.Path) -> dict[str, pathlib.Path]:
+    return {p.stem: p for p in folder.rglob("*.py") if "results" not in p.relative_to(folder).parts}
+
+
+def _top_level_imports(source: str) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add((node.module or "").split(".")[0])
+    return names
+
+
+def _notebook_code(path: pathlib.Path) -> str:
+    import json
+
+    cells = json.loads(path.read_text())["cells"]
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+
+def test_the_library_imports_no_script():
+    scripts = {name for folder in SCRIPT_FOLDERS.values() for name in _script_modules(folder)}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            bad = _top_level_imports(path.read_text()) & scripts
+            assert not bad, f"{path.relative_to(ROOT)} imports the script(s) {sorted(bad)}: the library is the lowest layer"
+
+
+@pytest.mark.parametrize("folder,other", [("experiments", "benchmarks"), ("benchmarks", "experiments")])
+def test_science_and_speed_stay_apart(folder, other):
+    theirs = _script_modules(SCRIPT_FOLDERS[other])
+    assert theirs, f"{other}/ has no scripts: has it moved?"
+    for name, path in _script_modules(SCRIPT_FOLDERS[folder]).items():
+        bad = _top_level_imports(path.read_text()) & set(theirs)
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)} from {other}/: move the shared helper to its users"
+        assert f'"{other}"' not in path.read_text(), f"{path.relative_to(ROOT)} puts {other}/ on its path"
+
+
+def test_experiments_holds_no_speed_tooling():
+    speed = [p.name for p in SCRIPT_FOLDERS["experiments"].glob("*.py")
+             if p.name.startswith(("bench_", "_bench", "tune_", "gpu_", "hopper_"))]
+    assert not speed, f"{speed} belong in benchmarks/ beside their results"
+
+
+def test_notebooks_import_the_library_only():
+    scripts = {name for folder in SCRIPT_FOLDERS.values() for name in _script_modules(folder)}
+    for path in (ROOT / "notebooks").glob("*.ipynb"):
+        names = _top_level_imports("\n".join(line for line in _notebook_code(path).splitlines()
+                                              if not line.lstrip().startswith(("%", "!"))))
+        assert not names & scripts, f"{path.name} imports {sorted(names & scripts)}: notebooks import jfp8, not scripts"
+        assert "pallas_kernels" not in names, f"{path.name} imports pallas_kernels: go through jfp8's one door"

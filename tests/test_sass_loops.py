@@ -1,4 +1,4 @@
-"""benchmarks/hopper_build/sass_loops.py on synthetic SASS: no GPU, no compiler.
+"""benchmarks/hopper/sass_loops.py on synthetic SASS: no GPU, no compiler.
 
 Each test writes a small kernel in nvdisasm's text form (labels, backquoted branch targets, with
 or without control codes) whose main loop's contents are known, so the counts and the K per
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "hopper_build"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "hopper"))
 from sass_loops import mainloop_census, parse_instructions  # noqa: E402
 
 

@@ -1,11 +1,11 @@
 """One Mosaic GPU kernel form, run once at a small shape and checked: the GPU session's smoke stage.
 
-    python experiments/gpu_smoke.py --list
-    python experiments/gpu_smoke.py --kernel gemm_default [--seed N] [--interpret]
-    python experiments/gpu_smoke.py --kernel "gemm[tile_n=64,max_concurrent_steps=6]"
-    python experiments/gpu_smoke.py --launch 8192x8192x8192 --repeats 2 [--profile-dir DIR]
+    python benchmarks/gpu_smoke.py --list
+    python benchmarks/gpu_smoke.py --kernel gemm_default [--seed N] [--interpret]
+    python benchmarks/gpu_smoke.py --kernel "gemm[tile_n=64,max_concurrent_steps=6]"
+    python benchmarks/gpu_smoke.py --launch 8192x8192x8192 --repeats 2 [--profile-dir DIR]
 
-`experiments/gpu_session.py` runs each form in a subprocess of its own with a short timeout, so a
+`benchmarks/gpu_session.py` runs each form in a subprocess of its own with a short timeout, so a
 kernel that hangs or fails to compile is named at once, and nothing after it is held up.
 
 Output protocol. Everything this script says goes to **stderr**, which the session streams into

@@ -1,17 +1,17 @@
 """Every Mosaic GPU kernel form compiled for Hopper (sm_90a) through ptxas to SASS, with no GPU.
 
-    python experiments/hopper_build.py                         # every form, h100_sxm and h200
-    python experiments/hopper_build.py --target h100_sxm --only gemm_default quantize_grad
-    python experiments/hopper_build.py --list
+    python benchmarks/hopper_build.py                         # every form, h100_sxm and h200
+    python benchmarks/hopper_build.py --target h100_sxm --only gemm_default quantize_grad
+    python benchmarks/hopper_build.py --list
 
 XLA compiles *deviceless* for a GPU described by a target config
-(`benchmarks/hopper_build/targets/<target>.txtpb`, handed to
+(`benchmarks/hopper/targets/<target>.txtpb`, handed to
 `jax.experimental.topologies.get_topology_desc`), and the Mosaic GPU custom call compiles its
 kernel when XLA instantiates it: Mosaic passes, LLVM NVPTX, ptxas, a cubin. With
 `MOSAIC_GPU_DUMP_PTXAS/SASS/RESOURCES=1` each kernel's ptxas `-v` report, SASS and SMEM count are
 printed on the compiling process's stdout, read here (`MOSAIC_GPU_DUMP_TO` would also write every
 MLIR pass, megabytes per kernel and most of the time).
-The toolchain (jax's CUDA plugin, ptxas, nvdisasm; `benchmarks/hopper_build/requirements.txt`)
+The toolchain (jax's CUDA plugin, ptxas, nvdisasm; `benchmarks/hopper/requirements.txt`)
 is installed by `scripts/hopper_toolchain.sh`, outside the project's environment.
 
 Each form compiles in a subprocess of its own (a crash or a compiler error is that form's row,
@@ -40,7 +40,7 @@ import time
 from typing import Callable
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TARGETS_DIR = REPO / "benchmarks" / "hopper_build" / "targets"
+TARGETS_DIR = REPO / "benchmarks" / "hopper" / "targets"
 TARGETS = {"h100_sxm": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200 141GB HBM3e"}
 HOPPER_SMS = 132  # both targets
 OUT = REPO / "benchmarks" / "results" / "hopper-build"
@@ -168,7 +168,7 @@ def _quantizer(name, dtype="bfloat16", shape=QUANT, config=None):
 
 def forms() -> dict[str, Form]:
     """Every smoke form (gpu_smoke.KERNELS' names) and bisect variant (gpu_session's configs)."""
-    sys.path.insert(0, str(REPO / "experiments"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     from _bench import parse_config
     from gpu_session import BISECT_CONFIGS, GROUPED_BISECT_CONFIGS, WGRAD_BISECT_CONFIGS
     from pallas_kernels.configs import GemmConfig, GroupedGemmConfig
@@ -461,7 +461,7 @@ def write(rows: list[dict], target: str, out: pathlib.Path) -> pathlib.Path:
     doc = {"target": target, "device_kind": TARGETS[target], "jax": jax.__version__,
            "ptxas": rows[0]["ptxas_version"] if rows else None,
            "date": datetime.date.today().isoformat(), "host": platform.node(),
-           "command": "python experiments/hopper_build.py --target " + target, "rows": merged}
+           "command": "python benchmarks/hopper_build.py --target " + target, "rows": merged}
     return write_json(path, doc)
 
 
@@ -515,5 +515,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "experiments"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     sys.exit(main())

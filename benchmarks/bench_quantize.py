@@ -1,9 +1,9 @@
 """Quantization benchmark: jfp8's fused FP8 quantization kernels against the device's measured copy
 bandwidth, one run, one device.
 
-    python experiments/bench_quantize.py                      # GPU: large inputs; CPU: tiny, XLA only
-    python experiments/bench_quantize.py --shapes 8192x8192:bfloat16 7168x2048:float32
-    python experiments/bench_quantize.py --config swizzle=false     # + the unswizzled kernels
+    python benchmarks/bench_quantize.py                      # GPU: large inputs; CPU: tiny, XLA only
+    python benchmarks/bench_quantize.py --shapes 8192x8192:bfloat16 7168x2048:float32
+    python benchmarks/bench_quantize.py --config swizzle=false     # + the unswizzled kernels
 
 Rows:
   copy-xla-add-one    jit(x + 1) on a large bf16 array: reads and writes every byte once (XLA

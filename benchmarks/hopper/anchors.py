@@ -6,7 +6,7 @@ example 67 (`67_hopper_fp8_warp_specialized_gemm_with_blockwise_scaling`). This 
 only this recipe and the recorded results; their code stays in their checkouts, which this script
 takes as paths (`--deepgemm DIR --cutlass DIR`, extracted sources). Nothing here runs a kernel.
 
-    .venv/bin/python benchmarks/hopper_build/anchors.py \
+    .venv/bin/python benchmarks/hopper/anchors.py \
         --deepgemm /tmp/anchors/deepgemm --cutlass /tmp/anchors/cutlass \
         --deepgemm-cutlass /tmp/anchors/cutlass-dg \
         --ours /tmp/hbfull/dumps/h100_sxm --work /tmp/anchors/build \
@@ -59,8 +59,8 @@ GEMM kernel's cubin is pulled out with cuobjdump -xelf. The problem shape (M, N,
 argument of these programs (--m --n --k): one compile serves every shape, so their rows are
 shape-free (the tile, cluster and schedule are compile-time and fixed in the .cu).
 
-Per-128-K-block numbers: benchmarks/hopper_build/sass_loops.py (mainloop_census). Our kernels'
-rows ("jfp8") come from experiments/hopper_build.py --keep-dumps (--ours DIR/h100_sxm), read by the
+Per-128-K-block numbers: benchmarks/hopper/sass_loops.py (mainloop_census). Our kernels'
+rows ("jfp8") come from benchmarks/hopper_build.py --keep-dumps (--ours DIR/h100_sxm), read by the
 same census; `--only ours` refreshes them alone. `anchors.py --table FILE.json` prints the
 side-by-side markdown table of a recorded result; `anchors.py --recensus FILE.json` re-runs the
 main-loop census on the SASS the anchors' builds kept (a newer census without a rebuild).
@@ -82,8 +82,8 @@ import sys
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "experiments"))
-sys.path.insert(0, str(REPO / "benchmarks" / "hopper_build"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "hopper"))
 from gpu_reports import parse_ptxas, sass_census, sass_functions  # noqa: E402
 from sass_loops import mainloop_census  # noqa: E402
 
@@ -435,7 +435,7 @@ def build_cutlass(name: str, cutlass: pathlib.Path, work: pathlib.Path, nvcc: st
 
 
 def read_ours(dumps: pathlib.Path) -> dict:
-    """Our forms' dumps as experiments/hopper_build.py --keep-dumps writes them: the three the
+    """Our forms' dumps as benchmarks/hopper_build.py --keep-dumps writes them: the three the
     issue compares (absent ones recorded as such) and any other form found there."""
     forms = {}
     others = sorted(d.name for d in dumps.glob("*") if d.is_dir()) if dumps.is_dir() else []
@@ -529,7 +529,7 @@ def recensus(path: pathlib.Path) -> None:
             row["mainloop"] = census
             print(f"{group} {name}: re-read {sass_path}")
     result.setdefault("commands", []).append(
-        "python benchmarks/hopper_build/anchors.py --recensus " + str(path.relative_to(REPO) if path.is_absolute() and
+        "python benchmarks/hopper/anchors.py --recensus " + str(path.relative_to(REPO) if path.is_absolute() and
                                                                       path.is_relative_to(REPO) else path))
     path.write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
 
@@ -618,7 +618,7 @@ def main(argv=None) -> int:
         result["jfp8"] = {"dumps": str(args.ours), "forms": read_ours(args.ours),
                           "commit": git("rev-parse", "HEAD"),
                           "uncommitted_kernel_edits": git("status", "--short", "pallas_kernels", "jfp8").splitlines(),
-                          "how": args.ours_command or "experiments/hopper_build.py --target h100_sxm --keep-dumps DIR "
+                          "how": args.ours_command or "benchmarks/hopper_build.py --target h100_sxm --keep-dumps DIR "
                                  "(Mosaic GPU's ptxas/nvdisasm dumps), read by the same census"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")

@@ -1,8 +1,8 @@
 """Forward + backward of one FP8 linear layer (`jfp8.fp8_linear`) against the bf16 `x @ w`, one
 run, one device: what a training step pays per layer, quantizers, transposes and all.
 
-    python experiments/bench_linear.py                # GPU: DeepSeek-V3 shapes; CPU: small ones
-    python experiments/bench_linear.py --shapes 4096x7168x2048
+    python benchmarks/bench_linear.py                # GPU: DeepSeek-V3 shapes; CPU: small ones
+    python benchmarks/bench_linear.py --shapes 4096x7168x2048
 
 A shape MxNxK is x (M, K) bf16 times w (K, N) f32 master weight (cast to bf16 for the baseline);
 one timed call is one jitted `jax.vjp` of the layer with a fixed random cotangent g (dy, not a

@@ -1,10 +1,10 @@
 """Grouped (MoE) GEMM benchmark: jfp8's grouped FP8 GEMM beside bf16 baselines, one run, one device.
 
-    python experiments/bench_grouped.py                       # GPU: MoE shapes; CPU: tiny, XLA only
-    python experiments/bench_grouped.py --shapes 8x4096x4096x7168
-    python experiments/bench_grouped.py --mgpu-config block_m=128,block_n=128,max_concurrent_steps=4
-    python experiments/bench_grouped.py --config warp_specialized=false,persistent=false,tile_m=64,max_concurrent_steps=2
-    python experiments/bench_grouped.py --op wgrad            # the MoE Wgrad, grouped along tokens
+    python benchmarks/bench_grouped.py                       # GPU: MoE shapes; CPU: tiny, XLA only
+    python benchmarks/bench_grouped.py --shapes 8x4096x4096x7168
+    python benchmarks/bench_grouped.py --mgpu-config block_m=128,block_n=128,max_concurrent_steps=4
+    python benchmarks/bench_grouped.py --config warp_specialized=false,persistent=false,tile_m=64,max_concurrent_steps=2
+    python benchmarks/bench_grouped.py --op wgrad            # the MoE Wgrad, grouped along tokens
 
 A problem GxRxNxK is G experts with R tokens each (equal groups, T = G*R rows sorted by expert),
 x (T, K) times one weight per expert, N outputs. Implementations (rows), output bf16:

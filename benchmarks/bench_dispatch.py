@@ -1,7 +1,7 @@
 """Bytes moved by the expert-parallel all-to-alls per train step, FP8 vs BF16 dispatch, and the
 step time on a simulated CPU mesh (or real devices). Writes benchmarks/results/dispatch-<device>-<date>.json.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python experiments/bench_dispatch.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python benchmarks/bench_dispatch.py
 
 Bytes come from the HLO handed to XLA (`lower().as_text("hlo")`): XLA:CPU widens f8/bf16
 collectives to f16/f32 after optimisation, GPUs keep the types.

@@ -1,11 +1,11 @@
 """Measures candidate configs per problem on this GPU and writes the tables that
 `pallas_kernels.tuning` reads (the dense and grouped GEMMs' configs when the caller gives none).
 
-    python experiments/tune_gemm.py                      # Hopper: small-M shapes, then DENSE_SHAPES
-    python experiments/tune_gemm.py --shapes 64x7168x2048 256x7168x2048 --out-dtype float32
-    python experiments/tune_gemm.py --grouped            # the grouped GEMM at GROUPED_TUNE_SHAPES
-    python experiments/tune_gemm.py --grouped --shapes 8x128x4096x7168   # GxRxNxK
-    python experiments/tune_gemm.py --dry-run            # anywhere: the candidates, nothing run
+    python benchmarks/tune_gemm.py                      # Hopper: small-M shapes, then DENSE_SHAPES
+    python benchmarks/tune_gemm.py --shapes 64x7168x2048 256x7168x2048 --out-dtype float32
+    python benchmarks/tune_gemm.py --grouped            # the grouped GEMM at GROUPED_TUNE_SHAPES
+    python benchmarks/tune_gemm.py --grouped --shapes 8x128x4096x7168   # GxRxNxK
+    python benchmarks/tune_gemm.py --dry-run            # anywhere: the candidates, nothing run
 
 Dense, per problem MxNxK (a (M, K) in 1x128 tiles times b (N, K) in 128x128 blocks): the rule's
 pick (`tuning.rule_config`), `GemmConfig()`, and a grid of both forms (one warpgroup on 64-row
@@ -198,7 +198,7 @@ def merge_table(path: pathlib.Path, entries: list[dict], device_kind: str,
     new_keys = {key(e) for e in entries}
     merged = sorted([e for e in old["entries"] if key(e) not in new_keys] + entries, key=key)
     table = dict(kind=kind, device=device_kind, jax_version=jax.__version__,
-                 date=datetime.date.today().isoformat(), source="experiments/tune_gemm.py",
+                 date=datetime.date.today().isoformat(), source="benchmarks/tune_gemm.py",
                  entries=merged)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

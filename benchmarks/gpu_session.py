@@ -6,8 +6,8 @@
     bash scripts/gpu_session.sh --command bisect    # call 3: GemmConfig bisection, ncu, Mosaic profile, sanitizers
     bash scripts/gpu_session.sh --command tune_gemm     # optional further calls: the tuning tables
     bash scripts/gpu_session.sh --command tune_grouped
-    python experiments/gpu_session.py --dry-run     # anywhere: the three calls' plans, in order
-    python experiments/gpu_session.py --rehearse --command smoke   # CPU: the same plumbing, kernels
+    python benchmarks/gpu_session.py --dry-run     # anywhere: the three calls' plans, in order
+    python benchmarks/gpu_session.py --rehearse --command smoke   # CPU: the same plumbing, kernels
                                                     # in the Mosaic GPU interpreter, tiny shapes
 
 Each stage is a subprocess in its own process group with its own timeout; a failing stage does
@@ -17,13 +17,13 @@ little left is skipped, with that reason.
 Stages:
   env            device, driver, versions, the CUDA tools found (ptxas, nvdisasm, cuobjdump, ncu,
                  compute-sanitizer) and pytest-timeout
-  smoke          each kernel form of experiments/gpu_smoke.py in a subprocess of its own (45 s
+  smoke          each kernel form of benchmarks/gpu_smoke.py in a subprocess of its own (45 s
                  each): compiled?, correct within the hardware bound (GEMMs) or bit-exact
                  (quantizers)?, and, from the compiler's dumps (MOSAIC_GPU_DUMP_PTX/PTXAS/SASS),
                  registers, spill bytes, ptxas warnings (C7508: setmaxnreg ignored; serialized
                  wgmma), QGMMA/HGMMA, USETMAXREG and LDL/STL counts
   pytest_gpu     `pytest -m gpu` with a per-test timeout (pytest-timeout) and faulthandler dumps
-  bench_*        experiments/bench_{gemm,grouped,quantize,linear}.py at the DeepSeek-V3 shapes,
+  bench_*        benchmarks/bench_{gemm,grouped,quantize,linear}.py at the DeepSeek-V3 shapes,
                  every row checked against its reference before it is timed
   bisect_gemm    bench_gemm at 8192^3 and 4096x7168x16384 with one row per GemmConfig variant
                  (issue 19's switches, warp_specialized, persistent, tile_n, stages, tile order)
@@ -41,7 +41,7 @@ Stages:
                  compute-sanitizer on one smoke kernel each, filtered to the Mosaic kernels;
                  racecheck's findings on mbarrier/async-proxy code are advisory
   tune_gemm / tune_grouped
-                 experiments/tune_gemm.py: candidate configs per problem, the winners' table
+                 benchmarks/tune_gemm.py: candidate configs per problem, the winners' table
 
 Nothing is lost when a call is cut off: every stage streams into
 `gpu_session-<device>-<date>-<command>.log` as it runs, and the summary
@@ -70,9 +70,9 @@ import tarfile
 import tempfile
 import time
 
-EXPERIMENTS = pathlib.Path(__file__).resolve().parent
-REPO = EXPERIMENTS.parent
-sys.path.insert(0, str(EXPERIMENTS))
+BENCHMARKS = pathlib.Path(__file__).resolve().parent
+REPO = BENCHMARKS.parent
+sys.path.insert(0, str(BENCHMARKS))
 import gpu_reports  # noqa: E402
 import gpu_tables  # noqa: E402
 from pallas_kernels import shapes  # noqa: E402  (plain tuples: no jax)
@@ -280,7 +280,7 @@ def _pytest_timeout_available() -> bool:
 
 def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
     """The stages of one call, in order, with their commands (not run)."""
-    py, me, smoke = _python(), str(pathlib.Path(__file__).resolve()), str(EXPERIMENTS / "gpu_smoke.py")
+    py, me, smoke = _python(), str(pathlib.Path(__file__).resolve()), str(BENCHMARKS / "gpu_smoke.py")
     out = args.out
     rehearse = args.rehearse
     no_gpu = None if (gpu.hopper or rehearse) else gpu.why_not
@@ -288,7 +288,7 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
     stages = []
 
     def bench(name, script, shapes, extra=(), out_dir=out):
-        argv = [py, str(EXPERIMENTS / script), "--out", str(out_dir), "--max-seconds", "3"]
+        argv = [py, str(BENCHMARKS / script), "--out", str(out_dir), "--max-seconds", "3"]
         argv += QUICK_ARGS[name] if rehearse or not gpu.hopper else ["--shapes", *shapes]
         return Stage(name, argv + list(extra), TIMEOUTS[name], kind="bench")
 
@@ -349,7 +349,7 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
             stages.append(Stage(name, [py, me, "--worker", "sanitizer", "--tool", tool, "--kernel", kernel],
                                 TIMEOUTS[name], skip=gpu_only))
         elif name in ("tune_gemm", "tune_grouped"):
-            argv = [py, str(EXPERIMENTS / "tune_gemm.py"), *(["--grouped"] if name == "tune_grouped" else []),
+            argv = [py, str(BENCHMARKS / "tune_gemm.py"), *(["--grouped"] if name == "tune_grouped" else []),
                     "--out", str(out), "--max-seconds", "2", "--repeats", "7"]
             stages.append(Stage(name, argv, TIMEOUTS[name], skip=gpu_only, kind="bench"))
     if args.stages:
@@ -474,7 +474,7 @@ DEVICELESS = REPO / "benchmarks" / "results" / "hopper-build"
 
 
 def deviceless_rows(device_kind: str | None) -> dict[str, dict]:
-    """{form: row} of the committed deviceless build for this GPU (experiments/hopper_build.py;
+    """{form: row} of the committed deviceless build for this GPU (benchmarks/hopper_build.py;
     an H200's own file, else the H100's), {} when there is none."""
     target = "h200" if "H200" in (device_kind or "") else "h100_sxm"
     path = DEVICELESS / f"kernels-{target}.json"
@@ -840,7 +840,7 @@ def worker_sanitizer(tool: str, kernel: str) -> int:
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
            "XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="}
     argv = [exe, "--tool", tool, "--print-limit", "50", *flt, _python(),
-            str(EXPERIMENTS / "gpu_smoke.py"), "--kernel", kernel, "--seed", "0"]
+            str(BENCHMARKS / "gpu_smoke.py"), "--kernel", kernel, "--seed", "0"]
     return subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
 
 
@@ -866,7 +866,7 @@ def worker_ncu() -> int:
             "--section", "MemoryWorkloadAnalysis", "--csv", "--page", "details"]
     if metrics:
         argv += ["--metrics", ",".join(metrics)]
-    argv += [_python(), str(EXPERIMENTS / "gpu_smoke.py"), "--launch", PROFILE_SHAPE, "--repeats", "2"]
+    argv += [_python(), str(BENCHMARKS / "gpu_smoke.py"), "--launch", PROFILE_SHAPE, "--repeats", "2"]
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     return subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
 

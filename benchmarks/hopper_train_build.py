@@ -1,13 +1,13 @@
 """The training and eval steps compiled for Hopper from a CPU host, FP8 and BF16, per preset.
 
-    python experiments/hopper_train_build.py                          # tiny, small, gpu on h100_sxm
-    python experiments/hopper_train_build.py --presets tiny --target h200
-    python experiments/hopper_train_build.py --cache-check            # + a second process, persistent cache
-    python experiments/hopper_train_build.py --max-batch              # + the largest gpu-preset batches
-    python experiments/hopper_train_build.py --table                  # the committed results, as markdown
+    python benchmarks/hopper_train_build.py                          # tiny, small, gpu on h100_sxm
+    python benchmarks/hopper_train_build.py --presets tiny --target h200
+    python benchmarks/hopper_train_build.py --cache-check            # + a second process, persistent cache
+    python benchmarks/hopper_train_build.py --max-batch              # + the largest gpu-preset batches
+    python benchmarks/hopper_train_build.py --table                  # the committed results, as markdown
 
 A user's first `jax.jit` of `jfp8.train.step.build(...)`'s steps on a Hopper, without the Hopper:
-XLA compiles deviceless for the GPU a target config describes (`experiments/hopper_build.py`,
+XLA compiles deviceless for the GPU a target config describes (`benchmarks/hopper_build.py`,
 the same toolchain), the Mosaic GPU kernels through LLVM and ptxas to cubins. Params, router state
 and optimizer state are `ShapeDtypeStruct`s on the topology's device (nothing is initialized), the
 tokens the preset's (batch, seq_len). Each (preset, precision, step) compiles in a fresh subprocess,
@@ -38,7 +38,7 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from hopper_build import (  # noqa: E402
     HOPPER_SMS, OUT, TARGETS, TARGETS_DIR, child_env, ptxas_version, toolchain, write_json)
@@ -496,7 +496,7 @@ def main(argv=None) -> int:
                       f"{doc['host']}:\n\n{markdown_tables(doc)}\n")
         return 0
     tools = toolchain() if any(t in TARGETS for t in targets) else None
-    command = "python experiments/hopper_train_build.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/hopper_train_build.py " + " ".join(argv if argv is not None else sys.argv[1:])
     failed = 0
     for target in targets:
         print(f"== {target} ({TARGETS.get(target, 'this machine')})"

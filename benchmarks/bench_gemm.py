@@ -1,9 +1,9 @@
 """Dense GEMM benchmark: jfp8's tile x block FP8 GEMM beside XLA bf16, XLA per-tensor FP8 and
 torch's cuBLAS blockwise FP8 (DeepSeek-style 1x128 x 128x128 scales), one run, one device.
 
-    python experiments/bench_gemm.py                 # GPU: DeepSeek-V3 shapes; CPU: small, XLA only
-    python experiments/bench_gemm.py --shapes 8192x8192x8192 --config tile_m=128,tile_n=128
-    python experiments/bench_gemm.py --config tile_m=128 --config tile_m=64,max_concurrent_steps=4
+    python benchmarks/bench_gemm.py                 # GPU: DeepSeek-V3 shapes; CPU: small, XLA only
+    python benchmarks/bench_gemm.py --shapes 8192x8192x8192 --config tile_m=128,tile_n=128
+    python benchmarks/bench_gemm.py --config tile_m=128 --config tile_m=64,max_concurrent_steps=4
 
 Implementations (rows), per shape MxNxK (x (M, K) times w (N, K), output bf16):
   xla-bf16              jnp.dot on bf16 operands, f32 accumulation (cuBLAS on GPU): the baseline
