@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
 
 # Opcodes counted in SASS: fp8 / bf16 wgmma, older MMAs, setmaxnreg, local-memory traffic.
@@ -177,6 +178,58 @@ def parse_sanitizer(text: str) -> dict:
         if found:
             out[key] = int(found[-1])
     return out
+
+
+# A report compute-sanitizer prints for one finding (memcheck's "Invalid __global__ read",
+# racecheck's hazards, synccheck's "Barrier error"): the line that opens it.
+_SANITIZER_REPORT = re.compile(r"^=+\s+(Error|Warning|Invalid|Program hit|Barrier error)\b.*", re.MULTILINE)
+_SMOKE_START = re.compile(r"^SMOKE start (\S+)", re.MULTILINE)
+
+
+def sanitizer_by_form(text: str) -> dict[str, dict]:
+    """{form: {"reports": N, "first": the first report's line or None, "ok": its smoke verdict}}
+    for a sanitizer run over several smoke forms in one process, each report charged to the form
+    whose `SMOKE start` line came last before it (the forms run one after another)."""
+    starts = list(_SMOKE_START.finditer(text))
+    forms = {}
+    for i, m in enumerate(starts):
+        segment = text[m.end(): starts[i + 1].start() if i + 1 < len(starts) else len(text)]
+        reports = [r.group(0).strip() for r in _SANITIZER_REPORT.finditer(segment)]
+        result = next((line for line in segment.splitlines() if line.startswith("SMOKE result ")), None)
+        ok = None
+        if result is not None:
+            try:
+                ok = json.loads(result[len("SMOKE result "):]).get("ok")
+            except ValueError:
+                pass
+        forms[m.group(1)] = {"reports": len(reports), "first": reports[0] if reports else None, "ok": ok}
+    return forms
+
+
+def racecheck_verdict(forms: dict[str, dict], mutant: str, twin: str) -> dict:
+    """Whether racecheck saw the planted race (more reports on the mutant than on its clean twin),
+    and, only then, whether the real kernels were clean."""
+    m, t = forms.get(mutant), forms.get(twin)
+    real = {k: v["reports"] for k, v in forms.items() if k not in (mutant, twin)}
+    sees = bool(m and t and m["reports"] > t["reports"])
+    if not sees:
+        verdict = "racecheck did not flag the planted race: its silence on the kernels proves nothing"
+    elif any(real.values()):
+        verdict = f"racecheck sees (mutant {m['reports']}, twin {t['reports']}); reports on {sorted(k for k, v in real.items() if v)}"
+    else:
+        verdict = f"racecheck sees (mutant {m['reports']}, twin {t['reports']}); the kernels are clean"
+    return {"mutant_flagged": sees, "kernels_clean": sees and not any(real.values()), "verdict": verdict}
+
+
+# The first line that names a CUDA failure, as the driver, the runtime, XLA or jax print it.
+_CUDA_ERROR = re.compile(r".*(CUDA_ERROR_\w+|cuda(?:Error)?\w*: |an illegal (?:memory access|instruction)|"
+                         r"misaligned address|unspecified launch failure|Xid\b).*")
+
+
+def first_cuda_error(text: str) -> str | None:
+    """The first line of `text` that reports a CUDA error, stripped and cut to 300 characters."""
+    m = _CUDA_ERROR.search(text)
+    return m.group(0).strip()[:300] if m else None
 
 
 def parse_junit(xml_text: str) -> dict:

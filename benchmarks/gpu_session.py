@@ -78,29 +78,35 @@ import gpu_tables  # noqa: E402
 from pallas_kernels import shapes  # noqa: E402  (plain tuples: no jax)
 
 COMMANDS = {
+    # The correctness record (issue 42), two calls: "smoke" then "check".
     "smoke": ("env", "smoke", "pytest_gpu"),
+    "check": ("racecheck", "memcheck", "synccheck", "train_check"),
     "bench": ("bench_gemm", "bench_grouped", "bench_quantize", "bench_linear", "bench_grouped_wgrad"),
-    "bisect": ("bisect_gemm", "bisect_grouped", "ncu", "profile", "memcheck", "racecheck", "memcheck_grouped",
-               "bisect_grouped_wgrad"),
+    "bisect": ("bisect_gemm", "bisect_grouped", "ncu", "profile", "bisect_grouped_wgrad"),
     "tune_gemm": ("tune_gemm",),
     "tune_grouped": ("tune_grouped",),
 }
-# The first-contact plan: these three, in this order, each a device call of its own.
-PLAN = ("smoke", "bench", "bisect")
-TIMEOUTS = dict(env=45, smoke=270, pytest_gpu=150, bench_gemm=170, bench_grouped=110,
+# A GPU window's plan, each a device call of its own: the correctness record first, then the speed.
+PLAN = ("smoke", "check", "bench", "bisect")
+TIMEOUTS = dict(env=45, smoke=150, pytest_gpu=90, racecheck=60, memcheck=40, synccheck=35, train_check=100,
+                bench_gemm=170, bench_grouped=110,
                 bench_quantize=70, bench_linear=90, bench_grouped_wgrad=60, bisect_gemm=200, bisect_grouped=90,
-                ncu=90, profile=60, memcheck=60, racecheck=60, memcheck_grouped=50, bisect_grouped_wgrad=60,
+                ncu=90, profile=60, bisect_grouped_wgrad=60,
                 tune_gemm=450, tune_grouped=450)
 SMOKE_KERNEL_TIMEOUT = 45.0
-SMOKE_FIRST_TIMEOUT = 75.0  # the first kernel also pays for CUDA and jax start-up
-PYTEST_TEST_TIMEOUT = 90
+SMOKE_FIRST_TIMEOUT = 75.0  # the first kernels also pay for CUDA and jax start-up
+# Smoke forms run this many at a time, each in its own process (a fault stays in its process's
+# CUDA context): compiling dominates a form's time and the GPU machines have 16 cores.
+SMOKE_JOBS = 4
+PYTEST_TEST_TIMEOUT = 60
 MIN_STAGE_SECONDS = 15
 # The test files with `gpu`-marked tests, each run in a process of its own (`worker_pytest_gpu`),
 # quantizers first: the cheapest, and the swizzled layouts only hardware checks.
 GPU_TEST_FILES = ("test_quantize_kernels.py", "test_gemm_kernel.py", "test_grouped_kernel.py")
-# A call's wall clock: two calls and their starts (~30 s each on an H100, 2026-11-26) inside a
-# session's 15 minutes of device time.
+# A call's wall clock. The record's two calls are 5 and 3 minutes with their starts (~30 s each on
+# an H100, 2026-11-26); the speed calls follow in what is left of a window's 15 minutes.
 DEFAULT_BUDGET_S = 400
+BUDGETS = {"smoke": 270, "check": 150}
 
 # The benchmark shapes (pallas_kernels/shapes.py), most important first: a budget cut drops the
 # tail. The square 8192^3, then DeepSeek-V3's M=4096 shapes with the long K of the speed targets.
@@ -135,9 +141,19 @@ GROUPED_BISECT_CONFIGS = ("cluster_n=2", "scalar_b_scale=false", "early_scale_lo
 # The grouped Wgrad's (its b is tile-scaled: no scalar scale), last in the bisect call.
 WGRAD_BISECT_CONFIGS = ("cluster_n=2", "early_scale_loads=true", "cluster_n=2,early_scale_loads=true")
 PROFILE_SHAPE = "8192x8192x8192"
-# What the sanitizer stages run (one kernel each).
-SANITIZED = {"memcheck": ("memcheck", "gemm_default"), "racecheck": ("racecheck", "gemm_default"),
-             "memcheck_grouped": ("memcheck", "grouped_fprop")}
+# What compute-sanitizer runs (one process per tool, the forms in order): the default dense,
+# grouped Fprop and grouped Wgrad kernels and every quantizer, each with a partial tile
+# (`gpu_smoke.SANITIZER_FORMS`). Racecheck first runs the deliberately racy mutant and its clean
+# twin (`gpu_mutants.py`): its silence on the kernels counts only if it flagged the mutant.
+SANITIZER_KERNELS = ("gemm_default_tails", "grouped_fprop", "grouped_wgrad", "quantize_tile_tails",
+                     "quantize_block_tails", "quantize_weight_tails", "quantize_grad_tails",
+                     "quantize_column_t_tails", "retile_tails")
+MUTANT, MUTANT_TWIN = "mutant_early_release", "mutant_clean_release"
+SANITIZED = {"racecheck": ("racecheck", (MUTANT, MUTANT_TWIN, *SANITIZER_KERNELS)),
+             "memcheck": ("memcheck", SANITIZER_KERNELS),
+             "synccheck": ("synccheck", SANITIZER_KERNELS)}
+# The record's training check: FP8 steps with the kernels against the reference, same GPU.
+TRAIN_CHECK_ARGS = ["--presets", "tiny", "gpu", "--steps", "5", "--batch", "4"]
 # The Mosaic GPU kernels' CUDA names contain this (`<body>_mosaic_gpu_kernel`): the filter for
 # ncu and compute-sanitizer, so that XLA's own kernels are not instrumented.
 MOSAIC_KERNEL_SUBSTRING = "mosaic_gpu"
@@ -153,6 +169,9 @@ QUICK_ARGS = {
     "bench_grouped_wgrad": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
     "bisect_grouped_wgrad": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
 }
+# --rehearse: the training check's plumbing at the tiny preset, both sides on XLA (the kernels in
+# the interpreter take minutes per step; `gpu_train_check.py --interpret` runs them, by hand).
+REHEARSAL_TRAIN_CHECK_ARGS = ["--presets", "tiny", "--steps", "2", "--batch", "2"]
 # A rehearsal's smoke stage: a real form in the interpreter, a form whose compiler dump is a
 # committed sample (parsers end to end), a hang (the timeout and kill) and a crash.
 REHEARSAL_SMOKE = ("quantize_tile", "_sample_dump", "_hang", "_crash")
@@ -263,6 +282,9 @@ class Stage:
     skip: str | None = None  # why the stage is not run
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     kind: str = "command"  # "command", "bench" (writes a record), "smoke" (many subprocesses)
+    # Runs side by side with the consecutive stages that are concurrent too (each its own process
+    # and output file, appended to the log when it ends): the record's second call.
+    concurrent: bool = False
     # filled in when it runs
     status: str = "planned"
     seconds: float = 0.0
@@ -345,9 +367,14 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
             stages.append(Stage("profile", argv, TIMEOUTS["profile"], skip=gpu_only,
                                 env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
         elif name in SANITIZED:
-            tool, kernel = SANITIZED[name]
-            stages.append(Stage(name, [py, me, "--worker", "sanitizer", "--tool", tool, "--kernel", kernel],
-                                TIMEOUTS[name], skip=gpu_only))
+            tool, kernels = SANITIZED[name]
+            argv = [py, me, "--worker", "sanitizer", "--tool", tool, *(a for k in kernels for a in ("--kernel", k))]
+            stages.append(Stage(name, argv, TIMEOUTS[name], skip=gpu_only, concurrent=True))
+        elif name == "train_check":
+            argv = [py, str(BENCHMARKS / "gpu_train_check.py"), "--out", str(out),
+                    *(REHEARSAL_TRAIN_CHECK_ARGS if rehearse or not gpu.hopper else TRAIN_CHECK_ARGS)]
+            stages.append(Stage(name, argv, TIMEOUTS[name], skip=no_gpu, concurrent=True,
+                                env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
         elif name in ("tune_gemm", "tune_grouped"):
             argv = [py, str(BENCHMARKS / "tune_gemm.py"), *(["--grouped"] if name == "tune_grouped" else []),
                     "--out", str(out), "--max-seconds", "2", "--repeats", "7"]
@@ -414,60 +441,102 @@ def run_process(argv, env, timeout, stdout, stderr) -> tuple[str, int | None]:
         return "timeout", None
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=10)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
 def run_smoke(stage: Stage, env: dict, log: Log, ctx: Session) -> None:
-    """Each kernel form in its own subprocess: stderr (the worker's messages) into the log,
-    stdout (the compiler's dumps) into a file per kernel, parsed into the kernel's row."""
+    """Each kernel form in a process of its own, `ctx.args.smoke_jobs` at a time: stderr (the
+    worker's messages) to a file per form, appended to the log when the form ends; stdout (the
+    compiler's dumps) to another, parsed into the form's row. Rows keep the forms' order."""
     dumps = ctx.work / "smoke"
     dumps.mkdir(exist_ok=True)
+    kernels = stage.summary["kernels"]
     rows = stage.summary.setdefault("rows", [])
+    rows[:] = [{"kernel": k} for k in kernels]
     deadline = time.perf_counter() + stage.timeout
-    for i, kernel in enumerate(stage.summary["kernels"]):
-        left = deadline - time.perf_counter()
-        row = {"kernel": kernel}
-        rows.append(row)
-        if left < 5:
-            row.update(status="skipped", failure=f"smoke stage budget spent ({left:.0f} s left)")
-            continue
-        limit = REHEARSAL_SMOKE_TIMEOUT if ctx.rehearse else (SMOKE_FIRST_TIMEOUT if i == 0 else SMOKE_KERNEL_TIMEOUT)
-        if kernel == "_hang":
-            limit = REHEARSAL_HANG_TIMEOUT
-        argv = [a if a != "<each>" else kernel for a in stage.argv]
-        dump_path = dumps / f"{slug(kernel)}.txt"
-        log.write(f"--- smoke {kernel} (timeout {min(limit, left):.0f} s)\n")
-        offset, t0 = log.offset(), time.perf_counter()
-        with open(dump_path, "wb") as dump:
-            status, rc = run_process(argv, {**env, **stage.env}, min(limit, left), dump, log.fd)
-        row["seconds"] = round(time.perf_counter() - t0, 2)
-        result = _smoke_result(log.since(offset))
-        row.update({k: result[k] for k in ("seed", "metric", "error", "bound", "failure", "detail") if k in result})
-        if status == "timeout":
-            row["status"] = "timeout"
-            row["failure"] = f"no result within {min(limit, left):.0f} s (hang or slow compile)"
-        elif not result:
-            row["status"] = "failed"
-            row["failure"] = f"exit status {rc}, no SMOKE result (crash before the check: see the log)"
-        else:
-            row["status"] = "ok" if result.get("ok") else ("WRONG" if "failure" not in result else "failed")
-        text = dump_path.read_text(errors="replace")
-        row.update(gpu_reports.summarize_dump(text))
-        row["deviceless"] = gpu_reports.compare_to_deviceless(row, deviceless_rows(ctx.gpu.name).get(kernel))
-        row["sass_source"] = "mosaic dump" if row["sass"] else None
-        if not row["sass"] and gpu_reports.ptx_modules(text) and not ctx.rehearse:
-            sass = "".join(filter(None, (_ptx_to_sass(ptx, dumps / slug(kernel)) for ptx in gpu_reports.ptx_modules(text))))
-            if sass:
-                row["sass"] = gpu_reports.count_sass(sass)
-                row["sass_functions"] = gpu_reports.sass_functions(sass)
-                row["sass_source"] = "ptxas -arch=sm_90a + cuobjdump on the dumped PTX"
-                with open(dump_path, "a") as f:
-                    f.write("\n// ---- SASS from ptxas + cuobjdump ----\n" + sass)
-        log.write(f"--- smoke {kernel}: {row['status']} in {row['seconds']} s (registers {row['registers']}, "
-                  f"spill bytes {row['spill_bytes']}, SASS {row['sass'] or 'none'}; against the deviceless "
-                  f"build: {'same' if row['deviceless']['same'] else row['deviceless']['differences']})\n")
-        ctx.pack_dumps(dumps)
-        ctx.save()
+    jobs = max(1, ctx.args.smoke_jobs)
+    pending = list(range(len(kernels)))
+    running: dict[int, tuple[subprocess.Popen, float, float]] = {}  # index -> (process, start, limit)
+    while pending or running:
+        while pending and len(running) < jobs:
+            i = pending.pop(0)
+            kernel, left = kernels[i], deadline - time.perf_counter()
+            if left < 5:
+                rows[i].update(status="skipped", failure=f"smoke stage budget spent ({left:.0f} s left)")
+                continue
+            limit = REHEARSAL_SMOKE_TIMEOUT if ctx.rehearse else (
+                SMOKE_FIRST_TIMEOUT if i < jobs else SMOKE_KERNEL_TIMEOUT)
+            if kernel == "_hang":
+                limit = REHEARSAL_HANG_TIMEOUT
+            limit = min(limit, left)
+            argv = [a if a != "<each>" else kernel for a in stage.argv]
+            log.write(f"--- smoke {kernel} started (timeout {limit:.0f} s)\n")
+            with open(dumps / f"{slug(kernel)}.txt", "wb") as out, open(dumps / f"{slug(kernel)}.err", "wb") as err:
+                try:
+                    proc = subprocess.Popen(argv, stdout=out, stderr=err, cwd=REPO, env={**env, **stage.env},
+                                            start_new_session=True, stdin=subprocess.DEVNULL)
+                except OSError as e:
+                    rows[i].update(status="failed", failure=f"could not start: {e}")
+                    continue
+            running[i] = (proc, time.perf_counter(), limit)
+        time.sleep(0.1)
+        for i, (proc, t0, limit) in list(running.items()):
+            timed_out = proc.poll() is None and time.perf_counter() - t0 > limit
+            if proc.poll() is None and not timed_out:
+                continue
+            if timed_out:
+                _kill_group(proc)
+            del running[i]
+            _finish_smoke_row(rows[i], kernels[i], proc.returncode, timed_out, limit,
+                              time.perf_counter() - t0, dumps, log, ctx)
     bad = [r["kernel"] for r in rows if r["status"] != "ok" and not r["kernel"].startswith("_")]
     stage.status = "ok" if not bad else "failed"
     stage.summary["failed"] = bad
+
+
+def _finish_smoke_row(row: dict, kernel: str, rc: int | None, timed_out: bool, limit: float, seconds: float,
+                      dumps: pathlib.Path, log: Log, ctx: Session) -> None:
+    """One finished form: its messages into the log, its result and compiler dump into its row."""
+    messages = (dumps / f"{slug(kernel)}.err").read_text(errors="replace")
+    log.write(messages)
+    row["seconds"] = round(seconds, 2)
+    result = _smoke_result(messages)
+    row.update({k: result[k] for k in ("seed", "shape", "metric", "error", "bound", "failure", "detail") if k in result})
+    if timed_out:
+        row["status"] = "timeout"
+        row["failure"] = f"no result within {limit:.0f} s (hang or slow compile)"
+    elif not result:
+        row["status"] = "failed"
+        row["failure"] = f"exit status {rc}, no SMOKE result (crash before the check: see the log)"
+    else:
+        row["status"] = "ok" if result.get("ok") else ("WRONG" if "failure" not in result else "failed")
+    if row["status"] != "ok":  # which CUDA error, if any: a fault is this form's row and no other's
+        row["cuda_error"] = gpu_reports.first_cuda_error(messages)
+    dump_path = dumps / f"{slug(kernel)}.txt"
+    text = dump_path.read_text(errors="replace")
+    row.update(gpu_reports.summarize_dump(text))
+    row["deviceless"] = gpu_reports.compare_to_deviceless(row, deviceless_rows(ctx.gpu.name).get(kernel))
+    row["sass_source"] = "mosaic dump" if row["sass"] else None
+    if not row["sass"] and gpu_reports.ptx_modules(text) and not ctx.rehearse:
+        sass = "".join(filter(None, (_ptx_to_sass(ptx, dumps / slug(kernel)) for ptx in gpu_reports.ptx_modules(text))))
+        if sass:
+            row["sass"] = gpu_reports.count_sass(sass)
+            row["sass_functions"] = gpu_reports.sass_functions(sass)
+            row["sass_source"] = "ptxas -arch=sm_90a + cuobjdump on the dumped PTX"
+            with open(dump_path, "a") as f:
+                f.write("\n// ---- SASS from ptxas + cuobjdump ----\n" + sass)
+    log.write(f"--- smoke {kernel}: {row['status']} in {row['seconds']} s (registers {row['registers']}, "
+              f"spill bytes {row['spill_bytes']}, SASS {row['sass'] or 'none'}; against the deviceless "
+              f"build: {'same' if row['deviceless']['same'] else row['deviceless']['differences']})\n")
+    ctx.pack_dumps(dumps)
+    ctx.save()
 
 
 DEVICELESS = REPO / "benchmarks" / "results" / "hopper-build"
@@ -550,9 +619,14 @@ def summarize(stage: Stage, text: str, ctx: Session, since: float) -> dict:
         return {"traces": len(traces), "regions": regions}
     if stage.name in SANITIZED:
         summary = gpu_reports.parse_sanitizer(text)
-        summary["kernel_result"] = _smoke_result(text).get("ok")
+        summary["forms"] = gpu_reports.sanitizer_by_form(text)
         summary["filter"] = next((line for line in text.splitlines() if line.startswith("SANITIZER ")), None)
+        if stage.name == "racecheck":
+            summary.update(gpu_reports.racecheck_verdict(summary["forms"], MUTANT, MUTANT_TWIN))
         return summary
+    if stage.name == "train_check":
+        rows = [json.loads(line[len("TRAIN_CHECK "):]) for line in text.splitlines() if line.startswith("TRAIN_CHECK ")]
+        return {"rows": rows, "ok": bool(rows) and all(r.get("ok") for r in rows)}
     return {}
 
 
@@ -594,7 +668,7 @@ class Session:
         """The summary JSON, written whole to a temporary file and renamed over the old one."""
         record = dict(
             date=datetime.date.today().isoformat(), gpu=self.gpu.name, compute_capability=self.gpu.compute_cap,
-            hopper=self.gpu.hopper, command=self.command, rehearsal=self.rehearse, commit=_commit(),
+            hopper=self.gpu.hopper, command=self.command, rehearsal=self.rehearse, commit=_commit(), dirty=_dirty(),
             budget_s=self.args.budget_s, dry_run=self.args.dry_run, argv=self.args.argv,
             stages=[dataclasses.asdict(s) for s in self.stages],
         )
@@ -622,12 +696,28 @@ class Session:
         os.replace(tmp, tarball)
 
 
-def _commit() -> str | None:
+def _git(*argv: str) -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
+        r = subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def _commit() -> str | None:
+    """The commit the call ran: git's, else $JFP8_COMMIT (a GPU machine's copy of the tree may
+    have no .git; docs/gpu.md's commands pass it)."""
+    head = _git("rev-parse", "HEAD")
+    return head.strip() if head else os.environ.get("JFP8_COMMIT") or None
+
+
+def _dirty() -> bool | None:
+    """Whether the tree differed from that commit: git's answer, else $JFP8_DIRTY (0 or 1)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    if status is not None:
+        return bool(status.strip())
+    flag = os.environ.get("JFP8_DIRTY")
+    return None if flag is None else flag not in ("0", "", "false")
 
 
 def stage_line(s: Stage) -> str:
@@ -643,8 +733,15 @@ def stage_line(s: Stage) -> str:
         note = f"{sm['tests']} tests, {sm['failures']} failures, {sm['errors']} errors, {sm['skipped']} skipped"
     elif s.kind == "bench" and sm.get("record"):
         note = f"{sm['rows']} rows, {sm['failed']} failed, {sm['skipped']} skipped ({sm['record']})"
-    elif s.name in SANITIZED and s.status != "skipped":
+    elif s.name in SANITIZED and s.status not in ("skipped", "dry-run", "planned"):
         note = f"errors {sm.get('errors', '?')}" + (f", hazards {sm['hazards']}" if "hazards" in sm else "")
+        if "verdict" in sm:
+            note += f"; {sm['verdict']}"
+    elif s.name == "train_check" and sm.get("rows"):
+        note = "; ".join(f"{r['preset']}: {'ok' if r.get('ok') else 'FAILED'}"
+                         + (f" (rel. loss diff {r['rel_diff'][0]:.1e} .. {r['rel_diff'][-1]:.1e})" if r.get("rel_diff") else
+                            f" ({r.get('failure', '')[:80]})")
+                         for r in sm["rows"])
     elif s.name == "profile" and sm.get("regions"):
         note = " ".join(f"{k} {v['per_warpgroup_us']:.0f} us/wg" for k, v in sm["regions"].items())
     elif s.name == "ncu" and sm.get("launches") is not None:
@@ -683,7 +780,55 @@ def final_table(ctx: Session, header: str) -> str:
     return "\n".join(lines)
 
 
+def _stage_groups(stages: list[Stage]) -> list[list[Stage]]:
+    """The stages in run order, consecutive concurrent ones grouped (every other stage alone)."""
+    groups: list[list[Stage]] = []
+    for s in stages:
+        if s.concurrent and groups and groups[-1][-1].concurrent:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+def _run_concurrent(stages: list[Stage], env: dict, log: Log, ctx: Session) -> None:
+    """Starts every stage at once, each in its own process group with its own timeout and output
+    file; each stage's output goes into the log, under its header, when it ends."""
+    running = []
+    for s in stages:
+        output = tempfile.TemporaryFile()
+        log.write(f"\n----- {s.name} started ({time.strftime('%H:%M:%S')}): {' '.join(s.argv)}\n")
+        try:
+            proc = subprocess.Popen(s.argv, stdout=output, stderr=subprocess.STDOUT, cwd=REPO, env={**env, **s.env},
+                                    start_new_session=True, stdin=subprocess.DEVNULL)
+        except OSError as e:
+            s.status, s.summary = "failed", {"failure": f"could not start: {e}"}
+            continue
+        running.append((s, proc, output, time.perf_counter(), time.time()))
+    while running:
+        time.sleep(0.2)
+        for item in list(running):
+            s, proc, output, t0, since = item
+            timed_out = proc.poll() is None and time.perf_counter() - t0 > s.timeout
+            if proc.poll() is None and not timed_out:
+                continue
+            running.remove(item)
+            if timed_out:
+                _kill_group(proc)
+            s.status = "timeout" if timed_out else ("ok" if proc.returncode == 0 else "failed")
+            s.rc, s.seconds = proc.returncode, time.perf_counter() - t0
+            output.seek(0)
+            text = output.read().decode("utf-8", "replace")
+            log.write(f"\n===== {s.name} ({s.seconds:.1f} s, ran beside the others of its call) =====\n"
+                      f"$ {' '.join(s.argv)}\n{text}===== {s.name}: {s.status} in {s.seconds:.1f} s\n")
+            s.summary = summarize(s, text, ctx, since)
+            ctx.save()
+
+
 def run_command(command: str, args, gpu: Gpu) -> int:
+    args = argparse.Namespace(**{
+        **vars(args), "budget_s": args.budget_s or BUDGETS.get(command, DEFAULT_BUDGET_S),
+        "smoke_jobs": args.smoke_jobs or (2 if args.rehearse else SMOKE_JOBS)})
     work = pathlib.Path(tempfile.mkdtemp(prefix="gpu_session-"))
     stages = plan(command, args, gpu, work)
     ctx = Session(args, command, gpu, work, stages, args.rehearse)
@@ -695,36 +840,46 @@ def run_command(command: str, args, gpu: Gpu) -> int:
     log = Log(ctx.log_path)
     start = time.perf_counter()
     try:
-        for s in stages:
-            left = args.budget_s - (time.perf_counter() - start)
-            if s.skip is None and left < MIN_STAGE_SECONDS:
-                s.skip = f"call budget spent ({left:.0f} s left of {args.budget_s:.0f})"
-            log.write(f"\n===== {s.name} ({time.strftime('%H:%M:%S')}) =====\n$ {' '.join(s.argv)}\n")
-            if s.skip is not None:
-                s.status = "skipped"
-                log.write(f"skipped: {s.skip}\n")
-            elif args.dry_run:
-                s.status = "dry-run"
-            else:
-                s.timeout = min(s.timeout, left)
-                if s.kind == "bench":  # it stops starting problems in time
-                    share = 0.8 if s.name.startswith("tune") else 0.6
-                    s.argv += ["--budget-s", f"{max(s.timeout * share, 5):.0f}"]
-                t0, offset, since = time.perf_counter(), log.offset(), time.time()
-                if s.kind == "smoke":
-                    run_smoke(s, env, log, ctx)
+        for group in _stage_groups(stages):
+            ready = []
+            for s in group:
+                left = args.budget_s - (time.perf_counter() - start)
+                if s.skip is None and left < MIN_STAGE_SECONDS:
+                    s.skip = f"call budget spent ({left:.0f} s left of {args.budget_s:.0f})"
+                if s.skip is not None:
+                    s.status = "skipped"
+                elif args.dry_run:
+                    s.status = "dry-run"
                 else:
-                    s.status, s.rc = run_process(s.argv, {**env, **s.env}, s.timeout, log.fd, log.fd)
-                    s.summary = summarize(s, log.since(offset), ctx, since)
-                s.seconds = time.perf_counter() - t0
-                log.write(f"===== {s.name}: {s.status} in {s.seconds:.1f} s\n")
-            extra = ""
-            if args.dry_run:
-                extra = f"\n    $ {' '.join(s.argv)}"
-                if s.kind == "smoke":
-                    extra += f"\n    kernels, in order: {', '.join(s.summary['kernels'])}"
-            print(stage_line(s) + extra, flush=True)
-            ctx.save()
+                    s.timeout = min(s.timeout, left)
+                    if s.kind == "bench":  # it stops starting problems in time
+                        share = 0.8 if s.name.startswith("tune") else 0.6
+                        s.argv += ["--budget-s", f"{max(s.timeout * share, 5):.0f}"]
+                    ready.append(s)
+            if len(group) > 1:
+                _run_concurrent(ready, env, log, ctx)
+            for s in group:
+                if s in ready and len(group) == 1:
+                    log.write(f"\n===== {s.name} ({time.strftime('%H:%M:%S')}) =====\n$ {' '.join(s.argv)}\n")
+                    t0, offset, since = time.perf_counter(), log.offset(), time.time()
+                    if s.kind == "smoke":
+                        run_smoke(s, env, log, ctx)
+                    else:
+                        s.status, s.rc = run_process(s.argv, {**env, **s.env}, s.timeout, log.fd, log.fd)
+                        s.summary = summarize(s, log.since(offset), ctx, since)
+                    s.seconds = time.perf_counter() - t0
+                    log.write(f"===== {s.name}: {s.status} in {s.seconds:.1f} s\n")
+                elif s not in ready:
+                    log.write(f"\n===== {s.name} ({time.strftime('%H:%M:%S')}) =====\n$ {' '.join(s.argv)}\n")
+                    if s.skip is not None:
+                        log.write(f"skipped: {s.skip}\n")
+                extra = ""
+                if args.dry_run:
+                    extra = f"\n    $ {' '.join(s.argv)}"
+                    if s.kind == "smoke":
+                        extra += f"\n    kernels, in order: {', '.join(s.summary['kernels'])}"
+                print(stage_line(s) + extra, flush=True)
+                ctx.save()
     finally:
         log.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -756,15 +911,24 @@ def pytest_gpu_argv(junit: pathlib.Path, test_file: str) -> list[str]:
 
 
 def worker_pytest_gpu(junit_dir: str, files: str) -> int:
-    """`pytest -m gpu`, one process per test file, in turn. A kernel fault leaves the process's
-    CUDA context unusable (a sticky error), so one process for all files failed every test after
-    the first fault and then segfaulted (an H100, 2026-11-26); a file of its own keeps the other
-    files' results."""
-    rc = 0
+    """`pytest -m gpu`, one process per test file, all at once, each file's output printed whole
+    when it ends. A kernel fault leaves the process's CUDA context unusable (a sticky error), so
+    one process for all files failed every test after the first fault and then segfaulted (an
+    H100, 2026-11-26); a process per file keeps the other files' results, and running them side by
+    side fits the record's first call (their compiles dominate; the GPU machine has 16 cores)."""
+    procs = []
     for name in filter(None, files.split(",")):
         junit = pathlib.Path(junit_dir) / f"pytest-{pathlib.Path(name).stem}.xml"
-        print(f"--- pytest -m gpu {name}", flush=True)
-        rc = subprocess.run(pytest_gpu_argv(junit, name)).returncode or rc
+        output = tempfile.TemporaryFile()
+        procs.append((name, output, subprocess.Popen(pytest_gpu_argv(junit, name), stdout=output,
+                                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)))
+    rc = 0
+    for name, output, proc in procs:
+        rc = proc.wait() or rc
+        output.seek(0)
+        print(f"--- pytest -m gpu {name}: exit {proc.returncode}", flush=True)
+        sys.stdout.write(output.read().decode(errors="replace"))
+        sys.stdout.flush()
     return rc
 
 
@@ -828,19 +992,21 @@ def _kernel_filter(help_text: str, flag_style: str) -> list[str]:
     return []
 
 
-def worker_sanitizer(tool: str, kernel: str) -> int:
-    """compute-sanitizer on one smoke kernel, restricted to the Mosaic kernels where it can be."""
+def worker_sanitizer(tool: str, kernels: list[str]) -> int:
+    """compute-sanitizer on smoke forms, in order, in one process (`gpu_smoke.py --kernel A --kernel
+    B ...`), restricted to the Mosaic kernels where it can be. Each form announces itself on stderr
+    (`SMOKE start`) before its launches, which attributes each report to the form that made it."""
     exe = find_tool("compute-sanitizer")
     if exe is None:
         print("SANITIZER not found", flush=True)
         return 2
     help_text = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=30).stdout
     flt = _kernel_filter(help_text, "sanitizer")
-    print(f"SANITIZER {tool} on {kernel}, filter {' '.join(flt) or 'none (not in --help)'}", flush=True)
+    print(f"SANITIZER {tool} on {', '.join(kernels)}, filter {' '.join(flt) or 'none (not in --help)'}", flush=True)
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
            "XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="}
     argv = [exe, "--tool", tool, "--print-limit", "50", *flt, _python(),
-            str(BENCHMARKS / "gpu_smoke.py"), "--kernel", kernel, "--seed", "0"]
+            str(BENCHMARKS / "gpu_smoke.py"), *(a for k in kernels for a in ("--kernel", k)), "--seed", "0"]
     return subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
 
 
@@ -883,9 +1049,12 @@ def main(argv=None) -> int:
     p.add_argument("--command", choices=tuple(COMMANDS), default=None,
                    help="which call to run (default: smoke; with --dry-run: all three, in order)")
     p.add_argument("--out", type=pathlib.Path, default=None, help="results dir ($OUT, else benchmarks/results)")
-    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the call's wall-clock budget")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"the call's wall-clock budget (default: {BUDGETS} by command, else {DEFAULT_BUDGET_S})")
     p.add_argument("--stages", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help="run only these stages of the command (comma-separated)")
+    p.add_argument("--smoke-jobs", type=int, default=None,
+                   help=f"smoke forms run at a time, each in its own process (default {SMOKE_JOBS}; 2 in a rehearsal)")
     p.add_argument("--smoke-kernels", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help="smoke only these kernel forms (gpu_smoke.py --list)")
     p.add_argument("--gemm-config", action="append", default=[], metavar="FIELD=VALUE,...",
@@ -907,7 +1076,7 @@ def main(argv=None) -> int:
     p.add_argument("--junit-dir", help=argparse.SUPPRESS)
     p.add_argument("--files", help=argparse.SUPPRESS)
     p.add_argument("--tool", help=argparse.SUPPRESS)
-    p.add_argument("--kernel", help=argparse.SUPPRESS)
+    p.add_argument("--kernel", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.worker == "env":

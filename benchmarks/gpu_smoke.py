@@ -3,6 +3,7 @@
     python benchmarks/gpu_smoke.py --list
     python benchmarks/gpu_smoke.py --kernel gemm_default [--seed N] [--interpret]
     python benchmarks/gpu_smoke.py --kernel "gemm[tile_n=64,max_concurrent_steps=6]"
+    python benchmarks/gpu_smoke.py --kernel gemm_default_tails --kernel mutant_early_release   # one process
     python benchmarks/gpu_smoke.py --launch 8192x8192x8192 --repeats 2 [--profile-dir DIR]
 
 `benchmarks/gpu_session.py` runs each form in a subprocess of its own with a short timeout, so a
@@ -48,6 +49,8 @@ from jfp8 import accumulation
 from jfp8.reference import rel_error
 from pallas_kernels import _mgpu, gemm, grouped_gemm, grouped_wgrad, quantize as qk
 
+import gpu_mutants
+
 TILE = jfp8.TILE
 # The smoke shapes: two tiles on every axis and a K tail (300 = 2 chunks + 44), small enough
 # for the interpreter; empty and chunk-straddling groups for the grouped kernels.
@@ -56,6 +59,7 @@ SMALL_M = 48
 GROUP_SIZES = (100, 0, 156)
 QUANT_SHAPE = (256, 384)  # TMA tiles it whole: the swizzled kernels
 QUANT_TAILS = (250, 500)  # it does not: the unswizzled ones
+DENSE_TAILS = (200, 136)  # M, N: a partial tile on both axes (K = 300 has its tail already)
 
 
 def say(*parts) -> None:
@@ -89,6 +93,7 @@ class Check:
     error: float
     bound: float  # the largest passing error
     detail: object = None  # where a quantizer differs (`_where_bits_differ`), when it does
+    shape: str = ""  # the problem, as the record names it (a fault's row says where it happened)
 
     @property
     def ok(self) -> bool:
@@ -98,8 +103,8 @@ class Check:
 # ------------------------------------------------------------------------------ GEMM forms
 
 
-def _dense(rng, interpret: bool, config: gemm.GemmConfig | None, *, m=M, b_block=(TILE, TILE)) -> Check:
-    x, w = _gaussian(rng, (m, K)), _gaussian(rng, (N, K))
+def _dense(rng, interpret: bool, config: gemm.GemmConfig | None, *, m=M, n=N, b_block=(TILE, TILE)) -> Check:
+    x, w = _gaussian(rng, (m, K)), _gaussian(rng, (n, K))
     a = _on_cpu(jfp8.quantize, x, (1, TILE))
     b = _on_cpu(jfp8.quantize, w, b_block)
     b_rows = b_block[0]
@@ -108,11 +113,11 @@ def _dense(rng, interpret: bool, config: gemm.GemmConfig | None, *, m=M, b_block
                                  interpret=interpret)
     else:
         da, db = _to_device(a), _to_device(b)
-        out = gemm.scaled_matmul(da.data, da.scale, db.data, db.scale, n=N, b_block_rows=b_rows,
+        out = gemm.scaled_matmul(da.data, da.scale, db.data, db.scale, n=n, b_block_rows=b_rows,
                                  out_dtype=jnp.float32, config=config)
     ref = _on_cpu(jfp8.scaled_matmul_reference, a, b, jnp.float32)
     return Check("rel_fro", rel_error(out, ref),
-                 accumulation.hardware_error_bound(a, b))
+                 accumulation.hardware_error_bound(a, b), shape=f"{m}x{n}x{K}, b block {b_block}")
 
 
 def _grouped(rng, config: grouped_gemm.GroupedGemmConfig | None) -> Check:
@@ -126,7 +131,8 @@ def _grouped(rng, config: grouped_gemm.GroupedGemmConfig | None) -> Check:
                                              out_dtype=jnp.float32, config=config)
     ref = _on_cpu(jfp8.grouped_scaled_matmul_reference, a, b, sizes, jnp.float32)
     return Check("rel_fro", rel_error(out, ref),
-                 accumulation.grouped_hardware_error_bound(a, b, GROUP_SIZES))
+                 accumulation.grouped_hardware_error_bound(a, b, GROUP_SIZES),
+                 shape=f"groups {GROUP_SIZES} of {rows} rows, N {N}, K {K}")
 
 
 def _grouped_wgrad(rng, config: grouped_gemm.GroupedGemmConfig | None) -> Check:
@@ -140,7 +146,8 @@ def _grouped_wgrad(rng, config: grouped_gemm.GroupedGemmConfig | None) -> Check:
                                      out_dtype=jnp.float32, config=config)
     ref = _on_cpu(jfp8.grouped_wgrad_reference, xt, dyt, sizes, jnp.float32)
     return Check("rel_fro", rel_error(out, ref),
-                 accumulation.grouped_wgrad_hardware_error_bound(xt, dyt, GROUP_SIZES))
+                 accumulation.grouped_wgrad_hardware_error_bound(xt, dyt, GROUP_SIZES),
+                 shape=f"groups {GROUP_SIZES} of {tokens} tokens, {K} x {N}")
 
 
 # ------------------------------------------------------------------------------ quantizer forms
@@ -194,7 +201,8 @@ def _quantizer(kernel_fn, reference_fn, shape=QUANT_SHAPE, dtype=jnp.bfloat16, p
         want = _on_cpu(reference_fn, x)
         differ = _bits_differ(got, want)
         detail = _where_bits_differ(got, want) if differ else None
-        return Check("bits_differ", float(differ if differ >= 0 else np.inf), 0.0, detail)
+        return Check("bits_differ", float(differ if differ >= 0 else np.inf), 0.0, detail,
+                     shape=f"{shape[0]}x{shape[1]} {jnp.dtype(dtype).name}")
 
     return run
 
@@ -292,6 +300,48 @@ KERNELS = {
 }
 
 
+# What compute-sanitizer runs in the record's second call (`gpu_session.SANITIZED`): the default
+# dense, grouped Fprop and grouped Wgrad kernels and every quantizer, each at a small shape with a
+# partial tile (the grouped forms' groups are ragged and empty already), in one process per tool.
+SANITIZER_FORMS = {
+    "gemm_default_tails": (f"dense tile x block, GemmConfig(), M x N x K = {DENSE_TAILS[0]} x {DENSE_TAILS[1]} x {K}",
+                           lambda rng, i: _dense(rng, i, gemm.GemmConfig(), m=DENSE_TAILS[0], n=DENSE_TAILS[1])),
+    "quantize_tile_tails": ("1x128 tiles at a tail shape", _quantizer(
+        _mosaic(jfp8.quantize, block=(1, TILE)), _xla(jfp8.quantize, block=(1, TILE)), shape=QUANT_TAILS)),
+    "quantize_block_tails": ("128x128 blocks at a tail shape", _quantizer(
+        _mosaic(jfp8.quantize, block=(TILE, TILE)), _xla(jfp8.quantize, block=(TILE, TILE)), shape=QUANT_TAILS,
+        dtype=jnp.float32)),
+    "quantize_weight_tails": ("fused weight quantizer at a tail shape", _quantizer(
+        _mosaic(jfp8.quantize_weight), _xla(jfp8.quantize_weight), shape=QUANT_TAILS, dtype=jnp.float32)),
+    "quantize_grad_tails": ("fused gradient quantizer at a tail shape", _quantizer(
+        _mosaic(jfp8.quantize_grad), _xla(jfp8.quantize_grad), shape=QUANT_TAILS)),
+    "quantize_column_t_tails": ("x^T per 128 tokens at a tail shape", _quantizer(
+        _mosaic(jfp8.quantize_wgrad_operand), _xla(jfp8.quantize_wgrad_operand), shape=QUANT_TAILS)),
+    "retile_tails": ("re-tiling at a tail shape", _quantizer(
+        _mosaic(jfp8.retile_wgrad_operand), _xla(jfp8.retile_wgrad_operand), shape=QUANT_TAILS,
+        prepare=_xla(jfp8.quantize, block=(1, TILE)))),
+}
+
+
+def _release(early: bool):
+    """`gpu_mutants.release_pipeline`: the clean twin must pass its values through unchanged; the
+    mutant passes whatever it read (its verdict is the race detector's, not the output's)."""
+    def run(rng, interpret: bool) -> Check:
+        x = _gaussian(rng, (gpu_mutants.STEPS, gpu_mutants.ROWS, gpu_mutants.COLS), False)
+        out = gpu_mutants.release_pipeline(_to_device(x), early_release=early)
+        differ = _bits_differ(out, x)
+        return Check("bits_differ", float(differ if differ >= 0 else np.inf), np.inf if early else 0.0,
+                     shape="x".join(map(str, x.shape)) + " float32")
+
+    return run
+
+
+MUTANTS = {
+    "mutant_early_release": ("racy on purpose: a stage released before it is read (gpu_mutants.py)", _release(True)),
+    "mutant_clean_release": ("the mutant's clean twin: released after it is read", _release(False)),
+}
+
+
 # Forms that test the session's own plumbing in the CPU rehearsal, never run on a GPU: a compiler
 # dump from the committed samples (the parsers end to end), a hang (the per-kernel timeout and
 # kill) and a crash before any result.
@@ -336,8 +386,9 @@ def _config_form(name: str):
 def lookup(name: str):
     if name in KERNELS:
         return KERNELS[name]
-    if name in SELFTESTS:
-        return SELFTESTS[name]
+    for registry in (SANITIZER_FORMS, MUTANTS, SELFTESTS):
+        if name in registry:
+            return registry[name]
     if "[" in name:
         return _config_form(name)
     raise SystemExit(f"unknown kernel {name!r}; --list shows the forms (or gemm[...] / grouped[...])")
@@ -352,7 +403,7 @@ def run(name: str, seed: int, interpret: bool) -> dict:
         context = _mgpu.interpret_mode(True) if interpret else contextlib.nullcontext()
         with context:
             check = fn(np.random.default_rng(seed), interpret)
-        result.update(ok=check.ok, metric=check.metric, error=check.error, bound=check.bound)
+        result.update(ok=check.ok, metric=check.metric, error=check.error, bound=check.bound, shape=check.shape)
         if check.detail is not None:
             result["detail"] = check.detail
     except Exception as e:  # noqa: BLE001 - reported as the kernel's result
@@ -385,7 +436,9 @@ def launch(shape: str, repeats: int, profile_dir: str | None) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", help="a name from --list, or gemm[field=value,...] / grouped[...]")
+    p.add_argument("--kernel", action="append", default=[],
+                   help="a name from --list, or gemm[field=value,...] / grouped[...]; repeat it to run several "
+                        "forms in this one process, in order (the sanitizer's runs)")
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
     p.add_argument("--interpret", action="store_true", help="run in the Mosaic GPU interpreter (CPU)")
     p.add_argument("--list", action="store_true", help="print the kernel forms, in run order")
@@ -396,13 +449,15 @@ def main(argv=None) -> int:
     if args.launch:
         return launch(args.launch, args.repeats, args.profile_dir)
     if args.list:
-        for name, (what, _) in KERNELS.items():
-            print(f"{name:26s} {what}")
+        for registry in (KERNELS, SANITIZER_FORMS, MUTANTS):
+            for name, (what, _) in registry.items():
+                print(f"{name:26s} {what}")
         return 0
     if not args.kernel:
         p.error("--kernel is required (or --list)")
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
-    return 0 if run(args.kernel, seed, args.interpret)["ok"] else 1
+    results = [run(name, seed, args.interpret) for name in args.kernel]
+    return 0 if all(r["ok"] for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -5,16 +5,20 @@
   (tests/fixtures/gpu/).
 - `--rehearse` runs the real calls on the CPU: subprocesses, per-kernel timeouts and kills, the
   log streamed as it runs, the summary JSON rewritten after every stage, the dump tarball.
-- The dry run plans the three device calls with the smoke stage first.
+- The dry run plans a window's four device calls: the correctness record (smoke, check), then
+  the speed (bench, bisect).
 """
 
 import json
 import pathlib
 import tarfile
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from helpers import load_benchmark as _load
+from helpers import interpret_detecting_races, load_benchmark as _load
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "gpu"
 
@@ -44,6 +48,31 @@ def test_every_smoke_form_passes_in_the_interpreter():
         assert r["error"] <= r["bound"] and (r["bound"] > 0) == (r["metric"] == "rel_fro")
 
 
+def test_every_sanitizer_form_passes_in_the_interpreter():
+    """What compute-sanitizer runs in the record's second call, each with a partial tile, in the
+    interpreter: the forms reach their kernels and match their references."""
+    smoke = _load("gpu_smoke")
+    results = [smoke.run(name, seed, interpret=True) for seed, name in enumerate(smoke.SANITIZER_FORMS)]
+    assert not [r for r in results if not r["ok"]], results
+    session = _load("gpu_session")
+    assert set(session.SANITIZER_KERNELS) <= set(smoke.SANITIZER_FORMS) | set(smoke.KERNELS)
+
+
+def test_the_mutant_races_and_its_twin_does_not():
+    """The planted race is real: the interpreter's race detector flags the stage released before
+    it is read, and not its twin that releases after (the same kernel otherwise)."""
+    mutants = _load("gpu_mutants")
+    x = jax.random.normal(jax.random.key(0), (mutants.STEPS, mutants.ROWS, mutants.COLS), jnp.float32)
+    out, races = interpret_detecting_races(lambda x: mutants.release_pipeline(x, early_release=False), x)
+    assert not races and np.array_equal(np.asarray(out), np.asarray(x))
+    _, races = interpret_detecting_races(lambda x: mutants.release_pipeline(x, early_release=True), x)
+    assert races
+    # and both lower for Hopper (so racecheck can run them there)
+    for early in (False, True):
+        text = mutants.release_pipeline.trace(x, early_release=early).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
 def test_smoke_config_forms_and_unknown_names(capsys):
     smoke = _load("gpu_smoke")
     what, _ = smoke.lookup("gemm[tile_n=64,max_concurrent_steps=3]")
@@ -68,7 +97,6 @@ def test_a_wrong_kernel_is_reported_wrong(monkeypatch):
 def test_a_wrong_quantizer_says_where(monkeypatch):
     """A quantizer that differs comes back ok=False with where: which output, how many elements,
     their index span and samples (read off the log of a hardware run with no further call)."""
-    import numpy as np
 
     smoke = _load("gpu_smoke")
     real = smoke.qk.quantize_tile_and_column_t
@@ -152,6 +180,45 @@ def test_sanitizer_junit_ncu_and_profile_readers(reports):
     assert regions["promote"]["per_warpgroup_us"] == 1.0
 
 
+def test_sanitizer_reports_are_charged_to_their_forms(reports):
+    """One sanitizer process runs several forms; each report belongs to the form announced last."""
+    log = "\n".join([
+        "SANITIZER racecheck on mutant_early_release, mutant_clean_release, gemm_default_tails, filter none",
+        "SMOKE start mutant_early_release seed=0",
+        "========= Error: Race reported between Write access at _body_mosaic_gpu_kernel+0x1a0",
+        "=========     and Read access at _body_mosaic_gpu_kernel+0x2c0 [512 hazards]",
+        "========= Warning: (Warp Level Programming) Potential WAR hazard detected at __shared__ 0x40",
+        'SMOKE result {"kernel": "mutant_early_release", "ok": true}',
+        "SMOKE start mutant_clean_release seed=0",
+        'SMOKE result {"kernel": "mutant_clean_release", "ok": true}',
+        "SMOKE start gemm_default_tails seed=0",
+        'SMOKE result {"kernel": "gemm_default_tails", "ok": false}',
+        "========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)",
+        "========= ERROR SUMMARY: 1 error",
+    ])
+    forms = reports.sanitizer_by_form(log)
+    assert [f["reports"] for f in forms.values()] == [2, 0, 0]
+    assert forms["mutant_early_release"]["first"].startswith("========= Error: Race reported")
+    assert forms["gemm_default_tails"]["ok"] is False
+    seen = reports.racecheck_verdict(forms, "mutant_early_release", "mutant_clean_release")
+    assert seen["mutant_flagged"] and seen["kernels_clean"] and "the kernels are clean" in seen["verdict"]
+    forms["gemm_default_tails"]["reports"] = 3
+    dirty = reports.racecheck_verdict(forms, "mutant_early_release", "mutant_clean_release")
+    assert dirty["mutant_flagged"] and not dirty["kernels_clean"] and "gemm_default_tails" in dirty["verdict"]
+    forms["mutant_early_release"]["reports"] = 0  # blind: a clean kernel result then means nothing
+    blind = reports.racecheck_verdict(forms, "mutant_early_release", "mutant_clean_release")
+    assert not blind["mutant_flagged"] and not blind["kernels_clean"] and "proves nothing" in blind["verdict"]
+    assert not reports.racecheck_verdict({}, "mutant_early_release", "mutant_clean_release")["mutant_flagged"]
+
+
+def test_first_cuda_error(reports):
+    text = ("SMOKE start gemm_default seed=3\nsome jax warning\n"
+            "jaxlib.xla_extension.XlaRuntimeError: INTERNAL: CUDA_ERROR_MISALIGNED_ADDRESS: misaligned address\n"
+            "later: CUDA_ERROR_ILLEGAL_ADDRESS\n")
+    assert "CUDA_ERROR_MISALIGNED_ADDRESS" in reports.first_cuda_error(text)
+    assert reports.first_cuda_error("SMOKE result {}\nall fine\n") is None
+
+
 def test_kernel_filters_follow_the_tools_help(session):
     assert session._kernel_filter("  --kernel-name <name>", "sanitizer") == ["--kernel-name", "kns=mosaic_gpu"]
     assert session._kernel_filter("  --filter {key=val}", "sanitizer") == ["--filter", "kns=mosaic_gpu"]
@@ -171,14 +238,24 @@ def test_pytest_gpu_covers_every_file_with_gpu_tests(session):
     assert set(session.GPU_TEST_FILES) == marked
 
 
-def test_dry_run_plans_three_calls_smoke_first(session, tmp_path, capsys):
+def test_dry_run_plans_the_record_then_the_speed(session, tmp_path, capsys):
     assert session.main(["--dry-run", "--assume-hopper", "--gemm-config", "tile_n=64",
                          "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     calls = [line for line in out.splitlines() if line.startswith("# device call")]
-    assert calls == ["# device call 1 of 3: bash scripts/gpu_session.sh",
-                     "# device call 2 of 3: bash scripts/gpu_session.sh --command bench",
-                     "# device call 3 of 3: bash scripts/gpu_session.sh --command bisect"]
+    assert calls == ["# device call 1 of 4: bash scripts/gpu_session.sh",
+                     "# device call 2 of 4: bash scripts/gpu_session.sh --command check",
+                     "# device call 3 of 4: bash scripts/gpu_session.sh --command bench",
+                     "# device call 4 of 4: bash scripts/gpu_session.sh --command bisect"]
+    check = json.loads(next(tmp_path.glob("gpu_session-*-check.json")).read_text())
+    assert [s["name"] for s in check["stages"]] == ["racecheck", "memcheck", "synccheck", "train_check"]
+    assert check["budget_s"] == session.BUDGETS["check"]
+    race = check["stages"][0]["argv"]
+    kernels = [race[i + 1] for i, a in enumerate(race) if a == "--kernel"]
+    # the planted race first, then its twin, then the kernels it vouches for
+    assert kernels == [session.MUTANT, session.MUTANT_TWIN, *session.SANITIZER_KERNELS]
+    train = check["stages"][3]["argv"]
+    assert train[1].endswith("gpu_train_check.py") and train[train.index("--presets") + 1:][:2] == ["tiny", "gpu"]
     first = json.loads(next(tmp_path.glob("gpu_session-*-smoke.json")).read_text())
     assert [s["name"] for s in first["stages"]] == ["env", "smoke", "pytest_gpu"]
     smoke = first["stages"][1]
@@ -232,6 +309,42 @@ def test_rehearsal_of_the_smoke_call(session, tmp_path):
     assert "smoke-dumps/_sample_dump.txt" in names and len(names) == 4
 
 
+def test_rehearsal_of_the_check_call(session, tmp_path):
+    """The record's second call on the CPU: the sanitizers need a GPU and say so; the training
+    check's plumbing runs (tiny, both sides on the reference here) and is read into the record."""
+    assert session.main(["--rehearse", "--command", "check", "--out", str(tmp_path)]) == 0
+    summary = json.loads(next(tmp_path.glob("gpu_session-cpu-*-check.json")).read_text())
+    assert summary["commit"] and summary["dirty"] in (True, False)
+    stages = {s["name"]: s for s in summary["stages"]}
+    for name in ("racecheck", "memcheck", "synccheck"):
+        assert stages[name]["status"] == "skipped" and "GPU" in stages[name]["skip"]
+    train = stages["train_check"]
+    assert train["status"] == "ok" and train["summary"]["ok"]
+    (row,) = train["summary"]["rows"]
+    assert row["preset"] == "tiny" and row["rel_diff"] == [0.0, 0.0] and row["mosaic_calls"] is None
+    assert next(tmp_path.glob("gpu_train_check-*.json"))
+
+
+def test_the_training_check_fails_a_kernel_that_drifts(monkeypatch):
+    """The training check's verdict: a first-step or last-step loss off by more than its bound
+    fails, and so do a non-finite loss and a step with no Mosaic call on a GPU."""
+    check = _load("gpu_train_check")
+    def run(*kernels_then_xla, mosaic_calls=None):
+        calls = iter([{"loss": list(loss), "first_step_s": 1.0, "step_s": 0.1, "mosaic_calls": mosaic_calls}
+                      for loss in kernels_then_xla])
+        monkeypatch.setattr(check, "losses", lambda config, batches, count_kernels=False: next(calls))
+        return check.check("tiny", 2, 2, interpret=False)
+
+    row = run([2.0 * (1 + 2 * check.FIRST_STEP_RTOL), 1.9], [2.0, 1.9])
+    assert row["ok"] is False and row["rel_diff"][0] > check.FIRST_STEP_RTOL
+    assert run([2.0, 1.9 * (1 + 2 * check.LAST_STEP_RTOL)], [2.0, 1.9])["ok"] is False
+    assert run([2.0, float("nan")], [2.0, 1.9])["ok"] is False
+    assert run([2.0, 1.9], [2.0, 1.9])["ok"] is True
+    # on a GPU, a step with no kernel in it is a silent fall-back to the reference, not a pass
+    assert run([2.0, 1.9], [2.0, 1.9], mosaic_calls=0)["ok"] is False
+    assert run([2.0, 1.9], [2.0, 1.9], mosaic_calls=12)["ok"] is True
+
+
 def test_rehearsal_of_the_bench_and_bisect_calls(session, tmp_path):
     """Calls 2 and 3 on the CPU, one benchmark each: the record found, tabulated, and judged
     against the targets (not measured: the kernels did not run); the GPU-only stages skipped
@@ -252,7 +365,7 @@ def test_rehearsal_of_the_bench_and_bisect_calls(session, tmp_path):
     assert stages["bisect_grouped"]["summary"]["record"].startswith("bisect/bench_grouped-")
     assert stages["bisect_grouped_wgrad"]["status"] == "ok"
     assert stages["bisect_grouped_wgrad"]["summary"]["record"].startswith("bisect/bench_grouped_wgrad-")
-    for name in ("ncu", "profile", "memcheck", "racecheck", "memcheck_grouped"):
+    for name in ("ncu", "profile"):
         assert stages[name]["status"] == "skipped" and stages[name]["skip"]
     log = next(tmp_path.glob("gpu_session-cpu-*-bisect.log")).read_text()
     assert "dense GEMM, TFLOP/s" in log and "grouped Wgrad, TFLOP/s" in log  # the final tables are in the log too

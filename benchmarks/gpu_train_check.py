@@ -1,0 +1,141 @@
+"""FP8 training steps through the Mosaic GPU kernels against the same steps on the XLA reference
+path, on one device: same initialisation, same batches, the loss of each step compared.
+
+    python benchmarks/gpu_train_check.py                          # tiny and gpu, batch 4, 5 steps
+    python benchmarks/gpu_train_check.py --presets tiny --steps 2 --interpret   # CPU rehearsal
+
+On hardware the kernels' FP8 tensor-core sums differ from the reference's exact chunk products
+(docs/gpu.md, "On the first GPU contact"), and training amplifies differences step by step, so the
+bounds widen with the step: the first step's loss (the same weights, only the forward's GEMMs
+differ) within `FIRST_STEP_RTOL`, the last within `LAST_STEP_RTOL`. A bug in a kernel or in the
+training op's wiring lands far outside both.
+
+The kernels' side runs the default recipe, `impl="auto"`, as users run it: the kernels wherever
+they take the operands (the `tiny` model's 64-wide projections are not all theirs), the reference
+for the rest. The record says whether the jitted step held Mosaic GPU calls at all, so a silent
+fall-back to the reference cannot pass as a kernel check.
+
+Output: one `TRAIN_CHECK {json}` line per preset on stderr, and with `--out DIR` the whole record
+as DIR/gpu_train_check-<device>-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jfp8.train import data
+from jfp8.train.config import PRESET_TRAINING, TrainConfig
+from jfp8.train.step import build
+
+PRESETS = ("tiny", "gpu")
+STEPS = 5
+BATCH = 4
+FIRST_STEP_RTOL = 1e-3
+LAST_STEP_RTOL = 1e-2
+MOSAIC_CALL = "mosaic_gpu"  # the kernels' custom-call target in lowered StableHLO
+
+
+def say(*parts) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def _config(preset: str, batch: int, steps: int, impl: str | None, interpret: bool) -> TrainConfig:
+    recipe = (("impl", impl),) if impl else ()
+    if interpret:
+        recipe += (("interpret", True),)
+    seq_len = PRESET_TRAINING[preset]["seq_len"]
+    return TrainConfig(preset=preset, precision="fp8", steps=steps, batch_size=batch, seq_len=seq_len,
+                       recipe_overrides=recipe, progress=False, out=os.devnull)
+
+
+def losses(config: TrainConfig, batches: list[np.ndarray], count_kernels: bool = False) -> dict:
+    """The steps of `config` on `batches`: {"loss": per step, "first_step_s" (with its lowering and
+    compile), "step_s" (the others' median), "mosaic_calls" (with `count_kernels`: the Mosaic GPU
+    calls in the lowered step, from the one lowering that is compiled and run; else None)}."""
+    setup = build(config)
+    device = jax.devices()[0]
+    # Every argument committed to the device, as the step returns them: else step 2 compiles again.
+    params, rest = jax.device_put((setup.params, setup.rest), device)
+    opt_state = jax.device_put(setup.tx.init(params), device)
+    batches = [jax.device_put(tokens, device) for tokens in batches]
+    t0 = time.perf_counter()
+    step, calls = setup.train_step, None
+    if count_kernels:
+        lowered = setup.train_step.trace(params, rest, opt_state, batches[0]).lower()
+        calls = lowered.as_text().count(MOSAIC_CALL)
+        step = lowered.compile()
+    out, times = [], []
+    for tokens in batches:
+        params, rest, opt_state, metrics = step(params, rest, opt_state, tokens)
+        out.append(float(metrics["loss"]))  # synchronises
+        times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+    return {"loss": out, "first_step_s": round(times[0], 3),
+            "step_s": float(np.median(times[1:])) if len(times) > 1 else math.nan, "mosaic_calls": calls}
+
+
+def check(preset: str, steps: int, batch: int, interpret: bool) -> dict:
+    """One preset: the kernels' losses beside the reference's, and the verdict."""
+    split = data.train_val_split(data.load_bytes(None), TrainConfig().val_fraction)
+    base = _config(preset, batch, steps, "xla", False)
+    batches = [data.train_batch(split.train, batch, base.seq_len, base.batch_seed, s) for s in range(steps)]
+    row = {"preset": preset, "batch": batch, "seq_len": base.seq_len, "steps": steps, "interpret": interpret,
+           "first_step_rtol": FIRST_STEP_RTOL, "last_step_rtol": LAST_STEP_RTOL}
+    try:
+        # Mosaic calls are counted where the kernels are separate calls: on a GPU (in the
+        # interpreter they run inside XLA's CPU program; on a CPU without it, "auto" is the
+        # reference throughout).
+        count = jax.devices()[0].platform == "gpu" and not interpret
+        row["kernels"] = losses(_config(preset, batch, steps, None, interpret), batches, count_kernels=count)
+        row["xla"] = losses(base, batches)
+        row["mosaic_calls"] = row["kernels"].pop("mosaic_calls")
+        row["xla"].pop("mosaic_calls")
+        rel = [abs(k - r) / abs(r) if r else math.inf for k, r in zip(row["kernels"]["loss"], row["xla"]["loss"])]
+        row["rel_diff"] = rel
+        finite = all(map(math.isfinite, row["kernels"]["loss"] + row["xla"]["loss"]))
+        row["ok"] = bool(finite and rel[0] <= FIRST_STEP_RTOL and rel[-1] <= LAST_STEP_RTOL
+                         and row["mosaic_calls"] != 0)
+    except Exception as e:  # noqa: BLE001 - a failure is this preset's row, not the others'
+        row.update(ok=False, failure=f"{type(e).__name__}: {str(e)[:2000]}")
+    say("TRAIN_CHECK " + json.dumps(row))
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=sorted(PRESET_TRAINING))
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--batch", type=int, default=BATCH)
+    p.add_argument("--interpret", action="store_true", help="the kernels in the Mosaic GPU interpreter (CPU)")
+    p.add_argument("--out", type=pathlib.Path, default=None, help="write the record here")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.batch < 1:
+        p.error("--steps and --batch must be >= 1")
+    rows = [check(preset, args.steps, args.batch, args.interpret) for preset in args.presets]
+    device = jax.devices()[0].device_kind
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
+        path = args.out / f"gpu_train_check-{slug}-{datetime.date.today().isoformat()}.json"
+        record = {"device": device, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+                  "command": "python benchmarks/gpu_train_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "rows": rows}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+        say(f"wrote {path}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
