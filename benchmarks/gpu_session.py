@@ -1,12 +1,14 @@
-"""A GPU session in device calls of under 7 minutes each, smoke first, then bench (a session's
-15 minutes of device time hold these two and their starts), then bisect when time is left.
+"""A GPU window in device calls: the correctness record first (smoke, then check: 5 and 3 minutes
+with their starts), then the speed (bench, then bisect when time is left); docs/gpu.md keeps the
+plan.
 
-    bash scripts/gpu_session.sh                     # call 1: env, smoke (each kernel form alone), pytest -m gpu
-    bash scripts/gpu_session.sh --command bench     # call 2: dense, grouped, quantize, fp8_linear benchmarks
-    bash scripts/gpu_session.sh --command bisect    # call 3: GemmConfig bisection, ncu, Mosaic profile, sanitizers
+    bash scripts/gpu_session.sh                     # record 1: env, smoke (each kernel form alone), pytest -m gpu
+    bash scripts/gpu_session.sh --command check     # record 2: compute-sanitizer, the training check
+    bash scripts/gpu_session.sh --command bench     # dense, grouped, quantize, fp8_linear benchmarks
+    bash scripts/gpu_session.sh --command bisect    # GemmConfig bisection, ncu, Mosaic profile
     bash scripts/gpu_session.sh --command tune_gemm     # optional further calls: the tuning tables
     bash scripts/gpu_session.sh --command tune_grouped
-    python benchmarks/gpu_session.py --dry-run     # anywhere: the three calls' plans, in order
+    python benchmarks/gpu_session.py --dry-run     # anywhere: the four calls' plans, in order
     python benchmarks/gpu_session.py --rehearse --command smoke   # CPU: the same plumbing, kernels
                                                     # in the Mosaic GPU interpreter, tiny shapes
 
@@ -18,11 +20,20 @@ Stages:
   env            device, driver, versions, the CUDA tools found (ptxas, nvdisasm, cuobjdump, ncu,
                  compute-sanitizer) and pytest-timeout
   smoke          each kernel form of benchmarks/gpu_smoke.py in a subprocess of its own (45 s
-                 each): compiled?, correct within the hardware bound (GEMMs) or bit-exact
+                 each, 4 at a time): compiled?, correct within the hardware bound (GEMMs) or bit-exact
                  (quantizers)?, and, from the compiler's dumps (MOSAIC_GPU_DUMP_PTX/PTXAS/SASS),
                  registers, spill bytes, ptxas warnings (C7508: setmaxnreg ignored; serialized
                  wgmma), QGMMA/HGMMA, USETMAXREG and LDL/STL counts
-  pytest_gpu     `pytest -m gpu` with a per-test timeout (pytest-timeout) and faulthandler dumps
+  pytest_gpu     `pytest -m gpu` with a per-test timeout (pytest-timeout) and faulthandler dumps,
+                 a process per test file, side by side
+  racecheck, memcheck, synccheck
+                 compute-sanitizer, one process per tool, over the default dense, grouped and
+                 quantizer forms with partial tiles (gpu_smoke.SANITIZER_FORMS), filtered to the
+                 Mosaic kernels; racecheck first runs a planted race and its clean twin
+                 (gpu_mutants.py), and its verdict on the kernels counts only if it flagged it
+  train_check    benchmarks/gpu_train_check.py: FP8 steps of tiny and gpu through the kernels
+                 against the same steps on the reference; the four stages of the check call run
+                 side by side
   bench_*        benchmarks/bench_{gemm,grouped,quantize,linear}.py at the DeepSeek-V3 shapes,
                  every row checked against its reference before it is timed
   bisect_gemm    bench_gemm at 8192^3 and 4096x7168x16384 with one row per GemmConfig variant
@@ -37,9 +48,6 @@ Stages:
                  speed of light, tensor pipe, L2/DRAM throughput, clocks
   profile        the same launch with the Mosaic GPU profiler: time in the `wgmma` and `promote`
                  regions of the main loop, per warpgroup
-  memcheck, racecheck, memcheck_grouped
-                 compute-sanitizer on one smoke kernel each, filtered to the Mosaic kernels;
-                 racecheck's findings on mbarrier/async-proxy code are advisory
   tune_gemm / tune_grouped
                  benchmarks/tune_gemm.py: candidate configs per problem, the winners' table
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # A GPU session, one device call per command (each under 7 minutes), run from the repository root
 # on the GPU machine with its preinstalled jax:
-#   bash scripts/gpu_session.sh                      # call 1: env, smoke (each kernel alone), pytest -m gpu
-#   bash scripts/gpu_session.sh --command bench      # call 2: the benchmarks against their baselines
-#   bash scripts/gpu_session.sh --command bisect     # call 3, when device time is left: config bisection, ncu, Mosaic profile, sanitizers
+#   bash scripts/gpu_session.sh                      # record 1: env, smoke (each kernel alone), pytest -m gpu
+#   bash scripts/gpu_session.sh --command check      # record 2: compute-sanitizer (with a planted race), training check
+#   bash scripts/gpu_session.sh --command bench      # the benchmarks against their baselines
+#   bash scripts/gpu_session.sh --command bisect     # when device time is left: config bisection, ncu, Mosaic profile
 #   bash scripts/gpu_session.sh --command tune_gemm  # optional: the tuning tables (tune_grouped likewise)
+# Set JFP8_COMMIT and JFP8_DIRTY where the tree has no .git (docs/gpu.md, "The one plan").
 # Results under $OUT (else benchmarks/results); the log streams as it runs. Anywhere:
-#   python benchmarks/gpu_session.py --dry-run      # the three calls' plans
+#   python benchmarks/gpu_session.py --dry-run      # the four calls' plans
 #   python benchmarks/gpu_session.py --rehearse     # CPU: the same plumbing, kernels in the interpreter
 # See benchmarks/gpu_session.py. Uses the machine's python3; JFP8_PYTHON overrides it.
 set -uo pipefail
