@@ -173,7 +173,7 @@ def forms() -> dict[str, Form]:
     from gpu_session import BISECT_CONFIGS, GROUPED_BISECT_CONFIGS, WGRAD_BISECT_CONFIGS
     from pallas_kernels.configs import GemmConfig, GroupedGemmConfig
     from pallas_kernels.quantize import QuantizeConfig
-    from pallas_kernels.tuning import rule_config
+    from pallas_kernels.tuning import MAX_STAGES, rule_config
     import jax.numpy as jnp
 
     def wgs(cfg) -> int:
@@ -224,6 +224,14 @@ def forms() -> dict[str, Form]:
             "early_scale_loads=True)", GroupedGemmConfig(cluster_n=2, scalar_b_scale=True, early_scale_loads=True))
     grouped("grouped_wgrad_cluster_n", "grouped Wgrad, GroupedGemmConfig(cluster_n=2, early_scale_loads=True)",
             GroupedGemmConfig(cluster_n=2, early_scale_loads=True), wgrad=True)
+    # Layouts the tuning rule may pick that no form above compiles (`RULE_FORMS`).
+    dense("gemm_rule_128x192_cluster_m", "dense, GemmConfig(tile_n=192, cluster_m=2): a rule layout",
+          GemmConfig(tile_n=192, cluster_m=2))
+    dense("gemm_rule_128x192_cluster_n", "dense, GemmConfig(tile_n=192, cluster_n=2): a rule layout",
+          GemmConfig(tile_n=192, cluster_n=2))
+    grouped("grouped_fprop_rule_128x64", "grouped Fprop, GroupedGemmConfig(tile_n=64, "
+            f"max_concurrent_steps={MAX_STAGES}): a rule layout",
+            GroupedGemmConfig(tile_n=64, max_concurrent_steps=MAX_STAGES))
     for text in BISECT_CONFIGS:
         dense(f"gemm[{text}]", f"dense, GemmConfig({text})", parse_config(text, GemmConfig))
     for text in GROUPED_BISECT_CONFIGS:
@@ -239,6 +247,21 @@ def forms() -> dict[str, Form]:
 # and Wgrad, and the fused quantizers the training step runs.
 CI_FORMS = ("gemm_default", "grouped_fprop", "grouped_wgrad", "quantize_tile", "quantize_weight", "quantize_grad",
             "gemm[cluster_m=2]")
+# Every layout the tuning rule picks among (`tuning.DENSE_LAYOUTS`, `GROUPED_LAYOUTS`: tile_m,
+# tile_n, cluster_m, cluster_n) -> the form that compiles it; tests/test_hopper_build.py holds each
+# to a committed row without problems, so that the rule picks only what compiles without spills.
+RULE_FORMS: dict[tuple[str, tuple[int, int, int, int]], str] = {
+    ("dense", (128, 128, 1, 1)): "gemm_default",
+    ("dense", (128, 128, 2, 1)): "gemm_cluster",
+    ("dense", (128, 128, 1, 2)): "gemm_cluster_n",
+    ("dense", (128, 192, 1, 1)): "gemm[tile_n=192,scalar_b_scale=true]",
+    ("dense", (128, 192, 2, 1)): "gemm_rule_128x192_cluster_m",
+    ("dense", (128, 192, 1, 2)): "gemm_rule_128x192_cluster_n",
+    ("dense", (128, 64, 1, 1)): "gemm[tile_n=64]",
+    ("grouped", (128, 128, 1, 1)): "grouped_fprop",
+    ("grouped", (128, 128, 1, 2)): "grouped[cluster_n=2]",
+    ("grouped", (128, 64, 1, 1)): "grouped_fprop_rule_128x64",
+}
 # Defects the build found and that are not fixed (docs/gpu.md, "Compiled for Hopper without a
 # Hopper", item 2): form -> its `check_row` problems, exactly, at ptxas 13.5. No default form has
 # one. The committed tables are held to this for every form, and CI's compile of `CI_FORMS` too: a

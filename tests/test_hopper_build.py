@@ -99,6 +99,27 @@ def test_committed_results_cover_every_form(target):
     assert not set(hb.KNOWN_DEFECTS) & set(hb.CI_FORMS)
 
 
+def test_the_tuning_rule_picks_only_layouts_that_compile_cleanly():
+    """Every layout `tuning.rule_config` / `grouped_rule_config` may pick has a form whose
+    committed H100 row compiled with no problems (0 spills), with that tile's QGMMA and
+    multicast loads exactly when it runs in clusters."""
+    import dataclasses
+
+    from pallas_kernels import tuning
+
+    want = {("dense", dataclasses.astuple(lay)) for lay in tuning.DENSE_LAYOUTS}
+    want |= {("grouped", dataclasses.astuple(lay)) for lay in tuning.GROUPED_LAYOUTS}
+    assert set(hb.RULE_FORMS) == want
+    rows = {r["form"]: r for r in json.loads((hb.OUT / "kernels-h100_sxm.json").read_text())["rows"]}
+    for (kind, (tile_m, tile_n, cluster_m, cluster_n)), form in hb.RULE_FORMS.items():
+        row = rows[form]
+        assert row["ok"] and row["problems"] == [] and form not in hb.KNOWN_DEFECTS, form
+        assert row["spill_stores"] == row["spill_loads"] == 0, form
+        assert list(row["sass"]["qgmma"]) == [f"64x{tile_n}x32.F32.E4M3.E4M3"], form
+        assert (row["sass"]["utmaldg_multicast"] > 0) == (cluster_m * cluster_n > 1), form
+        assert form.startswith("gemm") == (kind == "dense"), form
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("form", hb.CI_FORMS)
 def test_default_forms_compile_for_sm90a(toolchain, form):
