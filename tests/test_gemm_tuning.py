@@ -93,6 +93,10 @@ def test_rule_picks_at_the_benchmark_shapes(shape):
     for out_dtype, scalar_b in ((jnp.float32, True), (jnp.bfloat16, False)):
         other = tuning.rule_config(*shape, out_dtype, H100_NUM_SMS, scalar_b=scalar_b)
         assert tuning.Layout.of(other) in tuning.DENSE_LAYOUTS and (scalar_b or other.tile_n <= TILE)
+    # and they lower, through the front door's choice (config=None), with either b
+    for b_block_rows in (TILE, 1):
+        assert "mosaic_gpu" in gemm.lower_scaled_matmul(*shape, b_block_rows=b_block_rows,
+                                                        out_dtype=jnp.bfloat16, config=None)
 
 
 def test_modelled_waves_and_bytes_by_hand():
@@ -531,3 +535,24 @@ def test_grouped_small_problem_choice_lowers_and_matches_the_reference():
     got = jfp8.grouped_scaled_matmul(a, b, sizes, out_dtype=jnp.float32, interpret=True)
     want = jfp8.grouped_scaled_matmul_reference(a, b, sizes, jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_benchmark_rows_record_the_config_and_the_model():
+    """bench_gemm's and bench_grouped's kernel rows carry the config that ran, where it came
+    from, and the model's numbers for it (`_bench.kernel_info`), as JSON."""
+    from helpers import load_benchmark
+
+    dense, grouped = load_benchmark("bench_gemm"), load_benchmark("bench_grouped")
+    info = dense._chosen(4096, 2112, 7168)
+    assert info["config_source"] == "rule"
+    assert gemm.GemmConfig(**info["config"]) == tuning.rule_config(4096, 2112, 7168, jnp.bfloat16,
+                                                                   H100_NUM_SMS)
+    assert info["modelled"]["tiles"] == 352 and round(info["modelled"]["wave_efficiency"], 3) == 0.889
+    info = grouped._chosen(8, 8 * 4096, 4096, 7168)
+    assert GroupedGemmConfig(**info["config"]).cluster_n == 2
+    assert info["modelled"]["l2_bytes_per_flop"] == info["modelled"]["l2_bytes"] / (2 * 8 * 4096 * 4096 * 7168)
+    # the Wgrad's output is each group's K x N, its contraction the group's tokens
+    wgrad = grouped._wgrad_info(GroupedGemmConfig(), 8, 4096, 4096, 7168, "default")
+    assert wgrad["modelled"]["tiles"] == 8 * (7168 // 128) * (4096 // 128)
+    assert wgrad["modelled"]["flops"] == 2 * 8 * 7168 * 4096 * 4096
+    assert json.loads(json.dumps(wgrad)) == wgrad
