@@ -120,6 +120,27 @@ def test_the_tuning_rule_picks_only_layouts_that_compile_cleanly():
         assert form.startswith("gemm") == (kind == "dense"), form
 
 
+def test_mainloop_targets_name_each_unmet_one():
+    """`mainloop_problems` against issue 45's targets, on rows as `read_dump` makes them; the
+    CI forms' unmet targets are listed exactly, and the committed rows show the same."""
+    loop = {"instructions_per_k128": 96, "instructions_per_64x128x128": 96, "fewest_path_per_k128": 96,
+            "membar_per_k128": 0, "ldl_stl_per_k128": 0}
+    assert hb.mainloop_problems({"mainloop": loop}, "gemm") == []
+    assert hb.mainloop_problems({"mainloop": dict(loop, instructions_per_64x128x128=101)}, "gemm") == [
+        "main loop over 100 instructions per 64x128x128"]
+    assert hb.mainloop_problems({"mainloop": dict(loop, instructions_per_k128=213)}, "grouped_wgrad") == [
+        "main loop over 212 static instructions per 128-K block"]
+    assert hb.mainloop_problems({"mainloop": dict(loop, membar_per_k128=1, ldl_stl_per_k128=2)}, "gemm") == [
+        "MEMBAR in the main loop", "local memory in the main loop"]
+    assert hb.mainloop_problems({"mainloop": None}, "gemm") == ["no main loop found in the SASS"]
+    assert set(hb.MAINLOOP_UNMET) <= set(hb.MAINLOOP_FORMS) <= set(hb.CI_FORMS)
+    assert {f for f in hb.CI_FORMS if not f.startswith("quantize")} == set(hb.MAINLOOP_FORMS)
+    for target in hb.TARGETS:
+        rows = {r["form"]: r for r in json.loads((hb.OUT / f"kernels-{target}.json").read_text())["rows"]}
+        for form, kind in hb.MAINLOOP_FORMS.items():
+            assert sorted(hb.mainloop_problems(rows[form], kind)) == sorted(hb.MAINLOOP_UNMET.get(form, ())), form
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("form", hb.CI_FORMS)
 def test_default_forms_compile_for_sm90a(toolchain, form):
@@ -130,6 +151,9 @@ def test_default_forms_compile_for_sm90a(toolchain, form):
     (row,) = hb.build([form], "h100_sxm", toolchain, timeout=300, log=lambda s: None)
     assert row["ok"], row.get("error")
     assert sorted(row["problems"]) == sorted(hb.KNOWN_DEFECTS.get(form, ())), row
+    if form in hb.MAINLOOP_FORMS:  # issue 45's main-loop targets: the met ones held
+        unmet = hb.mainloop_problems(row, hb.MAINLOOP_FORMS[form])
+        assert sorted(unmet) == sorted(hb.MAINLOOP_UNMET.get(form, ())), row["mainloop"]
 
 
 def test_a_gpu_session_smoke_row_is_read_against_the_deviceless_build():
