@@ -334,6 +334,7 @@ class Case(NamedTuple):
     tol: float
     dtype: str  # operand dtype, for the peak: "fp8" or "bf16" (or "" when not a GEMM)
     sync: Callable[[object], object] = jax.block_until_ready
+    info: dict | None = None  # recorded on the row as is: a kernel's config (`kernel_info`)
 
 
 class Skip(NamedTuple):
@@ -371,13 +372,23 @@ def gemm_row(case: Case, meas: Measurement, device_kind: str, flops: float, **pr
     tflops = flops / meas.seconds / 1e12
     fp8_peak, own_peak = peak_tflops(device_kind, "fp8"), peak_tflops(device_kind, case.dtype)
     return dict(
-        impl=case.name, **problem, operand_dtype=case.dtype,
+        impl=case.name, **problem, **(case.info or {}), operand_dtype=case.dtype,
         ms=meas.seconds * 1e3, ms_min=meas.seconds_min * 1e3, ms_max=meas.seconds_max * 1e3,
         tflops=tflops, ratio_vs_bf16=None, rel_error=meas.check, repeats=meas.repeats,
         inner=meas.inner,
         frac_fp8_peak=None if fp8_peak is None else tflops / fp8_peak,
         frac_dtype_peak=None if own_peak is None else tflops / own_peak,
     )
+
+
+def kernel_info(config, m: int, n: int, kp: int, *, source: str, out_dtype, scalar_b: bool = True) -> dict:
+    """What a kernel's row records beside its time: the config that ran, where it came from
+    ("table", "rule" or "given"), and the cost model's numbers for it on this GPU's SMs
+    (`pallas_kernels.tuning.modelled`: L2 bytes per FLOP, waves, wave efficiency, cycles)."""
+    from pallas_kernels import _mgpu, tuning
+
+    got = tuning.modelled(config, m, n, kp, _mgpu.num_sms(), out_dtype=out_dtype, scalar_b=scalar_b)
+    return {"config": dataclasses.asdict(config), "config_source": source, "modelled": got.as_dict()}
 
 
 def add_ratios(rows: list[dict], primary: str, baselines: tuple[str, ...],

@@ -55,6 +55,7 @@ from _bench import (
     device_rel_error,
     error_entry,
     gemm_row,
+    kernel_info,
     parse_config,
     parse_shape,
     random_normal,
@@ -236,20 +237,23 @@ def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], o
 
     impl = "mosaic" if use_kernels else "xla"
     tiled = jax.jit(lambda a, b: jfp8.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl=impl))
-    cases.append(Case(f"jfp8-{impl}", lambda: tiled(a, b), _jax_check(ref), TOL_FP8_OUTPUT, "fp8"))
+    kp = a.data.shape[1]
+    chosen = _chosen(m, n, kp) if use_kernels else None  # the config the front door runs
+    cases.append(Case(f"jfp8-{impl}", lambda: tiled(a, b), _jax_check(ref), TOL_FP8_OUTPUT, "fp8",
+                      info=chosen))
 
     if configs:
         from pallas_kernels import gemm
 
         # The kernel's operands, laid out once (outside the timed call): a's chunk scales per row,
         # b's (128, 128) block scales as stored.
-        kp = a.data.shape[1]
         a_data, a_scale = jax.jit(chunk_operand, static_argnums=1)(a, kp)
         if use_kernels:  # the front door's kernel alone: every wrapper op done outside the timer
             laid_out, kernel = gemm.split_scaled_matmul(a_data, a_scale, b.data, b.scale, n=n, b_block_rows=jfp8.TILE,
                                                         out_dtype=jnp.bfloat16)
             laid_out, kernel = jax.block_until_ready(laid_out), jax.jit(kernel)
-            cases.append(Case(KERNEL_ONLY, lambda: kernel(*laid_out), _jax_check(ref), TOL_FP8_OUTPUT, "fp8"))
+            cases.append(Case(KERNEL_ONLY, lambda: kernel(*laid_out), _jax_check(ref), TOL_FP8_OUTPUT, "fp8",
+                              info=chosen))
         else:
             skips.append(Skip(KERNEL_ONLY, "needs a Hopper GPU"))
         for text in configs:
@@ -261,8 +265,19 @@ def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], o
             kernel = jax.jit(lambda ad, sa, bd, sb, config=config: gemm.scaled_matmul(
                 ad, sa, bd, sb, n=n, b_block_rows=jfp8.TILE, out_dtype=jnp.bfloat16, config=config))
             cases.append(Case(name, lambda kernel=kernel: kernel(a_data, a_scale, b.data, b.scale),
-                              _jax_check(ref), TOL_FP8_OUTPUT, "fp8"))
+                              _jax_check(ref), TOL_FP8_OUTPUT, "fp8",
+                              info=kernel_info(config, m, n, kp, source="given", out_dtype=jnp.bfloat16)))
     return cases, skips, info
+
+
+def _chosen(m: int, n: int, kp: int) -> dict:
+    """`kernel_info` of the config `gemm.scaled_matmul` picks with none given (b block-scaled,
+    bf16 out): the measured table's where it has one, else the rule's."""
+    from pallas_kernels import _mgpu, tuning
+
+    tabled = tuning.table_config(m, n, kp, jnp.bfloat16, _mgpu.device_kind())
+    config = tuning.dense_config(m, n, kp, jnp.bfloat16)
+    return kernel_info(config, m, n, kp, source="rule" if tabled is None else "table", out_dtype=jnp.bfloat16)
 
 
 def print_rows(rows: list[dict], label=lambda r: f"{r['m']}x{r['n']}x{r['k']}") -> None:

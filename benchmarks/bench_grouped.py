@@ -59,6 +59,7 @@ from _bench import (
     device_rel_error,
     error_entry,
     gemm_row,
+    kernel_info,
     parse_config,
     parse_grouped_shape,
     random_normal,
@@ -161,7 +162,10 @@ def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict,
     ref = functools.cache(lambda: _fp8_reference(a, b, sizes))
     impl = "mosaic" if use_kernels else "xla"
     grouped = jax.jit(lambda a, b, s: jfp8.grouped_scaled_matmul(a, b, s, out_dtype=jnp.bfloat16, impl=impl))
-    cases.append(Case(f"jfp8-{impl}", lambda: grouped(a, b, sizes), _check(ref), TOL_FP8_OUTPUT, "fp8"))
+    kp = a.data.shape[1]
+    chosen = _chosen(g, g * r, n, kp) if use_kernels else None  # the config the front door runs
+    cases.append(Case(f"jfp8-{impl}", lambda: grouped(a, b, sizes), _check(ref), TOL_FP8_OUTPUT, "fp8",
+                      info=chosen))
 
     if configs:
         from pallas_kernels import grouped_gemm
@@ -177,8 +181,26 @@ def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict,
             kernel = jax.jit(lambda ad, sa, bd, sb, s, config=config: grouped_gemm.grouped_scaled_matmul(
                 ad, sa, bd, sb, s, n=n, out_dtype=jnp.bfloat16, config=config))
             cases.append(Case(name, lambda kernel=kernel: kernel(a_data, a_scale, b.data, b.scale, sizes),
-                              _check(ref), TOL_FP8_OUTPUT, "fp8"))
+                              _check(ref), TOL_FP8_OUTPUT, "fp8",
+                              info=kernel_info(config, g * r, n, kp, source="given", out_dtype=jnp.bfloat16)))
     return cases, skips
+
+
+def _chosen(groups: int, rows: int, n: int, kp: int) -> dict:
+    """`kernel_info` of the config `grouped_scaled_matmul` picks with none given (bf16 out): the
+    measured grouped table's where it has one, else the rule's."""
+    from pallas_kernels import _mgpu, tuning
+
+    tabled = tuning.table_config(rows, n, kp, jnp.bfloat16, _mgpu.device_kind(), kind="grouped", groups=groups)
+    config = tuning.grouped_config(rows, n, kp, jnp.bfloat16, groups=groups)
+    return kernel_info(config, rows, n, kp, source="rule" if tabled is None else "table", out_dtype=jnp.bfloat16)
+
+
+def _wgrad_info(config, groups: int, rows: int, n: int, k: int, source: str) -> dict:
+    """`kernel_info` of a Wgrad config: the kernel's output is each group's K x N (rows: K), its
+    contraction the group's tokens, b tile-scaled, f32 out."""
+    tp = -(-rows // jfp8.TILE) * jfp8.TILE
+    return kernel_info(config, groups * k, n, tp, source=source, out_dtype=jnp.float32, scalar_b=False)
 
 
 MGPU_WGRAD = "mgpu-transposed-ragged-dot-bf16"
@@ -247,7 +269,11 @@ def _wgrad_cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config:
     ref = functools.cache(lambda: _wgrad_fp8_reference(a_t, b_t, sizes))
     impl = "mosaic" if use_kernels else "xla"
     wgrad = jax.jit(lambda a_t, b_t, s: jfp8.grouped_wgrad_matmul(a_t, b_t, s, impl=impl))
-    cases.append(Case(f"jfp8-{impl}", lambda: wgrad(a_t, b_t, sizes), _check(ref), TOL_FP8_OUTPUT, "fp8"))
+    from pallas_kernels.configs import GroupedGemmConfig
+
+    default = _wgrad_info(GroupedGemmConfig(), g, r, n, k, "default") if use_kernels else None
+    cases.append(Case(f"jfp8-{impl}", lambda: wgrad(a_t, b_t, sizes), _check(ref), TOL_FP8_OUTPUT, "fp8",
+                      info=default))
 
     if configs:
         from pallas_kernels import grouped_wgrad
@@ -264,7 +290,7 @@ def _wgrad_cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config:
             kernel = jax.jit(lambda ad, sa, bd, sb, s, config=config: grouped_wgrad.grouped_wgrad(
                 ad, sa, bd, sb, s, t=t, config=config))
             cases.append(Case(name, lambda kernel=kernel: kernel(ad, sa, bd, sb, sizes), _check(ref),
-                              TOL_FP8_OUTPUT, "fp8"))
+                              TOL_FP8_OUTPUT, "fp8", info=_wgrad_info(config, g, r, n, k, "given")))
     return cases, skips
 
 

@@ -137,7 +137,12 @@ def grouped_candidates(rows: int, n: int, kp: int, out_dtype, num_sms: int) -> l
         if n > base.tile_n:
             found.append(dataclasses.replace(base, cluster_n=2))
             found.append(dataclasses.replace(base, cluster_n=2, scalar_b_scale=True, early_scale_loads=True))
-    unique = list(dict.fromkeys(found))
+    # By name: the rule's pick can be a clustered base whose switches repeat another base's with
+    # scalar_b_scale=None instead of True, the same kernel (the tile's one weight block).
+    named: dict[str, object] = {}
+    for c in found:
+        named.setdefault(config_name(c), c)
+    unique = list(named.values())
     # The simple form's few SMEM slots always fit; the warp-specialized one is the dense budget.
     return [c for c in unique
             if not c.warp_specialized or smem_bytes(c, out_dtype, chunks) <= SMEM_BYTES]

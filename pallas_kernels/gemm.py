@@ -51,9 +51,10 @@ and handed to wgmma transposed (fp8 wgmma takes no other B layout), and each war
 rows in registers and TMA-stores them through a swizzled SMEM tile, leaving the store in flight
 until that SMEM is needed again. The numerics do not depend on the config: every output element
 gets the same chunk products promoted in the same order. Called without a config,
-`scaled_matmul` runs the one `tuning.dense_config` picks for the problem: `GemmConfig()` wherever
-128 x 128 tiles fill the GPU (every DENSE_SHAPES entry), narrower or one-warpgroup forms for
-small M, or what `benchmarks/tune_gemm.py` measured best on this GPU model.
+`scaled_matmul` runs the one `tuning.dense_config` picks for the problem: what
+`benchmarks/tune_gemm.py` measured best on this GPU model, else the tile and 2-CTA cluster a
+cost model predicts fastest (`tuning.rule_config`; 128 x 192 or 128 x 128 tiles in clusters at
+the DENSE_SHAPES), one-warpgroup forms for small M.
 
 What each form is predicted to change on a GPU, and what to look for there (SASS, ncu), is in
 `docs/gpu.md`; nothing here has been timed.
@@ -310,7 +311,7 @@ def split_scaled_matmul(
     if m == 0 or n == 0 or kp == 0:
         return (), lambda: jnp.zeros((m, n), out_dtype)  # nothing to launch; K = 0 sums to zero
     if config is None:
-        config = tuning.dense_config(m, n, kp, out_dtype)
+        config = tuning.dense_config(m, n, kp, out_dtype, scalar_b=b_block_rows == TILE)
     scalar_b = config.scalar_b and b_block_rows == TILE
     check_smem(config, out_dtype, kp // TILE_K, scalar_b=scalar_b)
     operands = _kernel_operands(a_data, a_scale, b_data, b_scale, n, b_block_rows, scalar_b, config.tile_n)

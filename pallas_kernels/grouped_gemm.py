@@ -238,8 +238,8 @@ def grouped_scaled_matmul(
       group_sizes: (G,) int32, any sizes (zeros included) summing to at most T.
       n: the logical output width.
       out_dtype: bfloat16 or float32.
-      config: tiling and form; when None, `tuning.grouped_config` picks one for this problem:
-        `GroupedGemmConfig()` (warp-specialized, persistent) wherever its tiles fill the GPU.
+      config: tiling and form; when None, `tuning.grouped_config` picks one for this problem
+        (a measured table, else the cost model's choice of tile and cluster).
 
     Returns:
       (T, n) in `out_dtype`, equal to `grouped_scaled_matmul_reference`; rows past

@@ -47,9 +47,10 @@ GROUPED_SHAPES: tuple[GroupedShape, ...] = (
 
 # Few token rows per expert (small batches): DeepSeek-V3's expert projections (gate and up fused,
 # N = 2 x 2048; down, K = 2048) at 32 rows per expert. The rule counts the fewest row tiles
-# there could be (256 rows: 2), too few with 128-wide column tiles for an H100's SMs, and
-# narrows them; 8 groups really make 8 row tiles, which might fill the GPU without narrowing.
-# Which is faster is the tuner's to measure.
+# there could be (256 rows: 2): with 128-wide column tiles 64 (N = 4096), too few for an H100's
+# SMs, so it narrows them, or 112 (N = 7168), where narrower tiles would need a second wave;
+# 8 groups really make 8 row tiles, which might fill the GPU without narrowing. Which is faster
+# is the tuner's to measure.
 SMALL_GROUPED_SHAPES: tuple[GroupedShape, ...] = (
     GroupedShape(8, 32, 4096, 7168),
     GroupedShape(8, 32, 7168, 2048),

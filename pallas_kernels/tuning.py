@@ -11,11 +11,14 @@ Two sources, in order:
    interpolate along; further away the best form may differ (memory- vs compute-bound), and the
    rule decides. Each table records its kind, and a table of the other kind is an error.
 2. Else a rule predicted from the kernel's structure (not measured): `rule_config`,
-   `grouped_rule_config`.
+   `grouped_rule_config`, which score tile shapes and 2-CTA clusters with a cost model
+   (`modelled`: MMA time, L2 -> SMEM bytes, waves on the SMs), as DeepGEMM's heuristics do.
 
 Every config computes the same bits (the promotion order does not depend on the tiling), so the
-choice only moves speed. Tests check the rules' invariants (valid, within SMEM, grid filled) on
-random problems, lower their picks at the small-M shapes and run them in the interpreter.
+choice only moves speed. Tests check the rules' invariants (valid, within SMEM, fastest in the
+model among layouts that compile without spills) on random problems, their picks at the
+benchmark shapes, the model's arithmetic by hand, lower the picks and run them in the
+interpreter.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ import pathlib
 import jax.numpy as jnp
 
 from pallas_kernels import _mgpu
-from pallas_kernels._hopper import SMEM_BYTES, TILE_K, WGMMA_M
+from pallas_kernels._hopper import SCALE_BOX, SMEM_BYTES, TILE_K, WGMMA_M
 from pallas_kernels.configs import GemmConfig, GroupedGemmConfig, smem_bytes
+from pallas_kernels.fp8_math import TILE
 
 TABLE_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
 TABLE_ENV = "JFP8_GEMM_TABLE"
@@ -48,39 +52,174 @@ MIN_TILE_N = 64
 TABLE_M_REACH = 2.0
 
 
-def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int) -> GemmConfig:
+# Hopper's throughput as the model sees it (per SM per clock), not measured here:
+# - FP8 wgmma, dense: 1979 TFLOP/s over 132 SMs at 1.83 GHz = 8192 FLOP per SM per cycle, so a
+#   64 x 128 x 128 unit of MMA work takes 256 cycles (docs/gpu.md, the census).
+# - L2 -> SMEM: about 6 KB per cycle for the whole GPU (DeepGEMM's SM90 heuristic models
+#   min(64 B x SMs, 8e6 / 1.3e3) B/cycle), at most 64 B per cycle into one SM.
+TENSOR_FLOP_PER_SM_CYCLE = 8192
+L2_BYTES_PER_CYCLE = 6144
+L2_BYTES_PER_SM_CYCLE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A config's shape as the model sees it: the CTA tile and the 2-CTA cluster, if any."""
+
+    tile_m: int
+    tile_n: int
+    cluster_m: int = 1
+    cluster_n: int = 1
+
+    @classmethod
+    def of(cls, config) -> Layout:
+        return cls(config.tile_m, config.tile_n, getattr(config, "cluster_m", 1), config.cluster_n)
+
+
+# The layouts the rule picks among (warp-specialized forms, M > 64): each compiled for sm_90a
+# with no spills (`benchmarks/hopper_build.py` RULE_FORMS, held by tests/test_hopper_build.py).
+# Not here: 256-wide and 256-row tiles, which spill (hopper_build.KNOWN_DEFECTS), and 192-wide
+# tiles with a per-column b scale (a tile-scaled b), whose three 64 x 192 f32 register tiles
+# would not fit a consumer's 232 registers; the grouped kernels have no clusters along M and
+# no scalar b scale over two weight blocks, so no 192-wide tiles either.
+DENSE_LAYOUTS = (
+    Layout(128, 128), Layout(128, 128, cluster_m=2), Layout(128, 128, cluster_n=2),
+    Layout(128, 192), Layout(128, 192, cluster_m=2), Layout(128, 192, cluster_n=2),
+    Layout(128, 64),
+)
+GROUPED_LAYOUTS = (Layout(128, 128), Layout(128, 128, cluster_n=2), Layout(128, 64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Modelled:
+    """What the cost model predicts for one config on one problem (not measured).
+
+    Attributes:
+      tiles: output tiles with work in them.
+      waves: tiles / SMs, e.g. 544 tiles on 132 SMs: 4.12.
+      wave_efficiency: waves / ceil(waves) (in clusters: over the cluster slots), 4.12 -> 0.82:
+        the share of the SMs' time in which they hold a tile.
+      l2_bytes: L2 -> SMEM bytes of the operands and their scales, plus the output stored, for
+        the whole problem; a 2-CTA cluster fetches its shared operand once (multicast).
+      flops: 2 M N K.
+      cycles: modelled SM cycles: full waves x per-tile cycles, a tile taking, per K step, the
+        longer of its MMA and its share of the L2 bandwidth.
+    """
+
+    tiles: int
+    waves: float
+    wave_efficiency: float
+    l2_bytes: int
+    flops: int
+    cycles: int
+
+    @property
+    def l2_bytes_per_flop(self) -> float:
+        return self.l2_bytes / self.flops
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "l2_bytes_per_flop": self.l2_bytes_per_flop}
+
+
+def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int, *,
+                scalar_b: bool = True) -> GemmConfig:
     """The config predicted to be fastest for `a [m, kp] @ b [n, kp].T` (not measured).
 
-    - Compute-bound problems (enough 128 x 128 tiles to fill the SMs): `GemmConfig()`, the
-      warp-specialized, persistent 128 x 128 form.
+    `scalar_b`: b is block-scaled (Fprop, Dgrad; False: tile-scaled, Wgrad), which wider tiles
+    need (`DENSE_LAYOUTS`).
+
+    - M > 64: the `DENSE_LAYOUTS` entry with the fewest modelled cycles (`modelled`: per K
+      step the longer of the tile's MMA and its share of the L2 bandwidth, times the full waves
+      on `num_sms` SMs), as DeepGEMM's SM90 heuristic scores its block shapes; 2-CTA clusters
+      only where the tiles make more than one wave (there, as in DeepGEMM, there is no later
+      wave for the halved L2 traffic to speed up). Ties go to fewer L2 bytes, then to no
+      cluster, then to the earlier layout (128 x 128 first). 64-wide tiles get deeper pipelines
+      (`MAX_STAGES`, as SMEM allows): at short per-chunk compute, latency is hidden only by
+      more copies in flight.
     - M <= 64, memory-bound (every byte of b is used for at most 64 rows): one warpgroup on 64-row
       tiles (two consumers would multiply 64 rows of zero padding), one CTA per tile so that
-      several CTAs share an SM and keep more loads in flight.
-    - Too few tiles to give every SM some of b to stream: narrower tiles (halving tile_n, not
-      below `MIN_TILE_N`) while that adds tiles, until the grid covers the SMs.
-    - Smaller tiles get deeper pipelines (more stages, up to `MAX_STAGES`, as SMEM allows): at
-      short per-chunk compute, latency is hidden only by more copies in flight.
+      several CTAs share an SM and keep more loads in flight; column tiles halved (not below
+      `MIN_TILE_N`) until the grid covers the SMs, and deep pipelines.
 
     What no config here can do: fill the GPU when even 64-wide tiles are fewer than the SMs
     (e.g. M = 64, N = 2112: 33 tiles). Splitting K across CTAs would, but it sums the promoted
     chunks in another order than the reference (one running FP32 sum, chunk after chunk), so
     the bits would change; jfp8 keeps them.
     """
-    small_m = m <= WGMMA_M
-    base = GemmConfig.simple() if small_m else GemmConfig()  # simple(): 64-row tiles, 1 CTA/tile
-    return _narrowed(base, -(-m // base.tile_m), n, kp, out_dtype, num_sms, deepen=small_m)
+    if m <= WGMMA_M:  # simple(): 64-row tiles, 1 CTA/tile
+        return _narrowed(GemmConfig.simple(), -(-m // WGMMA_M), n, kp, out_dtype, num_sms,
+                         deepen=True)
+    layouts = [lay for lay in DENSE_LAYOUTS if scalar_b or lay.tile_n <= TILE]
+    best = _best_layout(layouts, m, n, kp, out_dtype, num_sms, scalar_b=scalar_b)
+    return _staged(GemmConfig(tile_m=best.tile_m, tile_n=best.tile_n, cluster_m=best.cluster_m,
+                              cluster_n=best.cluster_n), kp, out_dtype)
 
 
-def _narrowed(base, row_tiles: int, n: int, kp: int, out_dtype, num_sms: int, *, deepen: bool):
-    """`base` (a GemmConfig or GroupedGemmConfig) with tile_n halved, not below `MIN_TILE_N`,
-    while `row_tiles` x column tiles leave SMs idle and halving adds tiles; deeper pipelines
-    (`MAX_STAGES`) for narrowed tiles or with `deepen`; then stages cut to fit SMEM."""
-    tile_n = base.tile_n
-    while (tile_n > MIN_TILE_N and row_tiles * -(-n // tile_n) < num_sms
-           and -(-n // (tile_n // 2)) > -(-n // tile_n)):
-        tile_n //= 2
-    stages = MAX_STAGES if deepen or tile_n != base.tile_n else base.max_concurrent_steps
-    config = dataclasses.replace(base, tile_n=tile_n, max_concurrent_steps=stages)
+def grouped_rule_config(rows: int, n: int, kp: int, out_dtype, num_sms: int):
+    """The `GroupedGemmConfig` predicted to be fastest for `rows` token rows (all groups) against
+    weights of `n` x `kp` (not measured): the dense rule's scoring over `GROUPED_LAYOUTS`. Group
+    boundaries only add row tiles, so cdiv(rows, tile_m), the fewest there can be, is what the
+    model counts (exact for groups of whole row tiles, as at the benchmark shapes)."""
+    best = _best_layout(GROUPED_LAYOUTS, rows, n, kp, out_dtype, num_sms, scalar_b=True)
+    return _staged(GroupedGemmConfig(tile_m=best.tile_m, tile_n=best.tile_n,
+                                     cluster_n=best.cluster_n), kp, out_dtype)
+
+
+def modelled(config, m: int, n: int, kp: int, num_sms: int, *, out_dtype=jnp.bfloat16,
+             scalar_b: bool = True) -> Modelled:
+    """The cost model's numbers for `config` (a GemmConfig, GroupedGemmConfig or `Layout`) on
+    an M x N x Kp problem (grouped: M = all groups' rows) on `num_sms` SMs; pure Python.
+    `scalar_b`: b's scale arrives as one 128-byte box per K step (else a tile_n-wide vector)."""
+    lay = config if isinstance(config, Layout) else Layout.of(config)
+    rows, cols = -(-m // lay.tile_m), -(-n // lay.tile_n)
+    cluster = lay.cluster_m * lay.cluster_n
+    slots = max(num_sms // cluster, 1)  # clusters resident at once, one CTA per SM
+    launched = -(-rows // lay.cluster_m) * -(-cols // lay.cluster_n)  # cluster tiles
+    full_waves = -(-launched // slots)
+    tiles = rows * cols
+    f32 = jnp.dtype(jnp.float32).itemsize
+    steps = max(-(-kp // TILE_K), 1)
+    a_step = lay.tile_m * TILE_K + lay.tile_m * f32  # fp8 chunk + its row scales
+    b_step = lay.tile_n * TILE_K + (SCALE_BOX if scalar_b else lay.tile_n) * f32
+    step_bytes = a_step / lay.cluster_n + b_step / lay.cluster_m  # the shared operand: half each
+    out_bytes = lay.tile_m * lay.tile_n * jnp.dtype(out_dtype).itemsize
+    # Each SM's share of the L2 bandwidth, as if all were loading: an idle SM's share is lost
+    # (DeepGEMM's assumption), which is what the partial last wave costs.
+    bandwidth = min(L2_BYTES_PER_SM_CYCLE, L2_BYTES_PER_CYCLE / num_sms)
+    mma = lay.tile_m * lay.tile_n * TILE_K * 2 / TENSOR_FLOP_PER_SM_CYCLE
+    tile_cycles = steps * max(mma, step_bytes / bandwidth) + out_bytes / bandwidth
+    return Modelled(
+        tiles=tiles,
+        waves=tiles / num_sms,
+        wave_efficiency=tiles / (full_waves * slots * cluster),
+        l2_bytes=round(launched * cluster * (steps * step_bytes + out_bytes)),
+        flops=2 * m * n * kp,
+        cycles=round(full_waves * tile_cycles),
+    )
+
+
+def _best_layout(layouts, m, n, kp, out_dtype, num_sms, *, scalar_b: bool) -> Layout:
+    """The layout with the fewest modelled cycles; clusters only over more than one wave."""
+    def key(item):
+        index, lay = item
+        got = modelled(lay, m, n, kp, num_sms, out_dtype=out_dtype, scalar_b=scalar_b)
+        return got.cycles, got.l2_bytes, lay.cluster_m * lay.cluster_n, index
+
+    one_wave = {lay: -(-m // lay.tile_m) * -(-n // lay.tile_n) <= num_sms for lay in layouts}
+    allowed = [(i, lay) for i, lay in enumerate(layouts)
+               if lay.cluster_m * lay.cluster_n == 1 or not one_wave[lay]]
+    return min(allowed, key=key)[1]
+
+
+def _staged(config, kp: int, out_dtype):
+    """`config` with `MAX_STAGES` for tiles narrower than `TILE` (short per-chunk compute), its
+    own stages otherwise, cut to fit SMEM."""
+    if config.tile_n < TILE:
+        config = dataclasses.replace(config, max_concurrent_steps=MAX_STAGES)
+    return _fit_smem(config, kp, out_dtype)
+
+
+def _fit_smem(config, kp: int, out_dtype):
     chunks = max(kp // TILE_K, 1)
     # Sized for the vector b scale (a tile-scaled b, Wgrad): the larger of the two layouts.
     while (config.max_concurrent_steps > 2
@@ -89,14 +228,17 @@ def _narrowed(base, row_tiles: int, n: int, kp: int, out_dtype, num_sms: int, *,
     return config
 
 
-def grouped_rule_config(rows: int, n: int, kp: int, out_dtype, num_sms: int):
-    """The `GroupedGemmConfig` predicted to be fastest for `rows` token rows (all groups) against
-    weights of `n` x `kp` (not measured): the dense rule's narrowing. Group boundaries only add
-    row tiles, so cdiv(rows, tile_m) is the fewest there can be: `GroupedGemmConfig()` wherever
-    that many fill the SMs (the MoE benchmark shapes), narrower column tiles below."""
-
-    base = GroupedGemmConfig()
-    return _narrowed(base, -(-rows // base.tile_m), n, kp, out_dtype, num_sms, deepen=False)
+def _narrowed(base, row_tiles: int, n: int, kp: int, out_dtype, num_sms: int, *, deepen: bool):
+    """`base` with tile_n halved, not below `MIN_TILE_N`, while `row_tiles` x column tiles leave
+    SMs idle and halving adds tiles; deeper pipelines (`MAX_STAGES`) for narrowed tiles or with
+    `deepen`; then stages cut to fit SMEM."""
+    tile_n = base.tile_n
+    while (tile_n > MIN_TILE_N and row_tiles * -(-n // tile_n) < num_sms
+           and -(-n // (tile_n // 2)) > -(-n // tile_n)):
+        tile_n //= 2
+    stages = MAX_STAGES if deepen or tile_n != base.tile_n else base.max_concurrent_steps
+    return _fit_smem(dataclasses.replace(base, tile_n=tile_n, max_concurrent_steps=stages), kp,
+                     out_dtype)
 
 
 def grouped_config(rows: int, n: int, kp: int, out_dtype, *, groups: int,
@@ -187,9 +329,12 @@ def table_config(m: int, n: int, kp: int, out_dtype, device_kind: str, kind: str
 
 
 def dense_config(m: int, n: int, kp: int, out_dtype, *, device_kind: str | None = None,
-                 num_sms: int | None = None) -> GemmConfig:
-    """The config `gemm.scaled_matmul` runs when given none: measured table, else the rule."""
+                 num_sms: int | None = None, scalar_b: bool = True) -> GemmConfig:
+    """The config `gemm.scaled_matmul` runs when given none: measured table, else the rule
+    (`scalar_b`: b is block-scaled, as `rule_config`)."""
     device_kind = _mgpu.device_kind() if device_kind is None else device_kind
     num_sms = _mgpu.num_sms() if num_sms is None else num_sms
     tuned = table_config(m, n, kp, out_dtype, device_kind)
-    return tuned if tuned is not None else rule_config(m, n, kp, out_dtype, num_sms)
+    if tuned is not None:
+        return tuned
+    return rule_config(m, n, kp, out_dtype, num_sms, scalar_b=scalar_b)

@@ -275,10 +275,14 @@ def test_interpreter_poisons_unwritten_output():
         (dataclasses.replace(RUN_AHEAD, max_concurrent_steps=2, cluster_m=2, scalar_b_scale=True,
                              early_scale_loads=True), 330, 200, 2),
         (dataclasses.replace(RUN_AHEAD, cluster_n=2), 200, 330, 2),  # 4 stages, 3 K steps a tile
+        # The tuning rule's 128 x 192 tiles in clusters along M (b's chunk and box multicast):
+        # 3 row tiles x 3 column tiles, the third over a partial block, on 2 persistent clusters.
+        (dataclasses.replace(FAST, tile_n=192, cluster_m=2, max_concurrent_steps=2,
+                             scalar_b_scale=True), 330, 500, 4),
     ],
     ids=["ws", "one-warpgroup", "cluster-persistent", "cluster", "cluster-scalar-early",
          "cluster-n-persistent", "cluster-n", "run-ahead", "run-ahead-cluster-scalar-early",
-         "run-ahead-cluster-n"],
+         "run-ahead-cluster-n", "rule-192-cluster"],
 )
 def test_persistent_ctas_walk_every_tile_without_races(config, m, n, num_sms):
     """CTAs that each own several tiles write every output element (the outputs start as NaN),

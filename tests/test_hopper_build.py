@@ -99,6 +99,48 @@ def test_committed_results_cover_every_form(target):
     assert not set(hb.KNOWN_DEFECTS) & set(hb.CI_FORMS)
 
 
+def test_the_tuning_rule_picks_only_layouts_that_compile_cleanly():
+    """Every layout `tuning.rule_config` / `grouped_rule_config` may pick has a form whose
+    committed H100 row compiled with no problems (0 spills), with that tile's QGMMA and
+    multicast loads exactly when it runs in clusters."""
+    import dataclasses
+
+    from pallas_kernels import tuning
+
+    want = {("dense", dataclasses.astuple(lay)) for lay in tuning.DENSE_LAYOUTS}
+    want |= {("grouped", dataclasses.astuple(lay)) for lay in tuning.GROUPED_LAYOUTS}
+    assert set(hb.RULE_FORMS) == want
+    rows = {r["form"]: r for r in json.loads((hb.OUT / "kernels-h100_sxm.json").read_text())["rows"]}
+    for (kind, (tile_m, tile_n, cluster_m, cluster_n)), form in hb.RULE_FORMS.items():
+        row = rows[form]
+        assert row["ok"] and row["problems"] == [] and form not in hb.KNOWN_DEFECTS, form
+        assert row["spill_stores"] == row["spill_loads"] == 0, form
+        assert list(row["sass"]["qgmma"]) == [f"64x{tile_n}x32.F32.E4M3.E4M3"], form
+        assert (row["sass"]["utmaldg_multicast"] > 0) == (cluster_m * cluster_n > 1), form
+        assert form.startswith("gemm") == (kind == "dense"), form
+
+
+def test_mainloop_targets_name_each_unmet_one():
+    """`mainloop_problems` against issue 45's targets, on rows as `read_dump` makes them; the
+    CI forms' unmet targets are listed exactly, and the committed rows show the same."""
+    loop = {"instructions_per_k128": 96, "instructions_per_64x128x128": 96, "fewest_path_per_k128": 96,
+            "membar_per_k128": 0, "ldl_stl_per_k128": 0}
+    assert hb.mainloop_problems({"mainloop": loop}, "gemm") == []
+    assert hb.mainloop_problems({"mainloop": dict(loop, instructions_per_64x128x128=101)}, "gemm") == [
+        "main loop over 100 instructions per 64x128x128"]
+    assert hb.mainloop_problems({"mainloop": dict(loop, instructions_per_k128=213)}, "grouped_wgrad") == [
+        "main loop over 212 static instructions per 128-K block"]
+    assert hb.mainloop_problems({"mainloop": dict(loop, membar_per_k128=1, ldl_stl_per_k128=2)}, "gemm") == [
+        "MEMBAR in the main loop", "local memory in the main loop"]
+    assert hb.mainloop_problems({"mainloop": None}, "gemm") == ["no main loop found in the SASS"]
+    assert set(hb.MAINLOOP_UNMET) <= set(hb.MAINLOOP_FORMS) <= set(hb.CI_FORMS)
+    assert {f for f in hb.CI_FORMS if not f.startswith("quantize")} == set(hb.MAINLOOP_FORMS)
+    for target in hb.TARGETS:
+        rows = {r["form"]: r for r in json.loads((hb.OUT / f"kernels-{target}.json").read_text())["rows"]}
+        for form, kind in hb.MAINLOOP_FORMS.items():
+            assert sorted(hb.mainloop_problems(rows[form], kind)) == sorted(hb.MAINLOOP_UNMET.get(form, ())), form
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("form", hb.CI_FORMS)
 def test_default_forms_compile_for_sm90a(toolchain, form):
@@ -109,6 +151,9 @@ def test_default_forms_compile_for_sm90a(toolchain, form):
     (row,) = hb.build([form], "h100_sxm", toolchain, timeout=300, log=lambda s: None)
     assert row["ok"], row.get("error")
     assert sorted(row["problems"]) == sorted(hb.KNOWN_DEFECTS.get(form, ())), row
+    if form in hb.MAINLOOP_FORMS:  # issue 45's main-loop targets: the met ones held
+        unmet = hb.mainloop_problems(row, hb.MAINLOOP_FORMS[form])
+        assert sorted(unmet) == sorted(hb.MAINLOOP_UNMET.get(form, ())), row["mainloop"]
 
 
 def test_a_gpu_session_smoke_row_is_read_against_the_deviceless_build():
