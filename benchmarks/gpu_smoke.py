@@ -237,6 +237,14 @@ KERNELS = {
                                                                     _xla(jfp8.quantize, block=(1, TILE)))),
     "gemm_default": ("dense tile x block, GemmConfig() (warp-specialized, persistent, 128x128)",
                      lambda rng, i: _dense(rng, i, gemm.GemmConfig())),
+    # What the tuning rule picks at the benchmark shapes (`tuning.DENSE_LAYOUTS`, GROUPED_LAYOUTS;
+    # hopper_build.RULE_FORMS): the library's defaults there, so early in the record.
+    "gemm_rule_128x192_cluster_m": ("dense tile x block, GemmConfig(tile_n=192, cluster_m=2): the rule's pick at 8192^3",
+                                    lambda rng, i: _dense(rng, i, gemm.GemmConfig(tile_n=192, cluster_m=2))),
+    "gemm_rule_128x192_cluster_n": ("dense tile x block, GemmConfig(tile_n=192, cluster_n=2): a rule layout",
+                                    lambda rng, i: _dense(rng, i, gemm.GemmConfig(tile_n=192, cluster_n=2))),
+    "grouped_fprop_cluster_n": ("grouped Fprop/Dgrad, GroupedGemmConfig(cluster_n=2): the rule's pick at the MoE shapes",
+                                lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig(cluster_n=2))),
     "gemm_tile_x_tile": ("dense tile x tile (Wgrad operands), GemmConfig()",
                          lambda rng, i: _dense(rng, i, gemm.GemmConfig(), b_block=(1, TILE))),
     "grouped_fprop": ("grouped Fprop/Dgrad, GroupedGemmConfig()",
