@@ -788,6 +788,42 @@ def final_table(ctx: Session, header: str) -> str:
     return "\n".join(lines)
 
 
+RESULTS = REPO / "benchmarks" / "results"
+DEFAULT_FORMS = ("gemm_default", "grouped_fprop", "grouped_wgrad", "quantize_tile", "quantize_grad")
+
+
+def last_record(results: pathlib.Path = RESULTS) -> dict | None:
+    """The newest committed record of a real GPU (not a rehearsal or dry run): {"path", "date",
+    "commit", "clean"}, clean when its smoke and pytest stages were ok; None when there is none."""
+    found = []
+    for path in results.glob("**/gpu_session-*-smoke.json"):
+        try:
+            r = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if r.get("hopper") and not r.get("rehearsal") and not r.get("dry_run"):
+            ok = {s["name"]: s["status"] == "ok" for s in r.get("stages", [])}
+            found.append({"path": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
+                          "date": r.get("date"), "commit": r.get("commit"),
+                          "clean": bool(ok.get("smoke") and ok.get("pytest_gpu"))})
+    return max(found, key=lambda r: (r["date"] or "", r["path"])) if found else None
+
+
+def window_opening(record: dict | None) -> str:
+    """What a GPU window opens with (issue 42): the whole record when `pallas_kernels/` changed
+    since the last one (or there is none, or it was not clean), else a smoke of the default forms."""
+    if record is None or not record["commit"]:
+        return "the whole record (no committed record of a GPU names its commit)"
+    changed = _git("diff", "--name-only", record["commit"], "--", "pallas_kernels/")
+    if changed is None:
+        return f"the whole record (cannot compare with the last record's commit {record['commit'][:10]})"
+    if changed.strip() or not record["clean"]:
+        why = "pallas_kernels/ changed" if changed.strip() else "it was not clean"
+        return f"the whole record: {why} since the last one ({record['commit'][:10]}, {record['date']})"
+    return (f"a smoke of the default forms (--smoke-kernels {','.join(DEFAULT_FORMS)}): pallas_kernels/ is as "
+            f"the clean record of {record['date']} ran it")
+
+
 def _stage_groups(stages: list[Stage]) -> list[list[Stage]]:
     """The stages in run order, consecutive concurrent ones grouped (every other stage alone)."""
     groups: list[list[Stage]] = []
@@ -1106,6 +1142,7 @@ def main(argv=None) -> int:
     gpu = Gpu("NVIDIA H100 80GB HBM3 (assumed)", "9.0", None) if args.assume_hopper else detect_gpu()
     if args.command is None and args.dry_run:
         commands = PLAN
+        print(f"# the window opens with {window_opening(last_record())}")
     else:
         commands = (args.command or "smoke",)
     if not gpu.hopper and not (args.rehearse or args.dry_run):

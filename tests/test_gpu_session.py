@@ -281,6 +281,29 @@ def test_dry_run_plans_the_record_then_the_speed(session, tmp_path, capsys):
     assert bench["stages"][-1]["name"] == "bench_grouped_wgrad" and bench_wgrad[bench_wgrad.index("--op") + 1] == "wgrad"
 
 
+def test_the_window_opens_with_the_whole_record_when_kernels_changed(session, tmp_path, monkeypatch):
+    assert "whole record" in session.window_opening(None)
+    rec = {"path": "x", "date": "2026-11-26", "commit": "abc123", "clean": True}
+    monkeypatch.setattr(session, "_git", lambda *argv: "")  # pallas_kernels/ unchanged since abc123
+    assert "smoke of the default forms" in session.window_opening(rec)
+    assert "not clean" in session.window_opening({**rec, "clean": False})
+    monkeypatch.setattr(session, "_git", lambda *argv: "pallas_kernels/gemm.py\n")
+    assert "pallas_kernels/ changed" in session.window_opening(rec)
+    monkeypatch.setattr(session, "_git", lambda *argv: None)
+    assert "cannot compare" in session.window_opening(rec)
+    # the newest real record is found; rehearsals and dry runs are not records
+    for name, extra in (("a/call1", {"date": "2026-11-26", "commit": "c1"}),
+                        ("b/call1", {"date": "2026-11-27", "commit": "c2", "rehearsal": True}),
+                        ("c/call1", {"date": "2026-11-28", "commit": "c3", "dry_run": True})):
+        (tmp_path / name).mkdir(parents=True)
+        stages = [{"name": "smoke", "status": "ok"}, {"name": "pytest_gpu", "status": "ok"}]
+        record = {"hopper": True, "stages": stages, **extra}
+        (tmp_path / name / "gpu_session-h100-x-smoke.json").write_text(json.dumps(record))
+    found = session.last_record(tmp_path)
+    assert found["commit"] == "c1" and found["clean"]
+    assert session.last_record(tmp_path / "nothing") is None
+
+
 def test_rehearsal_of_the_smoke_call(session, tmp_path):
     """Call 1 on the CPU: the smoke forms in subprocesses (a real kernel in the interpreter, a
     committed compiler dump, a hang that must be killed, a crash), then pytest -m gpu."""
