@@ -3,7 +3,7 @@ an H100, priced op by op at the H100 rates measured so far.
 
     python benchmarks/step_model.py --presets tiny small              # compile, price, write JSON
     python benchmarks/step_model.py --presets gpu --keep-hlo          # + keep the optimized HLO (gz)
-    python benchmarks/step_model.py --from-hlo DIR --presets tiny     # re-price kept HLO, no compile
+    python benchmarks/step_model.py --from-hlo benchmarks/results/step-model/hlo   # re-price the committed HLO
     python benchmarks/step_model.py --table                           # the committed JSONs as markdown
 
 The step compiles as `hopper_train_build.py` compiles it (same toolchain, same abstract arguments,
@@ -719,7 +719,7 @@ def _split(s: dict) -> tuple[float, float, float]:
 def summary_table(docs: list[dict]) -> str:
     """One line per preset: predicted FP8 and BF16 steps, their ratio, and where the time goes."""
     out = ["| preset | batch × seq | FP8 ms | BF16 ms | BF16 ms, grouped GEMM (what-if) | FP8/BF16 (what-if) "
-           "| FP8: GEMM / quantize / rest ms | BF16 what-if: GEMM / rest ms | peak GB FP8 / BF16 | measured |",
+           "| FP8: GEMMs (FP8 + XLA) / quantize / rest ms | BF16 what-if: GEMMs / rest ms | peak GB FP8 / BF16 | measured |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for doc in docs:
         f, b = doc["precisions"]["fp8"], doc["precisions"]["bf16"]
@@ -756,8 +756,9 @@ def main(argv=None) -> int:
         for doc in docs:
             print(markdown_table(doc) + "\n")
         return 0
-    command = "python benchmarks/step_model.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for preset in args.presets:
+        # the command that compiles and prices this preset (--from-hlo re-prices the same HLO)
+        command = f"python benchmarks/step_model.py --presets {preset}" + (f" --batch {args.batch}" if args.batch else "")
         steps = {}
         for precision in PRECISIONS:
             stem = f"{preset}-{precision}-train" + (f"-b{args.batch}" if args.batch else "")
@@ -776,6 +777,7 @@ def main(argv=None) -> int:
                   f"{t['bytes'] / 1e9:.3g} GB, {t['kernels']:.0f} kernels, peak {meta['memory']['peak'] / 1e9:.2f} GB",
                   flush=True)
         doc = record(preset, args.target, steps, command)
+        doc["priced_from_kept_hlo"] = bool(args.from_hlo)
         args.out.mkdir(parents=True, exist_ok=True)
         # another batch than the preset's (sizing) gets its own file
         path = args.out / f"{preset}{f'-b{args.batch}' if args.batch else ''}-{args.target}.json"
