@@ -46,7 +46,7 @@ class ModelConfig:
     """A DeepSeek-V3-style decoder (arXiv 2412.19437 §2) at research scale.
 
     The field defaults follow DeepSeek-V3 where it gives a value; the presets (`tiny`, `small`,
-    `gpu`) change the router-bias update to the measured `PRESET_BALANCING`.
+    `gpu`, `wide`) change the router-bias update to the measured `PRESET_BALANCING`.
 
     Parameters are FP32 master weights; activations run in `dtype`. Every projection except the
     embedding, the output head and the MoE gate goes through the FP8 ops with `recipe`
@@ -234,5 +234,20 @@ class ModelConfig:
             q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64,
             v_head_dim=128, n_routed=32, n_shared=1, top_k=4, moe_hidden=256, dense_hidden=2048,
             max_seq_len=1024, **PRESET_BALANCING,
+        )
+        return dataclasses.replace(base, **overrides)
+
+    @classmethod
+    def wide(cls, **overrides) -> ModelConfig:
+        """One H100 filled at a realistic width: d_model 2048, 8 layers (1 dense), 16 heads, 64
+        fine-grained routed experts (top-6) + 1 shared of width 512, MLA ranks 768 (query) and 512
+        (key/value) with DeepSeek-V3's head widths (128 + 64 RoPE, value 128). Every GEMM dimension
+        is a multiple of 128 except the key/value down-projection's 512 + 64 RoPE outputs. Sized
+        with the deviceless memory analysis at batch 4 x 2048 tokens (docs/gpu.md)."""
+        base = cls(
+            d_model=2048, n_layers=8, n_dense_layers=1, n_heads=16,
+            q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            v_head_dim=128, n_routed=64, n_shared=1, top_k=6, moe_hidden=512, dense_hidden=5376,
+            max_seq_len=2048, **PRESET_BALANCING,
         )
         return dataclasses.replace(base, **overrides)

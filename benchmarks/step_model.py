@@ -1,0 +1,790 @@
+"""A step-time model without a GPU: each preset's FP8 and BF16 train step, compiled deviceless for
+an H100, priced op by op at the H100 rates measured so far.
+
+    python benchmarks/step_model.py --presets tiny small              # compile, price, write JSON
+    python benchmarks/step_model.py --presets gpu --keep-hlo          # + keep the optimized HLO (gz)
+    python benchmarks/step_model.py --from-hlo benchmarks/results/step-model/hlo   # re-price the committed HLO
+    python benchmarks/step_model.py --table                           # the committed JSONs as markdown
+
+The step compiles as `hopper_train_build.py` compiles it (same toolchain, same abstract arguments,
+one fresh process per precision). The optimized HLO (`compiled.as_text()`) is then walked op by op
+from the entry computation (while bodies times their known trip count):
+
+- Mosaic GPU custom calls (`mosaic_gpu_v2`), whose insides XLA's cost analysis cannot see, are
+  recognised by their operand and result types: FP8 GEMMs (dense: fprop/dgrad, or Wgrad with an
+  FP32 result; grouped, with int32 group operands) count 2·M·N·K FLOPs, K the FP8 operand's last
+  dimension (the padded width the kernel runs over); quantizers (float in, E4M3 + scales out; E4M3 in
+  and out for the Wgrad retile) count the bytes they read and write.
+- XLA's own GEMMs (Triton GEMM fusions, cuBLAS calls, any fusion holding a `dot`) count
+  2·(result elements)·(contracted elements) FLOPs.
+- Every other fusion, copy, transpose, sort, collective counts operand + result bytes.
+
+Each op is priced max(compute, memory) + a launch overhead with `H100_RATES` (each rate with the row
+of docs/gpu.md it was measured in); GEMMs on a wave-quantized tile count (132 SMs, 128×128 tiles),
+calibrated at the shape the rate was measured at. The sums per category and the total are
+predictions of this model, not measurements: the JSON and table carry a "measured" column that GPU
+runs fill. Writes `--out`/<preset>-<target>.json (default benchmarks/results/step-model/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import gzip
+import json
+import math
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+OUT = REPO / "benchmarks" / "results" / "step-model"
+PRECISIONS = ("fp8", "bf16")
+MEASURED_NOT = "not measured"
+
+# ------------------------------------------------------------------------------ rates
+
+
+@dataclasses.dataclass(frozen=True)
+class Rate:
+    """One measured (or assumed) rate and where it comes from."""
+
+    value: float
+    unit: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRate:
+    """A GEMM's TFLOP/s measured at one (M, N, K): the wave model is calibrated there."""
+
+    tflops: float
+    shape: tuple[int, int, int]
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """The device rates the model prices ops with. Every number names its measurement."""
+
+    device: str
+    sms: int
+    tile: tuple[int, int]  # the GEMM output tile the wave model counts
+    fp8_dense: GemmRate
+    fp8_grouped: GemmRate
+    bf16_gemm: GemmRate
+    bf16_grouped: GemmRate  # prices the what-if of a BF16 grouped GEMM (no such kernel in the step)
+    copy: Rate  # GB/s counting bytes read and written
+    # quantizer kind -> ((elements of the measured tensor, GB/s), ...), bytes read + written
+    quantizers: tuple[tuple[str, tuple[tuple[int, float], ...]], ...]
+    launch: Rate  # seconds per kernel launch, added to every op
+    quantizer_source: str
+
+    def quantizer_gbs(self, kind: str, elements: int) -> float:
+        """The measured rate of `kind` at the measured tensor size nearest `elements` (log scale)."""
+        points = dict(self.quantizers)[kind]
+        return min(points, key=lambda p: abs(math.log(max(elements, 1) / p[0])))[1]
+
+
+_GPU_MD = "docs/gpu.md, Benchmark results, H100 80GB HBM3, 2026-11-26"
+_Q_SIZES = (8192 * 8192, 4096 * 7168, 7168 * 2048)  # the quantizer table's three columns
+H100_RATES = Rates(
+    device="NVIDIA H100 80GB HBM3",
+    sms=132,
+    tile=(128, 128),
+    fp8_dense=GemmRate(1013.0, (8192, 8192, 8192), f"{_GPU_MD}: jfp8 dense GEMM at 8192^3 (call 2)"),
+    fp8_grouped=GemmRate(966.0, (8 * 4096, 4096, 7168),
+                         f"{_GPU_MD}: jfp8 grouped Fprop, 8 x 4096 rows, N 4096, K 7168"),
+    bf16_gemm=GemmRate(691.0, (8192, 8192, 8192), f"{_GPU_MD}: XLA bf16 jnp.dot at 8192^3 (604-714 over the shapes)"),
+    bf16_grouped=GemmRate(646.0, (8 * 4096, 4096, 7168),
+                          f"{_GPU_MD}: bf16 einsum, 8 x 4096 rows, N 4096, K 7168 (the grouped table's baseline)"),
+    copy=Rate(2939.0, "GB/s", f"{_GPU_MD}: copy bandwidth measured beside the quantizers (call 1)"),
+    quantizers=(
+        ("tile", tuple(zip(_Q_SIZES, (2104.0, 1018.0, 882.0)))),
+        ("grad", tuple(zip(_Q_SIZES, (1330.0, 914.0, 1029.0)))),
+        ("block-t", tuple(zip(_Q_SIZES, (1527.0, 1203.0, 1049.0)))),
+        ("retile", tuple(zip(_Q_SIZES, (1300.0, 838.0, 342.0)))),
+    ),
+    launch=Rate(3e-6, "s", "assumed, not measured: one kernel launch and its tail on an H100"),
+    quantizer_source=f"{_GPU_MD}: quantizer table (call 1), the column nearest the tensor's size",
+)
+
+# ------------------------------------------------------------------------------ HLO text -> instructions
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e8m0fnu": 1,
+                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+                "f64": 8, "c64": 8, "c128": 16, "token": 0}
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * _DTYPE_BYTES.get(self.dtype, 4)
+
+
+def arrays(shape: str) -> tuple[Array, ...]:
+    """The arrays of an HLO shape string ('bf16[2,3]{1,0}' or a tuple of them), in order."""
+    shape = re.sub(r"/\*.*?\*/", "", shape)
+    return tuple(Array(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(shape)
+                 if d in _DTYPE_BYTES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    """One HLO instruction: its result shape, opcode, operand names and the rest of its line."""
+
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: str
+    args: str = ""  # the text inside the opcode's parentheses (a parameter's index)
+    root: bool = False
+
+
+def _close(text: str, start: int) -> int:
+    """The index just past the bracket closing the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        c = text[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif c == '"':  # skip strings (they may hold brackets)
+            j = i + 1
+            while j < len(text) and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+    raise ValueError(f"unbalanced brackets in {text[start:start + 200]!r}")
+
+
+_INSTR = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = ")
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
+
+
+def parse_instr(line: str) -> Instr | None:
+    """An instruction line of HLO text, or None for any other line."""
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    i = m.end()
+    if line[i] == "(":
+        j = _close(line, i)
+    else:
+        j = line.index(" ", i)
+    shape = line[i:j]
+    k = line.index("(", j)
+    opcode = line[j:k].strip()
+    end = _close(line, k)
+    operands = tuple(re.findall(r"%([\w.\-]+)", line[k:end]))
+    return Instr(m.group(1), shape, opcode, operands, line[end:], line[k + 1:end - 1], "ROOT " in line[:m.end()])
+
+
+@dataclasses.dataclass
+class Module:
+    computations: dict[str, list[Instr]]
+    entry: str
+    shapes: dict[str, str]  # every instruction's name -> its result shape
+
+
+def parse_module(text: str) -> Module:
+    """The computations of an optimized HLO module's text."""
+    computations: dict[str, list[Instr]] = {}
+    shapes: dict[str, str] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        h = _HEADER.match(line)
+        if h and not line.startswith(" "):
+            current = h.group(2)
+            computations[current] = []
+            if h.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        instr = parse_instr(line)
+        if instr is not None:
+            computations[current].append(instr)
+            shapes[instr.name] = instr.shape
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return Module(computations, entry, shapes)
+
+
+def strip_payloads(text: str) -> str:
+    """HLO text without the Mosaic kernels' serialized modules and without metadata: what the model
+    reads, a few percent of the size."""
+    text = re.sub(r"backend_config=\{kernel_hash = .*$", "backend_config={}", text, flags=re.M)
+    return re.sub(r", metadata=\{[^}]*\}", "", text)
+
+
+# ------------------------------------------------------------------------------ instructions -> ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One kernel of the step as the model sees it."""
+
+    category: str
+    name: str
+    flops: float = 0.0
+    bytes: int = 0
+    gemm: tuple | None = None  # (M, N, K) or (groups, M, N, K)
+    elements: int = 0  # a quantizer's input elements (picks the measured rate)
+    count: float = 1.0  # times it runs (a while body's trip count)
+    loop: str = ""  # the outermost while loop it runs in, if any
+
+
+# The table's rows, in order: (category, what it holds).
+CATEGORIES = (
+    ("fp8 gemm: dense", "Mosaic FP8 GEMM, Fprop/Dgrad (1x128 x 128x128 scales)"),
+    ("fp8 gemm: dense wgrad", "Mosaic FP8 GEMM contracting tokens, FP32 out"),
+    ("fp8 gemm: grouped", "Mosaic FP8 grouped (MoE) GEMM, Fprop/Dgrad"),
+    ("fp8 gemm: grouped wgrad", "Mosaic FP8 grouped Wgrad, one FP32 result per expert"),
+    ("quantize: 1x128", "activation to E4M3 + 1x128 scales"),
+    ("quantize: both orientations", "1x128 and 128x1 (tokens) in one pass: dy, or x for Wgrad"),
+    ("quantize: weight 128x128", "FP32 master weight to 128x128 blocks (+ transposed copy)"),
+    ("quantize: retile", "cached E4M3 x re-tiled for Wgrad (dequantize, transpose, requantize)"),
+    ("mosaic: other", "a Mosaic kernel the classifier does not know"),
+    ("xla gemm (bf16)", "XLA dots: Triton GEMM fusions, cuBLAS calls"),
+    ("xla fusion: triton", "XLA's Triton-emitted fusions (softmax-like, normalizations)"),
+    ("xla transpose/copy", "copies and transposes, fused or not"),
+    ("xla cast", "fusions that only convert dtypes"),
+    ("xla reduction", "XLA input (reduction) fusions"),
+    ("xla elementwise", "XLA loop fusions and unfused elementwise ops"),
+    ("xla sort/gather/scatter", "MoE dispatch: argsort, gathers, scatters, dynamic slices"),
+    ("collective", "all-to-all, all-reduce, all-gather, ... (none on one device)"),
+    ("other", "custom calls and ops not named above"),
+)
+CATEGORY_NAMES = tuple(c for c, _ in CATEGORIES)
+
+_FREE = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "after-all", "partition-id",
+         "replica-id", "opt-barrier", "add-dependency", "copy-done", "all-to-all-done", "all-reduce-done",
+         "all-gather-done", "collective-permute-done", "async-done", "async-update", "send-done", "recv-done",
+         "fusion-done", "domain", "get-dimension-size"}
+_COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+                "ragged-all-to-all", "send", "recv")
+_FP8 = ("f8e4m3fn", "f8e5m2", "f8e4m3")
+
+
+def _io_bytes(instr: Instr, module: Module) -> int:
+    ins = sum(a.bytes for o in instr.operands for a in arrays(module.shapes.get(o, "")))
+    return ins + sum(a.bytes for a in arrays(instr.shape))
+
+
+_SLICING = ("dynamic-slice", "slice", "gather")
+_IN_PLACE = ("dynamic-update-slice", "scatter")
+
+
+def fusion_bytes(instr: Instr, body: list[Instr], module: Module) -> int:
+    """Bytes a fusion reads and writes: an operand only sliced or gathered inside counts the
+    slices, a buffer updated in place (dynamic-update-slice, scatter) counts only its update."""
+    if not body:
+        return _io_bytes(instr, module)
+    users = collections.defaultdict(list)
+    for i in body:
+        for o in i.operands:
+            users[o].append(i)
+    by_name = {i.name: i for i in body}
+    total = 0
+    for p in (i for i in body if i.opcode == "parameter"):
+        index = int(p.args.strip())
+        full = sum(a.bytes for a in arrays(module.shapes.get(instr.operands[index], ""))) \
+            if index < len(instr.operands) else 0
+        us = users[p.name]
+        if us and all(u.opcode in _SLICING and u.operands[0] == p.name for u in us):
+            total += sum(sum(a.bytes for a in arrays(u.shape)) for u in us)
+        elif us and all(u.opcode in _IN_PLACE and u.operands[0] == p.name for u in us):
+            pass  # the buffer stays where it is; the update is counted as written below
+        else:
+            total += full
+    root = next((i for i in body if i.root), body[-1])
+    outs = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
+    for out in outs:
+        if out is None:
+            continue
+        if out.opcode in _IN_PLACE:
+            update = out.operands[1] if out.opcode == "dynamic-update-slice" else out.operands[-1]
+            shape = by_name[update].shape if update in by_name else module.shapes.get(update, "")
+            total += sum(a.bytes for a in arrays(shape))
+        else:
+            total += sum(a.bytes for a in arrays(out.shape))
+    return total
+
+
+def _mosaic_operands(instr: Instr, module: Module) -> tuple[Array, ...]:
+    """A Mosaic custom call's operand types: its layout constraints, else the symbol table."""
+    key = "operand_layout_constraints="
+    i = instr.attrs.find(key)
+    if i >= 0:
+        start = i + len(key)
+        return arrays(instr.attrs[start:_close(instr.attrs, start)])
+    return tuple(a for o in instr.operands for a in arrays(module.shapes.get(o, "")))
+
+
+def classify_mosaic(instr: Instr, module: Module) -> Op:
+    """A Mosaic GPU kernel from its operand and result types."""
+    ins, outs = _mosaic_operands(instr, module), arrays(instr.shape)
+    nbytes = sum(a.bytes for a in ins) + sum(a.bytes for a in outs)
+    fp8_in = [a for a in ins if a.dtype in _FP8]
+    float_in = [a for a in ins if a.dtype in ("bf16", "f16", "f32")]
+    fp8_out = [a for a in outs if a.dtype in _FP8]
+    grouped = any(a.dtype == "s32" for a in ins)
+    if len(fp8_in) >= 2 and not fp8_out:  # a GEMM: A [M, K] (or [M', tokens]) and B
+        out = outs[0]
+        k = fp8_in[0].dims[-1]
+        if grouped and len(out.dims) == 3:  # Wgrad: one [M', N'] per expert, K the routed rows
+            g, m, n = out.dims
+            return Op("fp8 gemm: grouped wgrad", instr.name, 2.0 * m * n * k, nbytes, (g, m, n, k))
+        m, n = math.prod(out.dims[:-1]), out.dims[-1]
+        if grouped:
+            g = fp8_in[1].dims[0] if len(fp8_in[1].dims) == 3 else 1
+            return Op("fp8 gemm: grouped", instr.name, 2.0 * m * n * k, nbytes, (g, m, n, k))
+        wgrad = out.dtype == "f32"
+        return Op("fp8 gemm: dense wgrad" if wgrad else "fp8 gemm: dense", instr.name, 2.0 * m * n * k, nbytes,
+                  (m, n, k))
+    if fp8_out and fp8_in:  # E4M3 + scales in and out: the cached x re-tiled for Wgrad
+        return Op("quantize: retile", instr.name, 0.0, nbytes, elements=fp8_in[0].elements)
+    if fp8_out and float_in:  # a quantizer: float in, E4M3 + scales out
+        x = float_in[0]
+        if x.dtype == "f32" and any(len(a.dims) == 3 for a in fp8_out):
+            kind = "quantize: weight 128x128"
+        elif len(fp8_out) >= 2:
+            kind = "quantize: both orientations"
+        else:
+            kind = "quantize: 1x128"
+        return Op(kind, instr.name, 0.0, nbytes, elements=x.elements)
+    return Op("mosaic: other", instr.name, 0.0, nbytes)
+
+
+def dot_flops(dot: Instr, module: Module) -> tuple[float, tuple]:
+    """(2 * result elements * contracted elements, (M, N, K) flattened) of a `dot` instruction."""
+    lhs = arrays(module.shapes[dot.operands[0]])[0]
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.attrs)
+    contracted = [int(d) for d in m.group(1).split(",") if d] if m else [len(lhs.dims) - 1]
+    k = math.prod(lhs.dims[d] for d in contracted)
+    out = arrays(dot.shape)[0]
+    b = re.search(r"lhs_batch_dims=\{([\d,]*)\}", dot.attrs)
+    batch = math.prod(lhs.dims[int(d)] for d in b.group(1).split(",") if d) if b else 1
+    rest = out.elements // max(batch, 1)
+    n = out.dims[-1] if out.dims else 1
+    return 2.0 * out.elements * k, (batch, rest // max(n, 1), n, k)
+
+
+def _cublas_flops(instr: Instr, module: Module) -> tuple[float, tuple]:
+    lhs = arrays(module.shapes[instr.operands[0]])[0]
+    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instr.attrs)
+    dims = [int(d.strip('" ')) for d in m.group(1).split(",") if d.strip('" ')] if m else [len(lhs.dims) - 1]
+    k = math.prod(lhs.dims[d] for d in dims)
+    out = arrays(instr.shape)[0]
+    return 2.0 * out.elements * k, (1, out.elements // out.dims[-1], out.dims[-1], k)
+
+
+def _fusion_category(instr: Instr, body: list[Instr]) -> str:
+    ops = collections.Counter(i.opcode for i in body)
+    real = {o for o in ops if o not in ("parameter", "bitcast", "tuple", "get-tuple-element", "constant",
+                                        "broadcast", "reshape")}
+    if real & {"sort", "gather", "scatter", "dynamic-slice", "dynamic-update-slice"}:
+        return "xla sort/gather/scatter"
+    if '"kind":"__triton"' in instr.attrs:
+        return "xla fusion: triton"
+    if real <= {"convert"} and real:
+        return "xla cast"
+    if real <= {"transpose", "copy", "convert", "slice", "concatenate", "pad"} and real & {"transpose", "copy"}:
+        return "xla transpose/copy"
+    if "kind=kInput" in instr.attrs or "reduce" in real:
+        return "xla reduction"
+    return "xla elementwise"
+
+
+def _called(instr: Instr, key: str) -> list[str]:
+    m = re.search(key + r"=\{?%?([\w.\-]+(?:, %[\w.\-]+)*)\}?", instr.attrs)
+    return [c.lstrip("%") for c in m.group(1).split(", ")] if m else []
+
+
+def classify(instr: Instr, module: Module) -> Op | None:
+    """The op one top-level instruction runs, or None for the free ones (bitcasts, tuples, ...).
+    While loops, calls and conditionals are walked by `step_ops`."""
+    op = instr.opcode
+    if op in _FREE:
+        return None
+    nbytes = _io_bytes(instr, module)
+    if op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]+)"', instr.attrs)
+        target = target.group(1) if target else ""
+        if target.startswith("mosaic_gpu"):
+            return classify_mosaic(instr, module)
+        if "gemm" in target or "matmul" in target.lower():
+            flops, mnk = _cublas_flops(instr, module)
+            return Op("xla gemm (bf16)", instr.name, flops, nbytes, mnk)
+        if "sort" in target.lower():
+            return Op("xla sort/gather/scatter", instr.name, 0.0, nbytes)
+        return Op("other", instr.name, 0.0, nbytes)
+    if op in ("fusion", "fusion-start"):
+        body = module.computations.get(_called(instr, "calls")[0], []) if _called(instr, "calls") else []
+        nbytes = fusion_bytes(instr, body, module)
+        dots = [i for i in body if i.opcode in ("dot", "scaled-dot")]
+        if dots:
+            flops, mnk = 0.0, None
+            for d in dots:
+                f, shape = dot_flops(d, module)
+                flops, mnk = flops + f, mnk or shape
+            return Op("xla gemm (bf16)", instr.name, flops, nbytes, mnk)
+        return Op(_fusion_category(instr, body), instr.name, 0.0, nbytes)
+    if op in ("dot", "convolution"):
+        flops, mnk = dot_flops(instr, module)
+        return Op("xla gemm (bf16)", instr.name, flops, nbytes, mnk)
+    if op.startswith(_COLLECTIVES):
+        return Op("collective", instr.name, 0.0, nbytes)
+    if op in ("copy", "copy-start", "transpose"):
+        return Op("xla transpose/copy", instr.name, 0.0, nbytes)
+    if op == "convert":
+        return Op("xla cast", instr.name, 0.0, nbytes)
+    if op in ("sort", "gather", "scatter", "dynamic-slice", "dynamic-update-slice"):
+        return Op("xla sort/gather/scatter", instr.name, 0.0, nbytes)
+    if op in ("reduce", "reduce-window"):
+        return Op("xla reduction", instr.name, 0.0, nbytes)
+    return Op("xla elementwise", instr.name, 0.0, nbytes)
+
+
+def trip_count(instr: Instr) -> int | None:
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+    return int(m.group(1)) if m else None
+
+
+def step_ops(module: Module, computation: str | None = None, times: float = 1.0, loop: str = "") -> list[Op]:
+    """Every kernel the computation (default: the entry) launches, while bodies repeated by their
+    known trip count (once when it is unknown)."""
+    ops = []
+    for instr in module.computations[computation or module.entry]:
+        if instr.opcode == "while":
+            n = trip_count(instr) or 1
+            for part, mult in (("body", n), ("condition", n + 1)):
+                for c in _called(instr, part):
+                    ops += step_ops(module, c, times * mult, loop or instr.name)
+            continue
+        if instr.opcode in ("call", "async-start"):
+            for c in _called(instr, "to_apply") + _called(instr, "calls"):
+                ops += step_ops(module, c, times, loop)
+            continue
+        if instr.opcode == "conditional":  # the costliest branch, as an upper bound
+            branches = [step_ops(module, c, times, loop) for c in _called(instr, "branch_computations")]
+            ops += max(branches, key=lambda b: sum(o.bytes + o.flops for o in b), default=[])
+            continue
+        op = classify(instr, module)
+        if op is not None:
+            ops.append(dataclasses.replace(op, count=times, loop=loop))
+    return ops
+
+
+def gemm_loops(ops: list[Op], rates: Rates = H100_RATES) -> dict[str, dict]:
+    """The while loops that run GEMMs one tile at a time (BF16's grouped GEMM, `jfp8.ops._ragged`,
+    is a scan over (row tile, expert) work items): per loop, its GEMM FLOPs, launches, seconds."""
+    loops = collections.defaultdict(lambda: {"flops": 0.0, "kernels": 0.0, "seconds": 0.0})
+    for op in ops:
+        if op.loop:
+            r = loops[op.loop]
+            r["flops"] += op.flops * op.count
+            r["kernels"] += op.count
+            r["seconds"] += op_seconds(op, rates) * op.count
+    return {name: r for name, r in loops.items() if r["flops"]}
+
+
+# ------------------------------------------------------------------------------ ops -> seconds
+
+
+def gemm_seconds(gemm: tuple, rate: GemmRate, rates: Rates) -> float:
+    """Wave-quantized GEMM time: ceil(tiles / SMs) waves, each as long as one output tile's K loop,
+    at the per-wave speed that gives `rate` at the shape it was measured at."""
+    def waves_work(groups, m, n, k):  # (waves, the work the machine is busy for, in tile-K units)
+        tm, tn = rates.tile
+        tiles = groups * math.ceil(m / tm) * math.ceil(n / tn)
+        return math.ceil(tiles / rates.sms) * k
+
+    if len(gemm) == 3:
+        gemm = (1, *gemm)
+    g, m, n, k = gemm
+    cm, cn, ck = rate.shape
+    calib = waves_work(1, cm, cn, ck)
+    seconds_per_unit = 2.0 * cm * cn * ck / (rate.tflops * 1e12) / calib
+    return waves_work(g, m, n, k) * seconds_per_unit
+
+
+def op_seconds(op: Op, rates: Rates = H100_RATES) -> float:
+    """One launch of `op`: max(compute, memory) + a launch."""
+    memory = op.bytes / (rates.copy.value * 1e9)
+    compute = 0.0
+    c = op.category
+    if c.startswith("fp8 gemm") or c == "xla gemm (bf16)":
+        rate = rates.bf16_gemm if c == "xla gemm (bf16)" else (
+            rates.fp8_grouped if "grouped" in c else rates.fp8_dense)
+        g = op.gemm
+        if c == "fp8 gemm: grouped wgrad":  # one [M', N'] per expert over its share of the rows
+            groups, m, n, k = g
+            g = (groups, m, n, max(1, k // groups))
+        elif c == "fp8 gemm: grouped":  # the rows split into `groups` tiles' worth: half a tile each
+            groups, m, n, k = g
+            g = (1, m + groups * rates.tile[0] // 2, n, k)
+        if g is None and op.name.endswith("as one grouped GEMM"):
+            rate = rates.bf16_grouped
+        compute = gemm_seconds(g, rate, rates) if g else op.flops / (rate.tflops * 1e12)
+    elif c.startswith("quantize"):
+        kind = {"quantize: 1x128": "tile", "quantize: both orientations": "grad",
+                "quantize: weight 128x128": "block-t", "quantize: retile": "retile"}[c]
+        memory = op.bytes / (rates.quantizer_gbs(kind, op.elements) * 1e9)
+    return max(compute, memory) + rates.launch.value
+
+
+def summarize(ops: list[Op], rates: Rates = H100_RATES) -> dict:
+    """Per category: kernels launched, FLOPs, bytes and predicted seconds; and the total."""
+    rows = {c: {"kernels": 0.0, "flops": 0.0, "bytes": 0.0, "seconds": 0.0} for c in CATEGORY_NAMES}
+    for op in ops:
+        r = rows[op.category]
+        r["kernels"] += op.count
+        r["flops"] += op.flops * op.count
+        r["bytes"] += op.bytes * op.count
+        r["seconds"] += op_seconds(op, rates) * op.count
+    total = {k: sum(r[k] for r in rows.values()) for k in ("kernels", "flops", "bytes", "seconds")}
+    return {"categories": {c: r for c, r in rows.items() if r["kernels"]}, "total": total}
+
+
+def quantization_cuts(ops: list[Op], rates: Rates = H100_RATES) -> list[dict]:
+    """Every quantizer launch (each place a tensor is cut to E4M3), grouped by (kind, shape):
+    the bytes and predicted time a later fusion or removal of that cut would save."""
+    by = collections.defaultdict(lambda: {"launches": 0.0, "bytes": 0.0, "seconds": 0.0})
+    for op in ops:
+        if op.category.startswith("quantize"):
+            key = (op.category, op.elements, op.bytes)
+            by[key]["launches"] += op.count
+            by[key]["bytes"] += op.bytes * op.count
+            by[key]["seconds"] += op_seconds(op, rates) * op.count
+    return [{"kind": k[0], "input_elements": k[1], "bytes_per_launch": k[2], **v}
+            for k, v in sorted(by.items(), key=lambda kv: -kv[1]["seconds"])]
+
+
+def as_grouped_gemm(ops: list[Op], rates: Rates = H100_RATES) -> list[Op]:
+    """What if every GEMM tile loop were one grouped GEMM: each loop's ops replaced by one launch
+    with the loop's GEMM FLOPs at the measured BF16 grouped rate (`rates.bf16_grouped`)."""
+    loops = gemm_loops(ops, rates)
+    kept = [op for op in ops if op.loop not in loops]
+    for name, r in loops.items():
+        kept.append(Op("xla gemm (bf16)", f"{name} as one grouped GEMM", r["flops"], 0, None))
+    return kept
+
+
+def model_hlo(text: str, rates: Rates = H100_RATES) -> dict:
+    """The model of one compiled step's HLO text: categories, total, quantization cuts, the GEMM
+    tile loops, and the step with those loops as grouped GEMMs (a what-if)."""
+    ops = step_ops(parse_module(text))
+    loops = gemm_loops(ops, rates)
+    what_if = summarize(as_grouped_gemm(ops, rates), rates) if loops else None
+    return {**summarize(ops, rates), "quantization_cuts": quantization_cuts(ops, rates),
+            "gemm_loops": {"loops": len(loops), **{k: sum(r[k] for r in loops.values())
+                                                    for k in ("flops", "kernels", "seconds")}},
+            "with_grouped_gemm": what_if}
+
+
+# ------------------------------------------------------------------------------ compiling (subprocess)
+
+
+def _child(spec: str, target: str, out: str) -> int:
+    """Compile one (preset, precision) train step for `target`; write its stripped HLO (gz) and
+    XLA's memory analysis."""
+    from hopper_build import HOPPER_SMS, TARGETS
+    from hopper_train_build import _topology_device, abstract_step
+
+    from pallas_kernels import _mgpu
+
+    preset, precision, batch = spec.split(":")
+    device = _topology_device(target)
+    fn, args = abstract_step(preset, precision, "train", int(batch) or None, device)
+    with _mgpu.build_target(TARGETS[target], HOPPER_SMS):
+        lowered = fn.trace(*args).lower()
+    compiled = lowered.compile()
+    mem = compiled.memory_analysis()
+    memory = {f: getattr(mem, f"{f}_size_in_bytes") for f in ("argument", "output", "alias", "temp")}
+    memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+    out = pathlib.Path(out)
+    (out / "hlo.txt.gz").write_bytes(gzip.compress(strip_payloads(compiled.as_text()).encode()))
+    tokens = args[-1].shape
+    (out / "meta.json").write_text(json.dumps({"batch_size": tokens[0], "seq_len": tokens[1], "memory": memory}))
+    return 0
+
+
+def compile_hlo(preset: str, precision: str, target: str, batch: int = 0, timeout: float = 3600) -> tuple[str, dict]:
+    """(stripped optimized HLO text, {batch_size, seq_len, memory}) of a train step, compiled in a
+    fresh process with the Hopper toolchain."""
+    from hopper_build import toolchain
+    from hopper_train_build import build_env
+
+    with tempfile.TemporaryDirectory(prefix="step-model-") as tmp:
+        p = subprocess.run([sys.executable, __file__, "--child", f"{preset}:{precision}:{batch}", "--target", target,
+                            "--result", tmp], env=build_env(toolchain()), capture_output=True, text=True,
+                           timeout=timeout, cwd=REPO)
+        hlo = pathlib.Path(tmp) / "hlo.txt.gz"
+        if p.returncode or not hlo.exists():
+            raise RuntimeError(f"{preset} {precision}: the compile failed (exit {p.returncode}): {p.stderr[-2000:]}")
+        return gzip.decompress(hlo.read_bytes()).decode(), json.loads((pathlib.Path(tmp) / "meta.json").read_text())
+
+
+# ------------------------------------------------------------------------------ records and the table
+
+
+def rates_json(rates: Rates) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(rates)))
+
+
+def record(preset: str, target: str, steps: dict[str, dict], command: str, rates: Rates = H100_RATES) -> dict:
+    """The JSON of one preset: per precision the model's categories, total, cuts and memory, with an
+    empty measured step time for GPU runs to fill."""
+    import jax
+
+    return {"preset": preset, "target": target, "device": rates.device, "step": "train",
+            "what": "predicted (model): op-by-op prices of the deviceless compile's HLO at the rates below",
+            "rates": rates_json(rates), "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+            "command": command,
+            "precisions": {p: {**s, "measured_step_s": None, "measured": MEASURED_NOT} for p, s in steps.items()}}
+
+
+def _fmt_amount(flops: float, nbytes: float) -> str:
+    parts = []
+    if flops:
+        parts.append(f"{flops / 1e12:.3g} TFLOP")
+    if nbytes:
+        parts.append(f"{nbytes / 1e9:.3g} GB")
+    return " / ".join(parts) or "–"
+
+
+def _ms(r) -> str:
+    return f"{r['seconds'] * 1e3:.3f}" if r else "–"
+
+
+def markdown_table(doc: dict) -> str:
+    """One preset's record as a table: per category FP8 ms, BF16 ms (as compiled, and with its GEMM
+    tile loops as grouped GEMMs), TFLOP / GB, kernels, and the measured column."""
+    fp8, bf16 = doc["precisions"]["fp8"], doc["precisions"]["bf16"]
+    alt = bf16.get("with_grouped_gemm") or bf16
+    out = [f"**{doc['preset']}** train step, batch {fp8['batch_size']} × {fp8['seq_len']}, {doc['device']}: "
+           "predicted (model)", "",
+           "| category | FP8 ms | BF16 ms | BF16 ms, MoE as grouped GEMM (what-if) | FP8 TFLOP / GB "
+           "| BF16 TFLOP / GB | FP8 / BF16 kernels | measured |", "|---|---|---|---|---|---|---|---|"]
+    for c in CATEGORY_NAMES:
+        a, b, w = (s.get("categories", {}).get(c) for s in (fp8, bf16, alt))
+        if not (a or b or w):
+            continue
+        amt = lambda r: _fmt_amount(r["flops"], r["bytes"]) if r else "–"  # noqa: E731
+        n = lambda r: f"{r['kernels']:.0f}" if r else "–"  # noqa: E731
+        out.append(f"| {c} | {_ms(a)} | {_ms(b)} | {_ms(w)} | {amt(a)} | {amt(b)} | {n(a)} / {n(b)} | {MEASURED_NOT} |")
+    ta, tb, tw = fp8["total"], bf16["total"], alt["total"]
+    meas = lambda s: (MEASURED_NOT if s.get("measured_step_s") is None  # noqa: E731
+                      else f"{s['measured_step_s'] * 1e3:.1f} ms")
+    out.append(f"| **step** | **{ta['seconds'] * 1e3:.2f}** | **{tb['seconds'] * 1e3:.2f}** "
+               f"| **{tw['seconds'] * 1e3:.2f}** | {_fmt_amount(ta['flops'], ta['bytes'])} "
+               f"| {_fmt_amount(tb['flops'], tb['bytes'])} | {ta['kernels']:.0f} / {tb['kernels']:.0f} "
+               f"| FP8 {meas(fp8)}, BF16 {meas(bf16)} |")
+    loops = bf16.get("gemm_loops", {})
+    out += ["", f"FP8/BF16 predicted: {ta['seconds'] / tb['seconds']:.2f} as compiled, "
+            f"{ta['seconds'] / tw['seconds']:.2f} against BF16 with grouped GEMMs. BF16's GEMM tile loops "
+            f"(`jfp8.ops._ragged`): {loops.get('loops', 0)} loops, {loops.get('kernels', 0):.0f} launches, "
+            f"{loops.get('seconds', 0) * 1e3:.1f} ms. Peak memory (XLA): FP8 {fp8['memory']['peak'] / 1e9:.2f} GB, "
+            f"BF16 {bf16['memory']['peak'] / 1e9:.2f} GB."]
+    return "\n".join(out)
+
+
+def _split(s: dict) -> tuple[float, float, float]:
+    """(GEMM, quantizer, everything else) predicted ms of one precision's step."""
+    cats = s["categories"]
+    gemm = sum(r["seconds"] for c, r in cats.items() if "gemm" in c) * 1e3
+    quant = sum(r["seconds"] for c, r in cats.items() if c.startswith("quantize")) * 1e3
+    return gemm, quant, s["total"]["seconds"] * 1e3 - gemm - quant
+
+
+def summary_table(docs: list[dict]) -> str:
+    """One line per preset: predicted FP8 and BF16 steps, their ratio, and where the time goes."""
+    out = ["| preset | batch × seq | FP8 ms | BF16 ms | BF16 ms, grouped GEMM (what-if) | FP8/BF16 (what-if) "
+           "| FP8: GEMMs (FP8 + XLA) / quantize / rest ms | BF16 what-if: GEMMs / rest ms | peak GB FP8 / BF16 | measured |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for doc in docs:
+        f, b = doc["precisions"]["fp8"], doc["precisions"]["bf16"]
+        w = b.get("with_grouped_gemm") or b
+        fg, fq, fr = _split(f)
+        wg, _, wr = _split(w)
+        tf, tb, tw = (s["total"]["seconds"] * 1e3 for s in (f, b, w))
+        out.append(f"| {doc['preset']} | {f['batch_size']} × {f['seq_len']} | {tf:.2f} | {tb:.2f} | {tw:.2f} "
+                   f"| {tf / tb:.2f} ({tf / tw:.2f}) | {fg:.2f} / {fq:.2f} / {fr:.2f} | {wg:.2f} / {wr:.2f} "
+                   f"| {f['memory']['peak'] / 1e9:.2f} / {b['memory']['peak'] / 1e9:.2f} | {MEASURED_NOT} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["tiny", "small", "gpu", "wide"])
+    p.add_argument("--target", default="h100_sxm", choices=["h100_sxm"],
+                   help="the rates are the H100's; another target needs its own measured rates")
+    p.add_argument("--batch", type=int, default=0, help="batch size (default: the preset's)")
+    p.add_argument("--out", type=pathlib.Path, default=OUT)
+    p.add_argument("--keep-hlo", type=pathlib.Path, help="also write each compiled step's stripped HLO here (gz)")
+    p.add_argument("--from-hlo", type=pathlib.Path,
+                   help="price HLO kept by --keep-hlo (with its meta JSON) instead of compiling")
+    p.add_argument("--table", action="store_true", help="print the committed results as markdown")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return _child(args.child, args.target, args.result)
+    if args.table:
+        docs = [json.loads((args.out / f"{pr}-{args.target}.json").read_text()) for pr in args.presets
+                if (args.out / f"{pr}-{args.target}.json").exists()]
+        print(summary_table(docs) + "\n")
+        for doc in docs:
+            print(markdown_table(doc) + "\n")
+        return 0
+    for preset in args.presets:
+        # the command that compiles and prices this preset (--from-hlo re-prices the same HLO)
+        command = f"python benchmarks/step_model.py --presets {preset}" + (f" --batch {args.batch}" if args.batch else "")
+        steps = {}
+        for precision in PRECISIONS:
+            stem = f"{preset}-{precision}-train" + (f"-b{args.batch}" if args.batch else "")
+            if args.from_hlo:
+                text = gzip.decompress((args.from_hlo / f"{stem}.hlo.gz").read_bytes()).decode()
+                meta = json.loads((args.from_hlo / f"{stem}.json").read_text())
+            else:
+                text, meta = compile_hlo(preset, precision, args.target, args.batch)
+                if args.keep_hlo:
+                    args.keep_hlo.mkdir(parents=True, exist_ok=True)
+                    (args.keep_hlo / f"{stem}.hlo.gz").write_bytes(gzip.compress(text.encode()))
+                    (args.keep_hlo / f"{stem}.json").write_text(json.dumps(meta))
+            steps[precision] = {**meta, **model_hlo(text)}
+            t = steps[precision]["total"]
+            print(f"{preset} {precision}: predicted {t['seconds'] * 1e3:.2f} ms, {t['flops'] / 1e12:.3g} TFLOP, "
+                  f"{t['bytes'] / 1e9:.3g} GB, {t['kernels']:.0f} kernels, peak {meta['memory']['peak'] / 1e9:.2f} GB",
+                  flush=True)
+        doc = record(preset, args.target, steps, command)
+        doc["priced_from_kept_hlo"] = bool(args.from_hlo)
+        args.out.mkdir(parents=True, exist_ok=True)
+        # another batch than the preset's (sizing) gets its own file
+        path = args.out / f"{preset}{f'-b{args.batch}' if args.batch else ''}-{args.target}.json"
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(markdown_table(doc) + f"\n\nwrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

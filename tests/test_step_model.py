@@ -1,0 +1,181 @@
+"""The step-time model (benchmarks/step_model.py): its HLO reader and classifier on hand-written
+HLO with hand-counted FLOPs and bytes, on the committed tiny FP8 train step (optimized HLO of a
+deviceless H100 compile, kernel payloads stripped), the wave model against a measured GEMM row it
+was not calibrated on, and the committed predictions' shape."""
+
+import gzip
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import step_model as sm  # noqa: E402
+
+FIXTURE = REPO / "tests" / "fixtures" / "step_model" / "tiny-fp8-train.hlo.gz"
+
+# A hand-written module: a dense FP8 GEMM, a grouped one, a grouped Wgrad, a quantizer, a retile,
+# a Triton GEMM fusion (batched dot), a dynamic-update-slice fusion, and a while loop of 3 trips.
+HAND = """\
+HloModule hand
+
+%gemm_comp (p0: bf16[8,128,64], p1: bf16[8,64,256]) -> f32[8,128,256] {
+  %p0 = bf16[8,128,64]{2,1,0} parameter(0)
+  %p1 = bf16[8,64,256]{2,1,0} parameter(1)
+  ROOT %d = f32[8,128,256]{2,1,0} dot(%p0, %p1), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
+%dus_comp (q0: f32[64,1024], q1: f32[1,1024], q2: s32[]) -> f32[64,1024] {
+  %q0 = f32[64,1024]{1,0} parameter(0)
+  %q1 = f32[1,1024]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %u = f32[64,1024]{1,0} dynamic-update-slice(%q0, %q1, %q2, %z)
+}
+
+%add_comp (r0: f32[1024]) -> f32[1024] {
+  %r0 = f32[1024]{0} parameter(0)
+  ROOT %n = f32[1024]{0} negate(%r0)
+}
+
+%body (t: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %t = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[1024]{0} get-tuple-element(%t), index=1
+  %f = f32[1024]{0} fusion(%v), kind=kLoop, calls=%add_comp
+  ROOT %o = (s32[], f32[1024]{0}) tuple(%i, %f)
+}
+
+%cond (c: (s32[], f32[1024])) -> pred[] {
+  %c = (s32[], f32[1024]{0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+ENTRY %main (a: f8e4m3fn[512,1024], x: bf16[512,1024]) -> bf16[512,768] {
+  %a = f8e4m3fn[512,1024]{1,0} parameter(0)
+  %x = bf16[512,1024]{1,0} parameter(1)
+  %dense = bf16[512,768]{1,0} custom-call(%a, %b, %sa, %sb), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={f8e4m3fn[512,1024]{1,0}, f8e4m3fn[768,1024]{1,0}, f32[8,512]{1,0}, f32[8,6]{1,0}}, api_version=API_VERSION_TYPED_FFI, backend_config={}
+  %grouped = bf16[4096,256]{1,0} custom-call(%g0, %g1, %g2, %g3, %xa, %xs, %w, %ws), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[36]{0}, s32[36]{0}, s32[36]{0}, s32[36]{0}, f8e4m3fn[4096,512]{1,0}, f32[4,4096]{1,0}, f8e4m3fn[8,256,512]{2,1,0}, f32[8,4,2]{2,1,0}}, api_version=API_VERSION_TYPED_FFI, backend_config={}
+  %gwgrad = f32[8,256,512]{2,1,0} custom-call(%h0, %h1, %h2, %h3, %ya, %ys, %za, %zs), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[8]{0}, s32[8]{0}, s32[8]{0}, s32[8]{0}, f8e4m3fn[256,4096]{1,0}, f32[32,256]{1,0}, f8e4m3fn[512,4096]{1,0}, f32[32,512]{1,0}}, api_version=API_VERSION_TYPED_FFI, backend_config={}
+  %quant = (f8e4m3fn[512,1024]{1,0}, f32[512,8]{1,0}) custom-call(%x), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={bf16[512,1024]{1,0}}, api_version=API_VERSION_TYPED_FFI, backend_config={}
+  %retile = (f8e4m3fn[1024,512]{1,0}, f32[1024,4]{1,0}) custom-call(%a, %s), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={f8e4m3fn[512,1024]{1,0}, f32[512,8]{1,0}}, api_version=API_VERSION_TYPED_FFI, backend_config={}
+  %lhs = bf16[8,128,64]{2,1,0} parameter(2)
+  %rhs = bf16[8,64,256]{2,1,0} parameter(3)
+  %attn = f32[8,128,256]{2,1,0} fusion(%lhs, %rhs), kind=kCustom, calls=%gemm_comp, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %buf = f32[64,1024]{1,0} parameter(4)
+  %row = f32[1,1024]{1,0} parameter(5)
+  %idx = s32[] parameter(6)
+  %upd = f32[64,1024]{1,0} fusion(%buf, %row, %idx), kind=kLoop, calls=%dus_comp
+  %init = (s32[], f32[1024]{0}) parameter(7)
+  %loop = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %bc = bf16[512,768]{1,0} bitcast(%dense)
+  ROOT %out = bf16[512,768]{1,0} copy(%bc)
+}
+"""
+
+
+def _by_name(ops):
+    return {op.name: op for op in ops}
+
+
+def test_hand_module_classified_and_counted_by_hand():
+    ops = _by_name(sm.step_ops(sm.parse_module(HAND)))
+    assert "bc" not in ops  # bitcasts are free
+    dense = ops["dense"]
+    assert (dense.category, dense.gemm) == ("fp8 gemm: dense", (512, 768, 1024))
+    assert dense.flops == 2 * 512 * 768 * 1024
+    assert dense.bytes == 512 * 1024 + 768 * 1024 + 4 * (8 * 512 + 8 * 6) + 2 * 512 * 768
+    g = ops["grouped"]
+    assert (g.category, g.gemm, g.flops) == ("fp8 gemm: grouped", (8, 4096, 256, 512), 2 * 4096 * 256 * 512)
+    w = ops["gwgrad"]  # 8 experts' [256, 512] weight gradients over 4096 routed rows in all
+    assert (w.category, w.gemm, w.flops) == ("fp8 gemm: grouped wgrad", (8, 256, 512, 4096), 2 * 256 * 512 * 4096)
+    q = ops["quant"]
+    assert (q.category, q.elements) == ("quantize: 1x128", 512 * 1024)
+    assert q.bytes == 2 * 512 * 1024 + 512 * 1024 + 4 * 512 * 8  # bf16 in, E4M3 + scales out
+    assert ops["retile"].category == "quantize: retile"
+    attn = ops["attn"]  # batched dot: 8 x [128, 64] @ [64, 256]
+    assert (attn.category, attn.flops, attn.gemm) == ("xla gemm (bf16)", 2 * 8 * 128 * 256 * 64, (8, 128, 256, 64))
+    # a dynamic-update-slice fusion writes its row, not the buffer: row read + row written + index
+    assert ops["upd"].bytes == 4 * 1024 + 4 + 4 * 1024
+    assert ops["f"].count == 3 and ops["f"].bytes == 2 * 4 * 1024  # the while body, 3 trips
+    assert ops["out"].category == "xla transpose/copy"
+
+
+def test_parse_tuple_shapes_and_comments():
+    a = sm.arrays("(f32[2,3]{1,0}, /*index=5*/bf16[4]{0}, s32[], f8e4m3fn[128,256]{1,0})")
+    assert [(x.dtype, x.dims, x.bytes) for x in a] == [
+        ("f32", (2, 3), 24), ("bf16", (4,), 8), ("s32", (), 4), ("f8e4m3fn", (128, 256), 128 * 256)]
+
+
+def test_wave_model_calibrated_at_its_shape_and_near_a_measured_row_it_was_not_fitted_to():
+    r = sm.H100_RATES
+    m, n, k = r.fp8_dense.shape
+    assert sm.gemm_seconds((m, n, k), r.fp8_dense, r) == pytest.approx(2 * m * n * k / (r.fp8_dense.tflops * 1e12))
+    # docs/gpu.md: jfp8 dense at 4096x2112x7168 measured 769 TFLOP/s, at 4096x7168x16384 1063
+    for shape, measured in (((4096, 2112, 7168), 769.0), ((4096, 7168, 16384), 1063.0)):
+        predicted = 2 * math.prod(shape) / sm.gemm_seconds(shape, r.fp8_dense, r) / 1e12
+        assert abs(predicted / measured - 1) < 0.15, (shape, predicted)
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8_ops():
+    return sm.step_ops(sm.parse_module(gzip.decompress(FIXTURE.read_bytes()).decode()))
+
+
+def test_tiny_fp8_step_every_mosaic_kernel_recognised(tiny_fp8_ops):
+    """The tiny FP8 train step's 172 Mosaic custom calls, each classified (none 'other'): per
+    projection an Fprop, a Dgrad and a Wgrad GEMM with their quantizers."""
+    counts = {}
+    for op in tiny_fp8_ops:
+        counts[op.category] = counts.get(op.category, 0) + op.count
+    mosaic = {c: n for c, n in counts.items() if c.startswith(("fp8", "quantize", "mosaic"))}
+    assert "mosaic: other" not in mosaic
+    assert sum(mosaic.values()) == 172
+    assert mosaic == {"fp8 gemm: dense": 44, "fp8 gemm: dense wgrad": 22, "fp8 gemm: grouped": 8,
+                      "fp8 gemm: grouped wgrad": 4, "quantize: 1x128": 23, "quantize: both orientations": 26,
+                      "quantize: weight 128x128": 22, "quantize: retile": 23}
+    # 22 dense weights (3 blocks x 5 MLA projections, the dense FFN's 2, 2 x the shared expert's 2,
+    # the MTP projection): one weight quantization and one Wgrad GEMM each
+    assert mosaic["quantize: weight 128x128"] == mosaic["fp8 gemm: dense wgrad"]
+    # the attention products, router and head stay in XLA (BF16)
+    assert counts["xla gemm (bf16)"] == 28
+
+
+def test_tiny_fp8_gemm_flops_match_the_shapes(tiny_fp8_ops):
+    """Wgrad of the tiny dense FFN's w13: [64 -> 256] over 2048 tokens, counted 2*64*256*2048."""
+    w13 = [op for op in tiny_fp8_ops if op.category == "fp8 gemm: dense wgrad" and op.gemm == (64, 256, 2048)]
+    assert len(w13) == 1 and w13[0].flops == 2 * 64 * 256 * 2048
+    model = sm.summarize(tiny_fp8_ops)
+    assert model["total"]["seconds"] > 0
+    assert set(model["categories"]) <= set(sm.CATEGORY_NAMES)
+    cuts = sm.quantization_cuts(tiny_fp8_ops)
+    assert sum(c["launches"] for c in cuts) == 23 + 26 + 22 + 23
+    assert sum(c["bytes"] for c in cuts) == pytest.approx(
+        sum(op.bytes * op.count for op in tiny_fp8_ops if op.category.startswith("quantize")))
+
+
+def test_committed_predictions_are_labelled_and_unmeasured():
+    for path in sorted(sm.OUT.glob("*-h100_sxm.json")):
+        doc = json.loads(path.read_text())
+        assert doc["what"].startswith("predicted (model)"), path
+        for precision in sm.PRECISIONS:
+            s = doc["precisions"][precision]
+            assert s["measured"] == sm.MEASURED_NOT or s["measured_step_s"] is not None, path
+            assert s["total"]["seconds"] == pytest.approx(sum(r["seconds"] for r in s["categories"].values()))
+        assert "| category |" in sm.markdown_table(doc)
+
+
+def test_gemm_tile_loop_what_if_prices_one_grouped_gemm():
+    """A while loop of per-tile dots (BF16's `_ragged`) becomes one launch with its FLOPs at the
+    measured BF16 grouped rate; ops outside loops stay."""
+    tile = sm.Op("xla gemm (bf16)", "dot", 2 * 256 * 512 * 2048, 10, (1, 256, 512, 2048), count=100, loop="w")
+    copy = sm.Op("xla transpose/copy", "copy", 0, 1 << 20, count=100, loop="w")
+    out = sm.Op("xla elementwise", "add", 0, 1 << 20)
+    assert sm.gemm_loops([tile, copy, out])["w"]["flops"] == 100 * tile.flops
+    what_if = sm.as_grouped_gemm([tile, copy, out])
+    assert [o.name for o in what_if] == ["add", "w as one grouped GEMM"]
+    r = sm.H100_RATES
+    assert sm.op_seconds(what_if[1]) == pytest.approx(100 * tile.flops / (r.bf16_grouped.tflops * 1e12) + r.launch.value)
