@@ -305,6 +305,19 @@ KERNELS = {
     "quantize_grad_flat_rows": ("quantize_grad at the smoke shape, rows of one magnitude",
                                 _quantizer(_mosaic(jfp8.quantize_grad), _xla(jfp8.quantize_grad),
                                            row_spread=False)),
+    # Issue 45's lean main loop: the stage released right after the wgmma's wait, no fence on the
+    # consumers (the producer fences); not a default until racecheck is clean on a GPU.
+    "gemm_lean_release": ("dense tile x block, GemmConfig(early_scale_loads=True, lean_release=True) (issue 45)",
+                          lambda rng, i: _dense(rng, i, gemm.GemmConfig(early_scale_loads=True,
+                                                                        lean_release=True))),
+    "grouped_fprop_lean_release": (
+        "grouped Fprop/Dgrad, GroupedGemmConfig(early_scale_loads=True, lean_release=True) (issue 45)",
+        lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig(early_scale_loads=True, lean_release=True))),
+    "gemm_lean_release_128x192_cluster_m": (
+        "dense tile x block, GemmConfig(tile_n=192, cluster_m=2, early_scale_loads=True, lean_release=True) "
+        "(issue 45: the rule's pick at 8192^3, lean)",
+        lambda rng, i: _dense(rng, i, gemm.GemmConfig(tile_n=192, cluster_m=2, early_scale_loads=True,
+                                                      lean_release=True))),
 }
 
 

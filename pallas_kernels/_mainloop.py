@@ -6,6 +6,8 @@ over all of a persistent CTA's (tile, K chunk) steps (`run_ahead_tiles`)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -27,7 +29,7 @@ from pallas_kernels.fp8_math import FP8_DTYPE
 
 
 def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool = False,
-            early_scales: bool = False) -> jax.Array:
+            early_scales: bool = False, release=None) -> jax.Array:
     """One K chunk for one warpgroup: fresh FP32 wgmma, then `out + partial * (sa * sb)`.
 
     a_smem [rows, TILE_K], b_smem [tile_n, TILE_K] (K-major), sa_smem [rows], sb_smem [tile_n]
@@ -38,7 +40,14 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
     with the same f32 values, so the bits do not depend on the form. With `early_scales`
     (`GemmConfig.early_scale_loads`) the scale vectors are read from SMEM before the wgmma is
     issued, so that their latency overlaps it, instead of after its wait.
+
+    `release()` (`GemmConfig.lean_release`; needs `early_scales`), when given, hands the stage
+    back right after the wgmma's wait, before the promotion, and this function then issues no
+    proxy fence: its caller's producer fences before refilling the stage. Otherwise the caller
+    releases the stage after this returns, and the fence is issued here.
     """
+    if release is not None and not early_scales:
+        raise ValueError("release needs early_scales: the scales live in the stage it releases")
     rows, cols = out.shape
     wgmma_layout = plgpu.Layout.WGMMA
     width, pieces = block_pieces(cols)
@@ -51,7 +60,10 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
 
     def chunk_product(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))  # b is K-major: pass b.T
-        plgpu.wgmma_wait(0)  # the promotion needs the finished partial sum
+        if release is None:
+            plgpu.wgmma_wait(0)  # the promotion needs the finished partial sum
+        # (else the wait that ends `run_scoped` of an accumulator is the one wait: one fewer
+        # WARPGROUP.DEPBAR per K step)
         return acc_ref[...]
 
     if early_scales:
@@ -60,6 +72,11 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
     # The named scopes are the regions `_mgpu.profile` times per warpgroup (nothing otherwise).
     with jax.named_scope("wgmma"):
         partial = pl.run_scoped(chunk_product, plgpu.ACC((rows, cols), jnp.float32))  # zeroed
+    if release is not None:
+        # The wgmma has read the stage (its wait ended `run_scoped`) and the scales are in
+        # registers: each thread's mbarrier arrive (release semantics) orders its own reads of
+        # the stage before the producer's wait, and no warpgroup barrier is needed.
+        release()
     with jax.named_scope("promote"):
         if not early_scales:
             sa, sb = load_scales()
@@ -73,11 +90,14 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
         else:
             sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
             out = out + partial * (sa * sb)
-        # The pipeline hands this stage back to TMA next. The scale loads above are generic-proxy
-        # reads and TMA writes through the async proxy, which PTX orders only across a proxy
-        # fence (`fence.proxy.async`, here with a warpgroup barrier); without it the
-        # interpreter's race detector reports the stage's next TMA write as racing with them.
-        plgpu.commit_smem()
+        if release is None:
+            # The pipeline hands this stage back to TMA next. The scale loads above are
+            # generic-proxy reads and TMA writes through the async proxy, which PTX orders only
+            # across a proxy fence (`fence.proxy.async`, here with a warpgroup barrier); without
+            # it the interpreter's race detector reports the stage's next TMA write as racing
+            # with them. (`plgpu.commit_smem` compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S +
+            # a 128-thread BAR.SYNC, per K step on the consumers' critical path.)
+            plgpu.commit_smem()
     return out
 
 def cluster_shape(config) -> tuple[int, int]:
@@ -244,6 +264,7 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
     """
     tm, tn = config.tile_m, config.tile_n
     wm = tm // WS_CONSUMER_WGS
+    lean = getattr(config, "lean_release", False)
     chunks = operands[0].shape[1] // TILE_K
     # A static K loop shorter than the pipeline needs fewer stages; a dynamic one may use all.
     stages = config.max_concurrent_steps if dynamic_k else min(config.max_concurrent_steps, chunks)
@@ -271,6 +292,8 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
                     @pl.when(step >= stages)  # the stage's previous K step is consumed
                     def _():
                         plgpu.barrier_wait(consumed.at[slot])
+                        if lean:  # the consumers' scale reads, then this refill: `_producer_fence`
+                            _producer_fence()
 
                     for spec, ref, buf in zip(specs, views, bufs):
                         plgpu.copy_gmem_to_smem(ref.at[_block_slices(spec, k)], buf.at[slot], produced.at[slot],
@@ -302,8 +325,11 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
                     plgpu.barrier_wait(produced.at[slot])
                     if before_chunk is not None:
                         before_chunk(k, bufs[0].at[slot].at[rows])
-                    out = _promote_rows(config, rows, *(buf.at[slot] for buf in bufs), out, scalar_b)
-                    plgpu.barrier_arrive(consumed.at[slot])
+                    release = functools.partial(plgpu.barrier_arrive, consumed.at[slot])
+                    out = _promote_rows(config, rows, *(buf.at[slot] for buf in bufs), out, scalar_b,
+                                        release=release if lean else None)
+                    if not lean:
+                        release()
                     return step + 1, out
 
                 step, out = lax.fori_loop(0, k_steps, chunk, (step, zeros((wm, tn))))
@@ -326,6 +352,21 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
         collective_axes="wg",
     )
     plgpu.wait_smem_to_gmem(0)
+
+
+def _producer_fence() -> None:
+    """With `lean_release`: the proxy fence between the consumers' reads of a stage and its
+    refill, issued by the producer after its wait on the stage, before the TMA copies.
+
+    The consumers read a stage's scales through the generic proxy and TMA overwrites them
+    through the async proxy; PTX orders the two only with a proxy fence on the causality path
+    between them (the read, the consumer's mbarrier arrive, the producer's wait, the refill).
+    The default loop fences on each consumer before its arrive (`promote`); this fence sits on
+    the same path after the producer's wait, off the consumers' critical path, and in the CTA
+    that issues the refill. Without any fence the interpreter's race detector reports the
+    refills as racing with the scale loads (tests/test_gemm_kernel.py). `plgpu.commit_smem` is
+    Pallas' spelling of the fence; its warpgroup barrier only joins the producer's own threads."""
+    plgpu.commit_smem()
 
 
 def _consumer_registers() -> int:
@@ -391,10 +432,10 @@ def run_ahead_tiles(config, operands, out_dtype, tiles: tuple[int, int], units: 
     _with_ws_scratch(config, operands, out_dtype, out_transforms, alloc_steps, scalar_b, scoped)
 
 
-def _promote_rows(config, rows, a_smem, b_smem, sa_smem, sb_smem, out, scalar_b):
+def _promote_rows(config, rows, a_smem, b_smem, sa_smem, sb_smem, out, scalar_b, release=None):
     """`promote` on one consumer's rows of a K step's SMEM tiles."""
     return promote(a_smem.at[rows], b_smem, sa_smem.at[rows], sb_smem, out, scalar_b=scalar_b,
-                   early_scales=getattr(config, "early_scale_loads", False))
+                   early_scales=getattr(config, "early_scale_loads", False), release=release)
 
 
 def _ws_pipeline(config, specs, steps, body=None, compute_context=None):

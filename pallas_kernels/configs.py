@@ -100,6 +100,15 @@ class GemmConfig:
       early_scale_loads: read a K step's scales from SMEM before issuing its wgmma (their latency
         then overlaps the tensor cores) instead of after the wgmma's wait; the scale vectors are
         then live across the wgmma. Off by default until measured.
+      lean_release: hand a K step's stage back to the producer right after its wgmma's wait,
+        before the promotion, as DeepGEMM does: the scales are already in registers
+        (`early_scale_loads`, required: they live in the stage released) and the consumer issues
+        no proxy fence or warpgroup barrier per K step. The proxy fence that orders the
+        consumers' generic-proxy scale reads before the stage's next TMA write moves to the
+        producer, after its wait on the stage and before the refill (`_mainloop.branch_once_tiles`),
+        off the consumers' critical path. Needs `warp_specialized` and not `run_ahead` (jax's
+        pipeline releases its own stages). Off by default until compute-sanitizer's racecheck
+        is clean on a GPU (docs/gpu.md).
       run_ahead: run each persistent CTA's tiles as one jax warp-specialized pipeline over all
         its (tile, K step) pairs: each consumer stores a tile after its last chunk (a `cond` in
         the K loop) and carries zeros into the next. The default loop (`branch_once_tiles`)
@@ -120,6 +129,7 @@ class GemmConfig:
     scalar_b_scale: bool | None = None
     early_scale_loads: bool = False
     run_ahead: bool = False
+    lean_release: bool = False
 
     def __post_init__(self):
         rows = WGMMA_M * (WS_CONSUMER_WGS if self.warp_specialized else 1)
@@ -150,6 +160,10 @@ class GemmConfig:
         if self.run_ahead and not (self.persistent and self.warp_specialized):
             raise ValueError("run_ahead=True needs persistent=True and warp_specialized=True: it "
                              "pipelines one persistent CTA's tiles through its producer warpgroup")
+        if self.lean_release and not (self.warp_specialized and self.early_scale_loads and not self.run_ahead):
+            raise ValueError("lean_release=True needs warp_specialized=True, early_scale_loads=True (the "
+                             "scales live in the stage it releases before the promotion) and "
+                             "run_ahead=False (jax's pipeline releases its own stages)")
         if max(self.cluster_m, self.cluster_n) > 1 and not self.warp_specialized:
             axis = "cluster_m" if self.cluster_m > 1 else "cluster_n"
             raise ValueError(f"{axis}=2 needs warp_specialized=True: the simple pipeline has no "
@@ -209,6 +223,9 @@ class GroupedGemmConfig:
       early_scale_loads: read a K step's scales before issuing its wgmma
         (`GemmConfig.early_scale_loads`), both kernels. Warp-specialized form only; off until
         measured.
+      lean_release: release a K step's stage right after its wgmma's wait, with the proxy
+        fence in the producer (`GemmConfig.lean_release`; needs `early_scale_loads`), both
+        kernels. Warp-specialized form only; off until racecheck is clean on a GPU.
     """
 
     tile_m: int = 128
@@ -220,18 +237,20 @@ class GroupedGemmConfig:
     cluster_n: int = 1
     scalar_b_scale: bool | None = None
     early_scale_loads: bool = False
+    lean_release: bool = False
 
     def __post_init__(self):
         if self.warp_specialized:
             # The dense kernel's rules: the same main loop runs both.
             GemmConfig(self.tile_m, self.tile_n, self.max_concurrent_steps, True, self.persistent,
                        self.grid_tile_group, cluster_n=self.cluster_n,
-                       scalar_b_scale=self.scalar_b_scale, early_scale_loads=self.early_scale_loads)
+                       scalar_b_scale=self.scalar_b_scale, early_scale_loads=self.early_scale_loads,
+                       lean_release=self.lean_release)
             if self.scalar_b_scale and TILE % self.tile_n:
                 raise ValueError(f"the grouped kernels' scalar_b_scale needs one weight block per "
                                  f"tile: tile_n must divide {TILE}, got {self.tile_n}")
             return
-        for field in ("cluster_n", "scalar_b_scale", "early_scale_loads"):
+        for field in ("cluster_n", "scalar_b_scale", "early_scale_loads", "lean_release"):
             if getattr(self, field) != getattr(GroupedGemmConfig, field):
                 raise ValueError(f"{field}={getattr(self, field)} needs warp_specialized=True (the "
                                  "simple grouped kernels run their own pipeline)")

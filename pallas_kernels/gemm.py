@@ -41,6 +41,10 @@ Launch structure, two forms selected by `GemmConfig`:
   promoted in 64- or 128-column slices with one scalar each.
 - `GemmConfig(early_scale_loads=True)` (off by default until measured): a K step's scales are
   read from SMEM before its wgmma is issued rather than after its wait.
+- `GemmConfig(early_scale_loads=True, lean_release=True)` (off by default until racecheck on a
+  GPU is clean): each consumer hands a K step's stage back right after its wgmma's wait, before
+  the promotion, with no proxy fence or warpgroup barrier of its own (DeepGEMM's loop); the
+  producer fences before the refill instead.
 - `GemmConfig(run_ahead=True)` (off by default): the same schedule through jax's
   `plgpu.emit_pipeline_warp_specialized`, one pipeline over all of a persistent CTA's (tile, K
   step) pairs with the tile's store in a `cond` inside the K loop; a bisect row for the default

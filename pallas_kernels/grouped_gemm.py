@@ -36,7 +36,8 @@ Two forms, selected by the frozen `GroupedGemmConfig`:
   Issue 19's switches, each a `GroupedGemmConfig` field of the fast form and off until measured:
   `cluster_n=2` (column-tile pairs of one work item share its token rows by TMA multicast),
   `scalar_b_scale` (Fprop/Dgrad: a weight block's scale read as one scalar per K step) and
-  `early_scale_loads`.
+  `early_scale_loads`; and issue 45's `lean_release` (with `early_scale_loads`: the stage released
+  right after the wgmma's wait, the proxy fence in the producer), off until racecheck is clean.
   Nothing here has been timed; what each form is predicted to change is in `docs/gpu.md`.
 
 Both forms give the same bits: each output element gets the same chunk products promoted in the

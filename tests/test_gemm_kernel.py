@@ -107,11 +107,14 @@ CLUSTER_N = dataclasses.replace(FAST, cluster_n=2)  # 2-CTA clusters along N, a 
 SCALAR_B = dataclasses.replace(FAST, scalar_b_scale=True)  # b's block scale as one scalar
 EARLY = dataclasses.replace(FAST, early_scale_loads=True)  # scales read before the wgmma
 RUN_AHEAD = dataclasses.replace(FAST, run_ahead=True)  # one pipeline over a CTA's tiles
+# The stage released right after the wgmma's wait, the proxy fence in the producer (issue 45).
+LEAN = dataclasses.replace(FAST, early_scale_loads=True, lean_release=True)
 # 128 x 192 tiles (over two weight blocks) with the scalar scale per 64-column slice; 2 stages
 # leave room for an f32 output tile.
 WIDE = dataclasses.replace(SCALAR_B, tile_n=192, max_concurrent_steps=2)
 CONFIGS = {"simple": SIMPLE, "fast": FAST, "cluster": CLUSTER, "cluster-n": CLUSTER_N,
-           "scalar-b": SCALAR_B, "early-scales": EARLY, "run-ahead": RUN_AHEAD, "wide": WIDE}
+           "scalar-b": SCALAR_B, "early-scales": EARLY, "run-ahead": RUN_AHEAD, "wide": WIDE,
+           "lean": LEAN}
 
 # (M, N, K, b_block_rows, out_dtype): M/N tails within and past one tile, b with padded rows
 # (N=200 and 136 under 128x128 blocks), K tails (K=200 -> 2 chunks), 1 and 4 chunks (more
@@ -134,7 +137,8 @@ EXACT_CASES = [
     # the scalar b scale with block-scaled b, and tile-scaled b (which keeps the vector)
     + [(*EXACT_CASES[1], "scalar-b"), (*EXACT_CASES[2], "scalar-b")]
     + [(*EXACT_CASES[2], "early-scales"), (*EXACT_CASES[4], "early-scales")]
-    + [(*EXACT_CASES[1], "run-ahead"), (*EXACT_CASES[4], "run-ahead")],
+    + [(*EXACT_CASES[1], "run-ahead"), (*EXACT_CASES[4], "run-ahead")]
+    + [(*EXACT_CASES[2], "lean"), (*EXACT_CASES[4], "lean")],
 )
 def test_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype, config):
     seed = _seed()
@@ -163,6 +167,66 @@ def test_split_kernel_alone_is_the_whole_matmul(config):
     assert operands[2].shape == (chunks, 68)  # a's scales K-chunk-major, rows padded to 16 bytes
     assert out.shape == (m, n)
     _assert_bitwise_equal(out, _reference(a, b, out_dtype), seed)
+
+
+def _call_detecting_races(config, m, n, b_block_rows, num_sms, seed):
+    """The kernel on 3 K chunks of exact operands, launched on `num_sms` CTAs (None: one per
+    tile) in the interpreter with the race detector on: (output [m, n] f32, races, a, b)."""
+    a, b = _operands(seed, m, n, 3 * TILE, b_block_rows, exact=True)
+    scalar_b = config.scalar_b and b_block_rows == TILE
+    operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, b_block_rows, scalar_b, config.tile_n)
+    shape = out_shape(m, n, jnp.float32, config)
+    tiles = (-(-m // config.tile_m), -(-n // config.tile_n))
+    call = gemm._gemm_call(shape, jnp.float32, config, tiles, num_sms=num_sms, scalar_b=scalar_b)
+    out, races = _interpret_detecting_races(call, *operands)
+    return np.asarray(out)[:m, :n], races, a, b
+
+
+LEAN_RACE_CASES = {
+    # Several tiles per CTA over 2 stages (3 chunks a tile: stages reused across tiles); b's
+    # block scale as a scalar box ...
+    "ws": (dataclasses.replace(LEAN, max_concurrent_steps=2, grid_tile_group=2), 200, 200, TILE, 3),
+    # ... and a tile-scaled b (Wgrad operands): a per-column scale vector read from the stage.
+    "ws-tile-scaled-b": (dataclasses.replace(LEAN, max_concurrent_steps=2, grid_tile_group=2), 200, 200, 1, 3),
+    # Clusters: the "consumed" cluster barrier, and refills multicast into both CTAs' stages.
+    "cluster-m": (dataclasses.replace(LEAN, cluster_m=2, max_concurrent_steps=2, grid_tile_group=2),
+                  330, 200, TILE, 2),
+    "cluster-n": (dataclasses.replace(LEAN, cluster_n=2, max_concurrent_steps=2), 200, 330, TILE, 2),
+    # The rule's 128 x 192 tiles along M: two blocks' scales per K step.
+    "rule-192-cluster-m": (dataclasses.replace(LEAN, tile_n=192, cluster_m=2, max_concurrent_steps=2),
+                           330, 500, TILE, 4),
+}
+
+
+@pytest.mark.parametrize("case", LEAN_RACE_CASES)
+def test_lean_release_is_bit_identical_without_races(case):
+    """`lean_release`: each consumer arrives on a stage's "consumed" barrier right after its
+    wgmma's wait, with the scales already in registers and no fence of its own; the producer
+    fences before the refill. Bit-identical, and the race detector finds nothing."""
+    config, m, n, b_block_rows, num_sms = LEAN_RACE_CASES[case]
+    seed = _seed()
+    out, races, a, b = _call_detecting_races(config, m, n, b_block_rows, num_sms, seed)
+    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
+    _assert_bitwise_equal(out, _reference(a, b, jnp.float32), seed)
+
+
+def test_lean_release_needs_the_producers_proxy_fence(monkeypatch, capsys):
+    """Without any proxy fence (DeepGEMM's loop: none on the consumers, none on the producer)
+    the race detector reports the refills' TMA writes (async proxy) as racing with the
+    consumers' scale loads (generic proxy), and nothing else: the fp8 tiles are read by the
+    wgmma (async proxy), ordered by its wait and the mbarriers alone. The bits are the same."""
+    from pallas_kernels import _mainloop
+
+    monkeypatch.setattr(_mainloop, "_producer_fence", lambda: None)
+    config, m, n, b_block_rows, num_sms = LEAN_RACE_CASES["ws"]
+    seed = _seed()
+    out, races, a, b = _call_detecting_races(config, m, n, b_block_rows, num_sms, seed)
+    report = capsys.readouterr().out
+    reads = [line for line in report.splitlines() if line.strip().startswith("read of")]
+    assert races and reads, report[-2000:]
+    assert all("promote.<locals>.load_scales" in line for line in reads), reads
+    assert report.count("RACE DETECTED") == len(reads)
+    _assert_bitwise_equal(out, _reference(a, b, jnp.float32), seed)
 
 
 @pytest.mark.parametrize(
@@ -389,6 +453,9 @@ def test_invalid_inputs_raise(change, error, match):
         dict(tile_n=48),
         dict(run_ahead=True, persistent=False),  # one tile per CTA: nothing to run ahead into
         dict(run_ahead=True, tile_m=64, warp_specialized=False),
+        dict(lean_release=True),  # the scales must be in registers before the stage is released
+        dict(lean_release=True, early_scale_loads=True, run_ahead=True),  # jax's pipeline releases
+        dict(lean_release=True, early_scale_loads=True, tile_m=64, warp_specialized=False),
     ],
 )
 def test_invalid_config_raises(fields):
