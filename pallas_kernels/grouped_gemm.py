@@ -250,7 +250,6 @@ def grouped_scaled_matmul(
     check_fp8(lhs_data, "lhs_data", 2)
     check_fp8(rhs_data, "rhs_data", 3)
     if config is None:
-
         config = tuning.grouped_config(lhs_data.shape[0], n, lhs_data.shape[1], out_dtype,
                                        groups=rhs_data.shape[0])
     if not config.warp_specialized and config.tile_n != TILE:

@@ -177,6 +177,8 @@ def modelled(config, m: int, n: int, kp: int, num_sms: int, *, out_dtype=jnp.bfl
     launched = -(-rows // lay.cluster_m) * -(-cols // lay.cluster_n)  # cluster tiles
     full_waves = -(-launched // slots)
     tiles = rows * cols
+    if tiles == 0:  # an empty problem: no tile, no wave, nothing to wait for
+        return Modelled(tiles=0, waves=0.0, wave_efficiency=1.0, l2_bytes=0, flops=0, cycles=0)
     f32 = jnp.dtype(jnp.float32).itemsize
     steps = max(-(-kp // TILE_K), 1)
     a_step = lay.tile_m * TILE_K + lay.tile_m * f32  # fp8 chunk + its row scales

@@ -128,6 +128,17 @@ def test_modelled_waves_and_bytes_by_hand():
     assert (odd.tiles, odd.wave_efficiency) == (3, 0.75)
 
 
+@pytest.mark.parametrize("m,n", [(0, 100), (100, 0), (0, 0)])
+def test_empty_problems_model_as_no_work(m, n):
+    """No rows (an MoE step whose experts got no token) or no columns: nothing to model, and the
+    rules still pick (the kernels then launch nothing)."""
+    for lay in tuning.DENSE_LAYOUTS:
+        got = tuning.modelled(lay, m, n, TILE, H100_NUM_SMS)
+        assert (got.tiles, got.waves, got.l2_bytes, got.flops, got.cycles) == (0, 0.0, 0, 0, 0)
+    assert tuning.grouped_rule_config(m, n, TILE, jnp.bfloat16, H100_NUM_SMS).tile_m == 128
+    assert tuning.dense_config(m, n, TILE, jnp.bfloat16) is not None
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     m=st.integers(1, 20000),

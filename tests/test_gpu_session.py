@@ -55,7 +55,7 @@ def test_every_sanitizer_form_passes_in_the_interpreter():
     results = [smoke.run(name, seed, interpret=True) for seed, name in enumerate(smoke.SANITIZER_FORMS)]
     assert not [r for r in results if not r["ok"]], results
     session = _load("gpu_session")
-    assert set(session.SANITIZER_KERNELS) <= set(smoke.SANITIZER_FORMS) | set(smoke.KERNELS)
+    assert set(session.SANITIZER_KERNELS) | set(session.LEAN_FORMS) <= set(smoke.SANITIZER_FORMS) | set(smoke.KERNELS)
 
 
 def test_the_mutant_races_and_its_twin_does_not():
@@ -253,7 +253,7 @@ def test_dry_run_plans_the_record_then_the_speed(session, tmp_path, capsys):
     race = check["stages"][0]["argv"]
     kernels = [race[i + 1] for i, a in enumerate(race) if a == "--kernel"]
     # the planted race first, then its twin, then the kernels it vouches for
-    assert kernels == [session.MUTANT, session.MUTANT_TWIN, *session.SANITIZER_KERNELS]
+    assert kernels == [session.MUTANT, session.MUTANT_TWIN, *session.SANITIZER_KERNELS, *session.LEAN_FORMS]
     train = check["stages"][3]["argv"]
     assert train[1].endswith("gpu_train_check.py") and train[train.index("--presets") + 1:][:2] == ["tiny", "gpu"]
     first = json.loads(next(tmp_path.glob("gpu_session-*-smoke.json")).read_text())
