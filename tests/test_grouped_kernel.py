@@ -308,15 +308,11 @@ def test_persistent_ctas_walk_every_tile_without_races():
     _assert_bitwise_equal(out, _wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32), seed)
 
 
-def test_clusters_along_n_walk_every_tile_without_races():
-    """Issue 19's switches on 1 persistent cluster of 2 CTAs (2 "SMs"), each walking several
-    cluster tiles: column tiles 2j and 2j + 1 of one work item share a's chunks, and with 3
-    column tiles the last cluster's second CTA computes a tile past N. Forward with the scalar
-    weight scale and early scale loads; Wgrad (dynamic K loops, masked shared chunks) with early
-    loads. Every output written, bit-identical, no race."""
+def _walk_330_columns_without_races(config, wgrad_config):
+    """Forward at N = 330 (3 column tiles: with clusters along N the last cluster's second CTA
+    computes a tile past N) and Wgrad at N = 72, both on 2 "SMs" with ragged and empty groups:
+    every output written, bit-identical, no race."""
     seed = _seed()
-    config = dataclasses.replace(FAST, cluster_n=2, max_concurrent_steps=2, grid_tile_group=2,
-                                 scalar_b_scale=True, early_scale_loads=True)
     lhs, rhs, sizes = _row_operands(seed, 200, 384, 330, [100, 0, 90], exact=True)
     call = functools.partial(_grouped_matmul_call, n=330, out_dtype=jnp.float32, config=config, num_sms=2)
     out, races = _interpret_detecting_races(call, lhs.data, lhs.scale, rhs.data, rhs.scale, sizes)
@@ -324,11 +320,21 @@ def test_clusters_along_n_walk_every_tile_without_races():
     _assert_bitwise_equal(out, _matmul_reference(lhs, rhs, sizes, jnp.float32), seed)
 
     lhs_t, rhs_t, sizes = _token_operands(seed, 300, 200, 72, [150, 0, 130], exact=True)
-    config = dataclasses.replace(config, tile_n=32, scalar_b_scale=False)
-    call = functools.partial(_grouped_wgrad_call, out_dtype=jnp.float32, config=config, num_sms=2)
+    call = functools.partial(_grouped_wgrad_call, out_dtype=jnp.float32, config=wgrad_config, num_sms=2)
     out, races = _interpret_detecting_races(call, lhs_t.data, lhs_t.scale, rhs_t.data, rhs_t.scale, sizes)
     assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
     _assert_bitwise_equal(out, _wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32), seed)
+
+
+def test_clusters_along_n_walk_every_tile_without_races():
+    """Issue 19's switches on 1 persistent cluster of 2 CTAs (2 "SMs"), each walking several
+    cluster tiles: column tiles 2j and 2j + 1 of one work item share a's chunks, and with 3
+    column tiles the last cluster's second CTA computes a tile past N. Forward with the scalar
+    weight scale and early scale loads; Wgrad (dynamic K loops, masked shared chunks) with early
+    loads. Every output written, bit-identical, no race."""
+    config = dataclasses.replace(FAST, cluster_n=2, max_concurrent_steps=2, grid_tile_group=2,
+                                 scalar_b_scale=True, early_scale_loads=True)
+    _walk_330_columns_without_races(config, dataclasses.replace(config, tile_n=32, scalar_b_scale=False))
 
 
 @pytest.mark.parametrize("cluster_n", [1, 2], ids=["persistent", "clusters-along-n"])
@@ -337,20 +343,8 @@ def test_lean_release_walks_every_tile_without_races(cluster_n):
     fences before the refill) in both kernels, persistent on 2 CTAs or on 1 cluster of 2, with
     the other tests' ragged groups: bit-identical, no race. The Wgrad's consumers also write a
     shared chunk's stage (the other groups' tokens masked) before its wgmma."""
-    seed = _seed()
     config = dataclasses.replace(VARIANTS["lean"], cluster_n=cluster_n, max_concurrent_steps=2, grid_tile_group=2)
-    lhs, rhs, sizes = _row_operands(seed, 200, 384, 330, [100, 0, 90], exact=True)
-    call = functools.partial(_grouped_matmul_call, n=330, out_dtype=jnp.float32, config=config, num_sms=2)
-    out, races = _interpret_detecting_races(call, lhs.data, lhs.scale, rhs.data, rhs.scale, sizes)
-    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
-    _assert_bitwise_equal(out, _matmul_reference(lhs, rhs, sizes, jnp.float32), seed)
-
-    lhs_t, rhs_t, sizes = _token_operands(seed, 300, 200, 72, [150, 0, 130], exact=True)
-    call = functools.partial(_grouped_wgrad_call, out_dtype=jnp.float32,
-                             config=dataclasses.replace(config, tile_n=32), num_sms=2)
-    out, races = _interpret_detecting_races(call, lhs_t.data, lhs_t.scale, rhs_t.data, rhs_t.scale, sizes)
-    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
-    _assert_bitwise_equal(out, _wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32), seed)
+    _walk_330_columns_without_races(config, dataclasses.replace(config, tile_n=32))
 
 
 # ------------------------------------------------------------------------------------------------
