@@ -44,7 +44,15 @@ the swizzle span: every DeepSeek-V3 shape); elsewhere the kernels stage unswizzl
 TMA also does the tails: loads past the end of the input are zero-filled, exactly
 `jfp8.quantize`'s zero padding, and stores past the end of an output are dropped. The wrappers
 pad or slice only where TMA's 16-byte stride rule forces it (see `_tma_aligned` and the scale
-slices).
+slices), or where a store must not rely on that clipping (below).
+
+A store may run past an output's end only along its outermost axis. Mosaic GPU lowers a store
+whose GMEM window is contiguous (a [1, 128] row of scales; a [rows, 128] window of an array 128
+wide) with unswizzled SMEM to a flat bulk copy clamped only at the end of the whole array, so the
+part of such a window past the end of an inner axis lands in the next rows on Hopper (an H100
+showed it: `quantize_tile_and_column_t` at 256 x 384; the interpreter clips every store per
+axis and cannot). Hence a CTA skips its chunks past the last one (`_chunk_loop`: no load, no
+compute, no store), and arrays of [1, 128] scale rows are padded to whole chunks and sliced.
 """
 
 from __future__ import annotations
@@ -168,8 +176,13 @@ def _load_f32(ref, swizzled: bool) -> jax.Array:
 
 
 def _chunk_loop(chunks: int, slots: int, bars, fetch, quantize_chunk, *,
-                stores_per_chunk: int) -> None:
+                stores_per_chunk: int, valid) -> None:
     """A CTA's loop over its `chunks` chunks through `slots` SMEM slots (chunk c in slot c % slots).
+
+    Only the first `valid` (dynamic) chunks exist: those past the end of the array are not
+    loaded, quantized nor stored (see the module doc: a store past an inner axis's end is not
+    dropped on Hopper when Mosaic lowers it as a flat copy). They are the last ones of the CTA,
+    so the ring below sees exactly the chunks it would see in an array that ended there.
 
     `fetch(c, slot)` issues chunk c's TMA loads on barrier `bars.at[slot]`; `quantize_chunk(c, slot)`
     quantizes the loaded chunk and issues its TMA stores (`stores_per_chunk` bulk groups, from
@@ -181,19 +194,29 @@ def _chunk_loop(chunks: int, slots: int, bars, fetch, quantize_chunk, *,
     """
     @pl.loop(0, slots)
     def _(c):
-        fetch(c, c)
+        @pl.when(c < valid)
+        def _():
+            fetch(c, c)
 
     @pl.loop(0, chunks)
     def _(c):
-        slot = c % slots
-        plgpu.barrier_wait(bars.at[slot])
-        if slots < chunks:
-            plgpu.wait_smem_to_gmem(stores_per_chunk * (slots - 1), wait_read_only=True)
-        quantize_chunk(c, slot)
-        if slots < chunks:
-            @pl.when(c + slots < chunks)
-            def _():
-                fetch(c + slots, slot)
+        @pl.when(c < valid)
+        def _():
+            slot = c % slots
+            plgpu.barrier_wait(bars.at[slot])
+            if slots < chunks:
+                plgpu.wait_smem_to_gmem(stores_per_chunk * (slots - 1), wait_read_only=True)
+            quantize_chunk(c, slot)
+            if slots < chunks:
+                @pl.when(c + slots < valid)
+                def _():
+                    fetch(c + slots, slot)
+
+
+def _valid_chunks(total: int, chunks: int):
+    """How many of the `chunks` chunks of CTA column `j` (grid axis "chunks") lie in an array of
+    `total` chunks: `chunks`, except in the last CTA column of a partial grid."""
+    return jnp.minimum(chunks, total - jax.lax.axis_index("chunks") * chunks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +305,11 @@ def _row_scale_body(*refs, cfg: QuantizeConfig, transposed: bool, dequant: bool,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(d_smem.at[slot], d_gmem.at[out_rows, chunk(c)])
 
-    _chunk_loop(chunks, cfg.slots(chunks), bars, fetch, quantize_chunk, stores_per_chunk=1)
+    _chunk_loop(chunks, cfg.slots(chunks), bars, fetch, quantize_chunk, stores_per_chunk=1,
+                valid=_valid_chunks(d_gmem.shape[1] // TILE, chunks))
+    # Columns of chunks past the end were not written: they land in the padding (sliced by the
+    # caller) or past the array's end (a window this wide is contiguous only if it spans whole
+    # rows of `s_gmem`, so its flat copy ends where the array does).
     plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[out_rows, pl.ds(j * chunks, chunks)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -432,7 +459,8 @@ def _column_body(x_gmem, d_gmem, s_gmem, *refs, chunks: int, slots: int, per_col
             )
 
     stores = 1 + (per_column or item_blocks is not None)
-    _chunk_loop(chunks, slots, bars, fetch, quantize_chunk, stores_per_chunk=stores)
+    _chunk_loop(chunks, slots, bars, fetch, quantize_chunk, stores_per_chunk=stores,
+                valid=_valid_chunks(pl.cdiv(d_gmem.shape[1], TILE), chunks))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -447,9 +475,10 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, amax_f
     slots = cfg.slots(chunks)
     row_blocks = pl.cdiv(x.shape[0], TILE)
     grid = (row_blocks, pl.cdiv(out_cols, chunks * TILE))
-    # Block scales are stored one by one for every chunk of the grid, the last CTA's spare chunks
-    # included; the caller slices them off.
-    scale_cols = out_cols if per_column else grid[1] * chunks
+    # Block scales: one per chunk, stored one by one (not by TMA). Per-column scales: rows padded
+    # to whole chunks, so that a chunk's [1, 128] row of them (a flat copy: see the module doc)
+    # never runs into the next row; sliced by the caller.
+    scale_cols = _round_up(out_cols, TILE) if per_column else pl.cdiv(out_cols, TILE)
     # The E4M3 output is staged in [128, 64] halves (`_column_chunk`): 64-byte swizzled tiles.
     swizzled = (
         cfg.swizzle and _swizzle_fits(x, TILE) and out_cols % swizzle_elems(FP8_DTYPE, _HALF) == 0
@@ -526,8 +555,9 @@ def _both_body(x_gmem, d_gmem, s_gmem, dt_gmem, st_gmem, x_smem, d_smem, dt_smem
 
     Outputs: the (1, 128) tiles d [M, Np] with row scales s [M, >= Np // 128] (stored once per
     CTA, `chunks` columns: a multiple of 16 bytes), and the (128, 1) tiles written transposed, dt
-    [N, Mp], with their column scales st [Mp // 128, N] untransposed (each chunk's 128 scales
-    are one contiguous TMA row; the caller transposes that small array).
+    [N, Mp], with their column scales st [Mp // 128, Np] untransposed (each chunk's 128 scales
+    are one contiguous TMA row, inside its row of st; the caller slices and transposes that small
+    array).
     """
     i, j, rows, chunk, fetch = _row_block_cta(x_gmem, x_smem, bars, chunks)
 
@@ -544,7 +574,9 @@ def _both_body(x_gmem, d_gmem, s_gmem, dt_gmem, st_gmem, x_smem, d_smem, dt_smem
         plgpu.copy_smem_to_gmem(dt_smem.at[slot], dt_gmem.at[chunk(c), rows])
         plgpu.copy_smem_to_gmem(st_smem.at[slot], st_gmem.at[pl.ds(i, 1), chunk(c)])
 
-    _chunk_loop(chunks, slots, bars, fetch, quantize_chunk, stores_per_chunk=3)
+    _chunk_loop(chunks, slots, bars, fetch, quantize_chunk, stores_per_chunk=3,
+                valid=_valid_chunks(d_gmem.shape[1] // TILE, chunks))
+    # As in `_row_scale_body`: unwritten columns land in the padding or past the end.
     plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[rows, pl.ds(j * chunks, chunks)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -567,8 +599,10 @@ def _both_call(x, *, m: int, n: int, pow2_scale: bool, amax_floor: float, cfg: Q
             jax.ShapeDtypeStruct((m, col_chunks * TILE), FP8_DTYPE),
             jax.ShapeDtypeStruct((m, _round_up(col_chunks, _SCALE_GROUP)), jnp.float32),
             jax.ShapeDtypeStruct((n, row_blocks * TILE), FP8_DTYPE),
-            # Column scales, rows padded to 16 bytes (a TMA rule); sliced by the caller.
-            jax.ShapeDtypeStruct((row_blocks, _round_up(n, _SCALE_GROUP)), jnp.float32),
+            # Column scales, rows padded to whole chunks: a chunk's [1, 128] row of them is a
+            # flat copy (see the module doc), which must not run into the next row. Sliced by
+            # the caller.
+            jax.ShapeDtypeStruct((row_blocks, col_chunks * TILE), jnp.float32),
         ),
         grid=grid,
         grid_names=("rows", "chunks"),
@@ -776,7 +810,7 @@ def quantize_column(x: jax.Array, *, pow2_scale: bool = False, amax_floor: float
     data, scale = _column_call(
         _tma_aligned(x), out_cols=k16, per_column=True, pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config
     )
-    return (data, scale) if k16 == k else (data[:, :k], scale[:, :k])
+    return (data if k16 == k else data[:, :k]), scale[:, :k]
 
 
 def retile_tile_to_column_t(data: jax.Array, scale: jax.Array, *, m: int, k: int,

@@ -4,6 +4,9 @@ On CPU the kernels run in the Mosaic GPU interpreter, which initialises every bu
 the outputs included, with NaN (`test_interpreter_poisons_unwritten_output` shows it): a block the
 kernel forgets to write cannot pass the bit-exact comparisons below. Lowering for CUDA then checks
 the Hopper limits the interpreter ignores (TMA boxes and strides, layouts, the SMEM budget).
+The interpreter clips every TMA store per axis, which the hardware does not do for the stores
+Mosaic lowers as flat copies: every interpreted run also checks that no store relies on that
+(`tma_stores.flat_store_spills`, the cause of `quantize_grad`'s mismatch on an H100).
 
 Interpreted runs cost about a second each, mostly compilation, nearly independent of the shape:
 every case packs its special values (outliers, zero blocks, NaN/Inf blocks, huge values, tails)
@@ -30,6 +33,7 @@ from jfp8.fp8 import quantize
 from pallas_kernels import _mgpu
 from pallas_kernels import quantize as qk
 from pallas_kernels.fp8_math import AMAX_FLOOR, FP8_DTYPE, GRAD_AMAX_FLOOR, TILE, abs_for_amax, encode
+from tma_stores import flat_store_spills, spilled_elements
 
 KERNELS = ("tile", "block", "column", "column_t", "retile")
 # "block_t": `quantize_block_and_transpose`, the block quantizer that also writes the transpose;
@@ -70,13 +74,20 @@ def _kernel(x, *, kind: str, pow2_scale: bool, config=None, amax_floor: float = 
 
 
 def _interpret(fn, *args, detect_races: bool = False, **kwargs):
-    """`fn(...)` with its Mosaic GPU kernels in the interpreter (NaN-initialised buffers)."""
+    """`fn(...)` with its Mosaic GPU kernels in the interpreter (NaN-initialised buffers), failing
+    if any of its TMA stores would write past an inner axis's end on Hopper (`tma_stores`)."""
     try:
-        with _mgpu.interpret_mode(True, detect_races=detect_races):
-            return jax.block_until_ready(fn(*args, **kwargs))
+        with flat_store_spills() as spills, _mgpu.interpret_mode(True, detect_races=detect_races):
+            out = jax.block_until_ready(fn(*args, **kwargs))
     except Exception:
         reset_gpu_interpret_mode_state()  # the interpreter's state is unusable after a failure
         raise
+    assert not spills, (
+        "TMA stores that Mosaic lowers as flat copies run past an inner axis of their array, "
+        "which Hopper writes into the next rows (destination shape, window, elements): "
+        f"{spills[:4]}"
+    )
+    return out
 
 
 def _seed() -> int:
@@ -251,6 +262,108 @@ def test_stacked_matrices_are_transposed_one_by_one(shape, dtype, config):
     pow2_scale = bool(rng.integers(2))
     got = _interpret(qk.quantize_block_and_transpose, w, pow2_scale=pow2_scale, config=config)
     _assert_outputs_equal(got, _stacked_reference(w, pow2_scale), f"stacked {shape}", seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tails and partial CTAs, where a TMA store may run past the end of its array.
+
+# A CTA of each kernel: tile 64 rows x 4 chunks; column_t, retile 64 output rows (input columns)
+# x 4 chunks of 128 input rows; block, block_t, column 128 rows x 2 chunks; both 128 rows x 4
+# chunks (`BOTH_CONFIG`). Per kernel: an array one chunk wide (its data windows are contiguous in
+# GMEM: a chunk past it would be a flat copy into the next rows) with a partial last CTA of rows,
+# and a partial CTA of chunks whose last chunk is partial and whose next one is missing (partial
+# CTAs in both dimensions). bf16, each kernel's default config.
+_ROWS_CTA = {"tile": 64, "column_t": 64, "retile": 64}  # others: 128 rows per CTA
+TAIL_CASES = [
+    ("tile", (200, 100)),  # K one chunk; 200 = 3 x 64 + 8 rows
+    ("tile", (136, 300)),  # 3 chunks of a CTA's 4, the last one partial
+    ("column_t", (100, 200)),  # M one chunk (output [200, 128]); 200 output rows = 3 x 64 + 8
+    ("column_t", (300, 136)),
+    ("retile", (100, 200)),
+    ("retile", (300, 136)),
+    ("block", (300, 100)),  # K one chunk, 300 = 2 x 128 + 44 rows
+    ("block", (200, 300)),  # 3 chunks: the second CTA holds a partial chunk and a missing one
+    ("block_t", (300, 100)),
+    ("block_t", (200, 300)),
+    ("column", (300, 100)),
+    ("column", (200, 300)),
+    ("both", (300, 100)),  # N one chunk: d is [300, 128]
+    ("both", (200, 300)),  # 3 chunks of 4, the last partial: column scales past N in their row
+    ("both", (100, 300)),  # M one chunk: dt is [300, 128]
+]
+
+
+@pytest.mark.parametrize("kind,shape", TAIL_CASES)
+def test_tails_and_partial_ctas(kind, shape):
+    m, k = shape
+    chunk_axis = m if kind in ("column_t", "retile") else k
+    row_axis = k if kind in ("column_t", "retile") else m
+    assert chunk_axis % TILE and row_axis % _ROWS_CTA.get(kind, TILE)  # tails on both axes
+    _check(kind, _seed(), shape, jnp.bfloat16, False)
+
+
+def test_gradient_quantizer_at_the_h100_smoke_shape():
+    """`quantize_tile_and_column_t` on the GPU smoke's form (256 x 384 bf16, rows spread over
+    e^N(0, 1): 3 column chunks, a CTA owns 4). On an H100 it differed from the reference in 495
+    and 491 bytes: the fourth chunk's [1, 128] row of column scales (a flat copy) landed on the
+    next row block's first 128 column scales (see `tma_stores`). The interpreter clips that
+    store and was exact; the store check in `_interpret` is what fails without the fix."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2 * TILE, 3 * TILE)) * np.exp(rng.normal(size=(2 * TILE, 1)))
+    x = jnp.asarray(x, jnp.bfloat16)
+    got = _interpret(_kernel, x, kind="both", pow2_scale=False, amax_floor=GRAD_AMAX_FLOOR)
+    want = _reference(x, kind="both", pow2_scale=False, amax_floor=GRAD_AMAX_FLOOR)
+    _assert_outputs_equal(got, want, "both", seed)
+
+
+def test_flat_store_model():
+    """`tma_stores.spilled_elements` on the windows that matter: a [1, 128] row past the end of a
+    middle row spills into the next row; at the last row the flat copy is clamped where the
+    array ends; a window that is not contiguous (a tensor-map store) is clipped, whatever it
+    covers; a [rows, 128] window of an array 128 wide past its columns spills whole rows."""
+    row = (slice(0, 1), slice(3 * TILE, 4 * TILE))
+    assert spilled_elements(row, (2, 3 * TILE)) == TILE  # the H100 smoke's column scales
+    assert spilled_elements((slice(1, 2), row[1]), (2, 3 * TILE)) == 0  # past the array's end
+    assert spilled_elements((slice(0, 1), slice(TILE, 2 * TILE)), (2, TILE + 4)) == TILE - 4
+    tile = (slice(0, TILE), slice(TILE, 2 * TILE))
+    assert spilled_elements(tile, (2 * TILE, TILE + 4)) == 0  # not contiguous: tensor map
+    assert spilled_elements(tile, (2 * TILE, TILE)) == TILE * TILE  # onto rows 1 to 128
+    assert spilled_elements((slice(TILE, 2 * TILE), slice(0, TILE)), (TILE + 8, TILE)) == 0
+
+
+def _row_store_kernel(out_shape, window):
+    """A kernel that TMA-stores one SMEM tile into `window` (a tuple of pl.ds) of its output."""
+    box = tuple(w.size for w in window)
+
+    def body(o_gmem, o_smem):
+        o_smem[...] = jnp.zeros(box, jnp.float32)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[window])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        scratch_types=[plgpu.SMEM(box, jnp.float32)],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )
+
+
+@pytest.mark.parametrize(
+    "out_shape,window,flat",
+    [
+        ((2, 3 * TILE), (pl.ds(0, 1), pl.ds(TILE, TILE)), True),  # a row of scales
+        ((2 * TILE, TILE), (pl.ds(0, TILE), pl.ds(0, TILE)), True),  # whole rows
+        ((2 * TILE, 2 * TILE), (pl.ds(0, TILE), pl.ds(0, TILE)), False),  # a tile of wider rows
+    ],
+)
+def test_flat_store_model_matches_mosaic_lowering(out_shape, window, flat):
+    """The premise of `tma_stores` in the pinned jax: Mosaic GPU lowers an unswizzled store whose
+    GMEM window is contiguous to the flat `cp.async.bulk.global.shared::cta` copy, clamped only
+    at the array's end, and any other window to a tensor-map store (which clips per axis)."""
+    text = _mgpu.lower_for_cuda(lambda: _row_store_kernel(out_shape, window)())
+    assert ("cp.async.bulk.global.shared::cta.bulk_group" in text) == flat
 
 
 def test_interpreter_poisons_unwritten_output():
