@@ -399,10 +399,11 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
 
 
 def _smoke_names() -> list[str]:
-    """The smoke forms, in run order (importing jax here initialises no device)."""
-    from gpu_smoke import KERNELS
+    """The smoke forms, in run order (importing jax here initialises no device): every form, then
+    the sanitizer's partial-tile forms (the record checks each quantizer at a tail on hardware)."""
+    from gpu_smoke import KERNELS, SANITIZER_FORMS
 
-    return list(KERNELS)
+    return [*KERNELS, *(k for k in SANITIZER_FORMS if k not in KERNELS)]
 
 
 # ------------------------------------------------------------------------------ running
