@@ -455,3 +455,42 @@ def to_torch(torch, x):
 def torch_rel_error(out, ref) -> float:
     """`rel_error` of a torch output against a jax reference, in float32 on the host."""
     return rel_error(out.float().cpu().numpy(), np.asarray(ref, np.float32))
+
+
+def commit_info() -> dict:
+    """{"commit", "dirty"} of the tree a benchmark ran from: git's answers, else $JFP8_COMMIT and
+    $JFP8_DIRTY (a GPU machine's copy of the tree has no .git; docs/gpu.md's commands pass them).
+    None where neither says."""
+    import os
+    import subprocess
+
+    def git(*argv):
+        try:
+            r = subprocess.run(["git", *argv], cwd=RESULTS.parent.parent, capture_output=True, text=True,
+                               timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout if r.returncode == 0 else None
+
+    head, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    flag = os.environ.get("JFP8_DIRTY")
+    return dict(commit=head.strip() if head else os.environ.get("JFP8_COMMIT") or None,
+                dirty=bool(status.strip()) if status is not None else (None if flag is None else flag not in ("0", "", "false")))
+
+
+def parse_overrides(text: str, cls: type) -> dict:
+    """'n_layers=1,mtp=false' -> {"n_layers": 1, "mtp": False}: overrides of dataclass `cls`'s
+    fields, each converted like the field's default (as `parse_config`, without building a `cls`).
+    An unknown field or a malformed item raises a ValueError that says which."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"override {item!r} must look like name=value")
+        if name not in fields:
+            raise ValueError(f"{cls.__name__} has no field {name!r}; its fields are {', '.join(fields)}")
+        default = fields[name].default
+        out[name] = _parse_value(value, None if default is dataclasses.MISSING else default, name)
+    return out

@@ -3,6 +3,7 @@ run, one device: what a training step pays per layer, quantizers, transposes and
 
     python benchmarks/bench_linear.py                # GPU: DeepSeek-V3 shapes; CPU: small ones
     python benchmarks/bench_linear.py --shapes 4096x7168x2048
+    python benchmarks/bench_linear.py --shapes layer     # issue 43's layers at M = 8192 (LAYER_SHAPES)
 
 A shape MxNxK is x (M, K) bf16 times w (K, N) f32 master weight (cast to bf16 for the baseline);
 one timed call is one jitted `jax.vjp` of the layer with a fixed random cotangent g (dy, not a
@@ -40,6 +41,7 @@ from _bench import (
     CheckFailed,
     add_common_args,
     add_ratios,
+    commit_info,
     device_rel_error,
     error_entry,
     gemm_row,
@@ -52,7 +54,7 @@ from _bench import (
     within_budget,
     write_record,
 )
-from pallas_kernels.shapes import CPU_DENSE_SHAPES, DENSE_SHAPES
+from pallas_kernels.shapes import CPU_DENSE_SHAPES, DENSE_SHAPES, LAYER_SHAPES
 
 BASELINE = "bf16"
 TOL_BF16 = 2e-2
@@ -60,6 +62,15 @@ TOL_SAME_NUMERICS = 1e-2
 # E4M3 (3 mantissa bits) with 1x128 / 128x128 scales: a few percent (4.4e-2 measured on CPU at
 # 256x256x512); a wrong layer is off by far more.
 TOL_FP8_VS_F32 = 0.1
+
+
+# Named sets for --shapes, beside MxNxK shapes.
+SHAPE_SETS = {"layer": LAYER_SHAPES, "dense": DENSE_SHAPES}
+
+
+def parse_shapes(s: str) -> tuple:
+    """'MxNxK' -> (GemmShape,), or a set's name ('layer', 'dense') -> its shapes, for argparse."""
+    return SHAPE_SETS.get(s.lower()) or (parse_shape(s),)
 
 
 def _fwd_bwd(linear):
@@ -143,14 +154,16 @@ def print_rows(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", type=parse_shape, nargs="+", default=None, metavar="MxNxK")
+    p.add_argument("--shapes", type=parse_shapes, nargs="+", default=None, metavar="MxNxK",
+                   help=f"shapes, or a named set: {', '.join(SHAPE_SETS)}")
     add_common_args(p)
     args = p.parse_args(argv)
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     impl = "mosaic" if is_hopper(device) else "xla"
-    shapes = args.shapes or (DENSE_SHAPES[:5] if on_gpu else CPU_DENSE_SHAPES[:1])
+    shapes = [s for group in args.shapes for s in group] if args.shapes else (
+        DENSE_SHAPES[:5] if on_gpu else CPU_DENSE_SHAPES[:1])
     timing = timing_from_args(args, on_gpu)
     print(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}; fp8 impl={impl}")
 
@@ -159,7 +172,7 @@ def main(argv=None) -> int:
 
     def save():
         add_ratios(rows, BASELINE, (BASELINE,))
-        return write_record("bench_linear", rows, args.out,
+        return write_record("bench_linear", rows, args.out, **commit_info(),
                             timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
                             flops="3 GEMMs of 2*M*N*K (Fprop, Dgrad, Wgrad)", failed=failed,
                             skipped=skipped)

@@ -30,6 +30,16 @@ DENSE_SHAPES: tuple[GemmShape, ...] = (
     GemmShape(8192, 8192, 8192),
 )
 
+# One training layer at M = 8192 tokens (issue 43), as GemmShape(m, n, k) for K -> N: an expert's
+# gate and up (7168 -> 4096), its down (2048 -> 7168), a dense FFN's up (7168 -> 18432) and
+# attention's output (16384 -> 7168). `benchmarks/bench_linear.py --shapes layer` times them.
+LAYER_SHAPES: tuple[GemmShape, ...] = (
+    GemmShape(8192, 4096, 7168),
+    GemmShape(8192, 7168, 2048),
+    GemmShape(8192, 18432, 7168),
+    GemmShape(8192, 7168, 16384),
+)
+
 # Small M (few tokens: small batches, decoding, a thin expert): memory-bound, every byte of b is
 # used for at most M rows; DeepSeek-V3's N x K at M = 64 and 128, as DeepGEMM benchmarks them.
 SMALL_M_SHAPES: tuple[GemmShape, ...] = (
