@@ -89,15 +89,21 @@ COMMANDS = {
     # The correctness record (issue 42), two calls: "smoke" then "check".
     "smoke": ("env", "smoke", "pytest_gpu"),
     "check": ("racecheck", "memcheck", "synccheck", "train_check"),
+    # FP8 against BF16 end to end (issue 43): the layer at its four shapes and the routed-expert
+    # block (one call, <= 3 minutes), then the training step of the wide preset (a call of its own).
+    "e2e": ("bench_linear_layer", "bench_moe_block"),
+    "step": ("bench_step",),
     "bench": ("bench_gemm", "bench_grouped", "bench_quantize", "bench_linear", "bench_grouped_wgrad"),
     "bisect": ("bisect_gemm", "bisect_grouped", "ncu", "profile", "bisect_grouped_wgrad"),
     "tune_gemm": ("tune_gemm",),
     "tune_grouped": ("tune_grouped",),
 }
-# A GPU window's plan, each a device call of its own: the correctness record first, then the speed.
-PLAN = ("smoke", "check", "bench", "bisect")
+# A GPU window's plan, each a device call of its own: the correctness record first, then the speed
+# end to end, then the kernels' rows.
+PLAN = ("smoke", "check", "e2e", "step", "bench", "bisect")
 # The check call's four stages run side by side inside its 150 s budget: each may take nearly all of it.
 TIMEOUTS = dict(env=45, smoke=150, pytest_gpu=90, racecheck=140, memcheck=130, synccheck=130, train_check=140,
+                bench_linear_layer=110, bench_moe_block=60, bench_step=230,
                 bench_gemm=170, bench_grouped=110,
                 bench_quantize=70, bench_linear=90, bench_grouped_wgrad=60, bisect_gemm=200, bisect_grouped=90,
                 ncu=90, profile=60, bisect_grouped_wgrad=60,
@@ -115,7 +121,7 @@ GPU_TEST_FILES = ("test_quantize_kernels.py", "test_gemm_kernel.py", "test_group
 # A call's wall clock. The record's two calls are 5 and 3 minutes with their starts (~30 s each on
 # an H100, 2026-11-26); the speed calls follow in what is left of a window's 15 minutes.
 DEFAULT_BUDGET_S = 400
-BUDGETS = {"smoke": 270, "check": 150}
+BUDGETS = {"smoke": 270, "check": 150, "e2e": 180, "step": 240}
 
 # The benchmark shapes (pallas_kernels/shapes.py), most important first: a budget cut drops the
 # tail. The square 8192^3, then DeepSeek-V3's M=4096 shapes with the long K of the speed targets.
@@ -180,6 +186,16 @@ QUICK_ARGS = {
     "bisect_grouped": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
     "bench_grouped_wgrad": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
     "bisect_grouped_wgrad": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
+}
+# The end-to-end stages' GPU arguments (their scripts' GPU defaults otherwise): the wide preset's
+# step, its steps after the first capped so BF16's predicted ~2.7 s steps fit the call.
+E2E_ARGS = {"bench_linear_layer": ["--shapes", "layer"], "bench_moe_block": [],
+            "bench_step": ["--presets", "wide", "--max-seconds", "30"]}
+QUICK_E2E_ARGS = {
+    "bench_linear_layer": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
+    "bench_moe_block": ["--shapes", "64x128x128x2", "--warmup", "1", "--repeats", "2"],
+    "bench_step": ["--presets", "tiny", "--batch", "2", "--seq-len", "32", "--steps", "4", "--timed-from", "2",
+                   "--model", "n_layers=1,n_dense_layers=0,mtp=false"],
 }
 # --rehearse: the training check's plumbing at the tiny preset, both sides on XLA (the kernels in
 # the interpreter take minutes per step; `gpu_train_check.py --interpret` runs them, by hand).
@@ -361,6 +377,11 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
                                 configs("--config", args.quantize_config)))
         elif name == "bench_linear":
             stages.append(bench(name, "bench_linear.py", args.linear_shapes))
+        elif name in E2E_ARGS:
+            script = "bench_linear.py" if name == "bench_linear_layer" else f"{name}.py"
+            argv = [py, str(BENCHMARKS / script), "--out", str(out),
+                    *(QUICK_E2E_ARGS[name] if rehearse or not gpu.hopper else E2E_ARGS[name])]
+            stages.append(Stage(name, argv, TIMEOUTS[name], kind="bench"))
         elif name == "bisect_gemm":
             # Its own folder: the record is bench_gemm's, and call 2 writes one too.
             extra = configs("--config", [*BISECT_CONFIGS, *args.gemm_config])
@@ -553,6 +574,8 @@ def _finish_smoke_row(row: dict, kernel: str, rc: int | None, timed_out: bool, l
 
 
 DEVICELESS = REPO / "benchmarks" / "results" / "hopper-build"
+# A stage whose record another script names (the layer shapes are bench_linear's rows).
+RECORD_OF = {"bench_linear_layer": "bench_linear"}
 
 
 def deviceless_rows(device_kind: str | None) -> dict[str, dict]:
@@ -612,7 +635,7 @@ def summarize(stage: Stage, text: str, ctx: Session, since: float) -> dict:
     if stage.kind == "bench":
         bisect = stage.name.startswith("bisect_")
         out = ctx.args.out / "bisect" if bisect else ctx.args.out
-        name = stage.name.replace("bisect_", "bench_") if bisect else stage.name
+        name = stage.name.replace("bisect_", "bench_") if bisect else RECORD_OF.get(stage.name, stage.name)
         paths = [p for p in out.glob(f"{name}-*.json") if p.stat().st_mtime >= since - 1]
         if not paths:
             return {"record": None}
@@ -771,6 +794,8 @@ def final_table(ctx: Session, header: str) -> str:
     records = ctx.records()
     for name, table in (("bench_gemm", gpu_tables.gemm_table), ("bench_grouped", gpu_tables.grouped_table),
                         ("bench_quantize", gpu_tables.quantize_table), ("bench_linear", gpu_tables.linear_table),
+                        ("bench_linear_layer", gpu_tables.linear_table), ("bench_moe_block", gpu_tables.block_table),
+                        ("bench_step", gpu_tables.step_table),
                         ("bench_grouped_wgrad", gpu_tables.grouped_table),
                         ("bisect_gemm", gpu_tables.gemm_table), ("bisect_grouped", gpu_tables.grouped_table),
                         ("bisect_grouped_wgrad", gpu_tables.grouped_table),

@@ -79,6 +79,28 @@ def linear_table(record: dict) -> list[str]:
     return lines
 
 
+def block_table(record: dict) -> list[str]:
+    """The routed-expert block forward + backward, each row against the bf16 einsum block."""
+    lines = [f"MoE block fwd+bwd, ms    {'impl':22s} {'ms':>8} {'x bf16':>6} {'rel err':>8}"]
+    for r in record.get("rows", []):
+        lines.append(f"{r['problem']:24s} {r['impl']:22s} {fmt(r.get('ms'), '.3f'):>8} "
+                     f"{fmt(r.get('ratio_vs_bf16'), '.2f'):>6} {fmt(r.get('rel_error'), '.1e'):>8}")
+    return lines
+
+
+def step_table(record: dict) -> list[str]:
+    """The training step per preset and precision: time, throughput, MFU, memory."""
+    lines = [f"train step                {'precision':9s} {'ms':>9} {'tokens/s':>10} {'MFU':>6} {'x bf16':>6} {'peak GB':>8}"]
+    for r in record.get("rows", []):
+        peak = r.get("peak_bytes_in_use")
+        peak = peak / 1e9 if isinstance(peak, (int, float)) else None
+        mfu = r.get("mfu")
+        lines.append(f"{r['preset'] + ' ' + str(r['batch']) + 'x' + str(r['seq_len']):25s} {r['precision']:9s} "
+                     f"{fmt(r.get('step_ms'), '.2f'):>9} {fmt(r.get('tokens_per_s'), '.0f'):>10} "
+                     f"{fmt(mfu and 100 * mfu, '.1f'):>5}% {fmt(r.get('ratio_vs_bf16'), '.2f'):>6} {fmt(peak, '.1f'):>8}")
+    return lines
+
+
 def quantize_table(record: dict) -> list[str]:
     lines = [f"quantize, GB/s (copy {fmt(record.get('copy_gbps'), '.4g')} GB/s)   {'GB/s':>7} {'of copy':>7}"]
     for r in record.get("rows", []):

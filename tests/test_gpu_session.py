@@ -5,8 +5,8 @@
   (tests/fixtures/gpu/).
 - `--rehearse` runs the real calls on the CPU: subprocesses, per-kernel timeouts and kills, the
   log streamed as it runs, the summary JSON rewritten after every stage, the dump tarball.
-- The dry run plans a window's four device calls: the correctness record (smoke, check), then
-  the speed (bench, bisect).
+- The dry run plans a window's device calls: the correctness record (smoke, check), then the
+  speed end to end (e2e, step), then the kernels (bench, bisect).
 """
 
 import json
@@ -243,10 +243,18 @@ def test_dry_run_plans_the_record_then_the_speed(session, tmp_path, capsys):
                          "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     calls = [line for line in out.splitlines() if line.startswith("# device call")]
-    assert calls == ["# device call 1 of 4: bash scripts/gpu_session.sh",
-                     "# device call 2 of 4: bash scripts/gpu_session.sh --command check",
-                     "# device call 3 of 4: bash scripts/gpu_session.sh --command bench",
-                     "# device call 4 of 4: bash scripts/gpu_session.sh --command bisect"]
+    assert calls == ["# device call 1 of 6: bash scripts/gpu_session.sh",
+                     "# device call 2 of 6: bash scripts/gpu_session.sh --command check",
+                     "# device call 3 of 6: bash scripts/gpu_session.sh --command e2e",
+                     "# device call 4 of 6: bash scripts/gpu_session.sh --command step",
+                     "# device call 5 of 6: bash scripts/gpu_session.sh --command bench",
+                     "# device call 6 of 6: bash scripts/gpu_session.sh --command bisect"]
+    e2e = json.loads(next(tmp_path.glob("gpu_session-*-e2e.json")).read_text())
+    layer, block = (s["argv"] for s in e2e["stages"])
+    assert layer[1].endswith("bench_linear.py") and layer[layer.index("--shapes") + 1] == "layer"
+    assert block[1].endswith("bench_moe_block.py") and "--shapes" not in block  # its full-width default
+    step = json.loads(next(tmp_path.glob("gpu_session-*-step.json")).read_text())["stages"][0]["argv"]
+    assert step[1].endswith("bench_step.py") and step[step.index("--presets") + 1] == "wide"
     check = json.loads(next(tmp_path.glob("gpu_session-*-check.json")).read_text())
     assert [s["name"] for s in check["stages"]] == ["racecheck", "memcheck", "synccheck", "train_check"]
     assert check["budget_s"] == session.BUDGETS["check"]
@@ -368,6 +376,19 @@ def test_the_training_check_fails_a_kernel_that_drifts(monkeypatch):
     assert run([2.0, 1.9], [2.0, 1.9], mosaic_calls=12)["ok"] is True
 
 
+def test_rehearsal_of_the_e2e_call(session, tmp_path):
+    """The end-to-end call's plumbing: the layer-shape stage's record is bench_linear's, found,
+    read and tabulated (the block and the step are rehearsed by their own tests)."""
+    assert session.main(["--rehearse", "--command", "e2e", "--stages", "bench_linear_layer",
+                         "--out", str(tmp_path)]) == 0
+    summary = json.loads(next(tmp_path.glob("gpu_session-cpu-*-e2e.json")).read_text())
+    stages = {s["name"]: s for s in summary["stages"]}
+    assert stages["bench_linear_layer"]["summary"]["record"].startswith("bench_linear-")
+    assert stages["bench_moe_block"]["skip"].startswith("not selected")
+    log = next(tmp_path.glob("gpu_session-cpu-*-e2e.log")).read_text()
+    assert "linear fwd+bwd, ms" in log
+
+
 def test_rehearsal_of_the_bench_and_bisect_calls(session, tmp_path):
     """Calls 2 and 3 on the CPU, one benchmark each: the record found, tabulated, and judged
     against the targets (not measured: the kernels did not run); the GPU-only stages skipped
@@ -392,3 +413,20 @@ def test_rehearsal_of_the_bench_and_bisect_calls(session, tmp_path):
         assert stages[name]["status"] == "skipped" and stages[name]["skip"]
     log = next(tmp_path.glob("gpu_session-cpu-*-bisect.log")).read_text()
     assert "dense GEMM, TFLOP/s" in log and "grouped Wgrad, TFLOP/s" in log  # the final tables are in the log too
+
+
+def test_end_to_end_tables():
+    tables = _load("gpu_tables")
+    block = {"rows": [{"problem": "4096x7168x2048x8", "impl": "bf16-einsum", "ms": 20.0, "ratio_vs_bf16": 1.0,
+                       "rel_error": 5e-3},
+                      {"problem": "4096x7168x2048x8", "impl": "fp8-dispatch-mosaic", "ms": 12.5,
+                       "ratio_vs_bf16": 1.6, "rel_error": 6.8e-2}]}
+    lines = tables.block_table(block)
+    assert "fp8-dispatch-mosaic" in lines[2] and "1.60" in lines[2] and "12.500" in lines[2]
+    step = {"rows": [{"preset": "wide", "batch": 4, "seq_len": 2048, "precision": "fp8", "step_ms": 111.4,
+                      "tokens_per_s": 73500.0, "mfu": 0.301, "ratio_vs_bf16": 1.04, "peak_bytes_in_use": 43.2e9},
+                     {"preset": "wide", "batch": 4, "seq_len": 2048, "precision": "bf16", "step_ms": 115.4,
+                      "tokens_per_s": 71000.0, "mfu": None, "ratio_vs_bf16": 1.0, "peak_bytes_in_use": "not measured"}]}
+    fp8, bf16 = tables.step_table(step)[1:]
+    assert "30.1%" in fp8 and "43.2" in fp8 and "1.04" in fp8
+    assert "-%" in bf16 and bf16.rstrip().endswith("-")
