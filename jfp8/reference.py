@@ -105,23 +105,42 @@ def scaled_matmul_reference(a: Fp8Tensor, b: Fp8Tensor, out_dtype=jnp.bfloat16) 
     return chunked_matmul(*chunk_operand(a, kp), *chunk_operand(b, kp)).astype(out_dtype)
 
 
+# Up to this many K chunks the promotion loop is unrolled (one dot per chunk, no while loop: faster
+# on the CPU at small shapes); longer contractions (Wgrad over tokens) keep the scan, which is
+# faster there. Same bits either way.
+MAX_UNROLLED_CHUNKS = 8
+_NT = (((1,), (1,)), ((), ()))  # dot_general dimension numbers: a [M, k] . b [N, k] -> [M, N]
+
+
+@jax.jit
 def chunked_matmul(a_data, sa, b_data, sb) -> jax.Array:
     """The promotion loop on chunk-laid-out operands: a_data [M, Kp], sa [M, C], b_data [N, Kp],
-    sb [N, C] -> f32 [M, N] = sum over chunks c, in order, of dot(a_c, b_c) * (sa_c * sb_c)."""
+    sb [N, C] -> f32 [M, N] = sum over chunks c, in order, of dot(a_c, b_c) * (sa_c * sb_c).
+
+    XLA:CPU contracts each promotion `partial * scale + acc` into one FMA per element. Unrolled,
+    an optimization barrier ends each promotion, as the scan's loop does, so that XLA cannot fuse
+    two promotions into one expression and pick another product to contract (measured: other
+    bits). Jitted so that eager calls compile the same fusions (and bits) as traced ones.
+    """
     (m, kp), n = a_data.shape, b_data.shape[0]
     chunks = kp // TILE
+    acc = zeros_accumulator((a_data, b_data), (sa, sb))
+    if chunks <= MAX_UNROLLED_CHUNKS:
+        for c in range(chunks):
+            k = slice(c * TILE, (c + 1) * TILE)
+            partial = jax.lax.dot_general(a_data[:, k], b_data[:, k], _NT, preferred_element_type=jnp.float32)
+            acc = jax.lax.optimization_barrier(partial * (sa[:, c, None] * sb[None, :, c]) + acc)  # [M, N]
+        return acc
+
     a_chunks = a_data.reshape(m, chunks, TILE).transpose(1, 0, 2)  # [C, M, 128]
     b_chunks = b_data.reshape(n, chunks, TILE).transpose(1, 0, 2)  # [C, N, 128]
 
     def promote(acc, xs):
         a_c, b_c, sa_c, sb_c = xs
-        partial = jax.lax.dot_general(
-            a_c, b_c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )  # [M, N]
-        return acc + partial * (sa_c[:, None] * sb_c[None, :]), None
+        partial = jax.lax.dot_general(a_c, b_c, _NT, preferred_element_type=jnp.float32)  # [M, N]
+        return partial * (sa_c[:, None] * sb_c[None, :]) + acc, None
 
-    acc0 = zeros_accumulator((a_data, b_data), (sa, sb))
-    acc, _ = jax.lax.scan(promote, acc0, (a_chunks, b_chunks, sa.T, sb.T))
+    acc, _ = jax.lax.scan(promote, acc, (a_chunks, b_chunks, sa.T, sb.T))
     return acc
 
 
