@@ -147,3 +147,15 @@ def test_model_flops_by_hand(step_bench):
     no_mtp = step_bench.model_flops(ModelConfig.tiny(mtp=False), 128)
     assert no_mtp["flops_per_token"] == 6 * 91392 + 6 * 2 * 128 * 4 * 40
 
+
+
+def test_cpu_pace_ratios_are_medians_over_processes():
+    """benchmarks/cpu_pace.py's reading: FP8/BF16 of each metric's median over the fresh
+    processes of a preset (other presets' processes do not count)."""
+    pace = load_benchmark("cpu_pace")
+    rows = [{"preset": "tiny", "precision": p, **{m: v for m in pace.METRICS}}
+            for p, v in (("fp8", 3.0), ("fp8", 9.0), ("fp8", 4.0), ("bf16", 2.0), ("bf16", 2.0), ("bf16", 1.0))]
+    rows.append({"preset": "small", "precision": "fp8", **{m: 100.0 for m in pace.METRICS}})
+    got = pace._ratios(rows, "tiny")
+    assert got["fp8"]["train_step_s"] == 4.0 and got["bf16"]["eval_compile_s"] == 2.0
+    assert got["fp8_over_bf16"] == {m: 2.0 for m in pace.METRICS}
