@@ -66,17 +66,17 @@ from pallas_kernels._hopper import (
     check_tma_slot,
     pad_rows,
     round_up,
-    store_width,
     zeros,
 )
 from pallas_kernels._mainloop import (
     branch_once_tiles,
     chunk_product,
+    cluster_shape,
     cluster_tiles,
     for_each_tile,
     launch_tiles,
 )
-from pallas_kernels.configs import GroupedGemmConfig, check_smem, out_shape
+from pallas_kernels.configs import GroupedGemmConfig, check_smem
 from pallas_kernels.fp8_math import TILE
 from pallas_kernels.schedule import check_group_sizes, row_tile_work
 
@@ -88,6 +88,11 @@ def _store_rows(o_smem, o_gmem, row0, lo, hi, col) -> None:
     A TMA box is static, so the dynamic row count is split into powers of two: one predicated
     copy per bit of `hi - lo` (the ladder of jax's `ragged_dot_mgpu`). The copies are left in
     flight: wait for them to have read `o_smem` before writing it again.
+
+    The one-row copy is contiguous in GMEM, and Mosaic GPU lowers such a copy from unswizzled
+    SMEM to a flat bulk copy clamped only at the array's end (`tests/tma_stores.py`): on Hopper
+    its columns past the end of `o_gmem`'s row land in the next row. So `o_gmem` must hold every
+    column tile whole (`_out_width`).
     """
     rows, cols = o_smem.shape
     count, offset = hi - lo, lo - row0
@@ -110,7 +115,7 @@ def _grouped_matmul_kernel(
     sa_gmem,  # [C, Tpad] f32: lhs scales, chunk-major
     b_gmem,  # [G, Np, Kp] e4m3
     sb_gmem,  # [G, Np // 128, C] f32
-    o_gmem,  # [T, n padded to 16 bytes]
+    o_gmem,  # [T, n padded to whole column tiles (`_out_width`)]
     *,
     config: GroupedGemmConfig,
     groups: int,
@@ -165,7 +170,7 @@ def _ws_matmul_kernel(
     b_gmem,  # [G, Np, Kp] e4m3
     sb_gmem,  # [G, C, Np] f32: each weight block's scale repeated over its 128 columns, or with
     #           `scalar_b` [G, C, Np // 128 * SCALE_BOX]: each block's scale as one 128-byte box
-    o_gmem,  # [T, n padded to the output tile's swizzle width (`out_shape`)]
+    o_gmem,  # [T, n padded to whole (cluster) column tiles (`_out_width`)]
     *,
     config: GroupedGemmConfig,
     groups: int,
@@ -281,6 +286,17 @@ def grouped_scaled_matmul(
         n=n, out_dtype=jnp.dtype(out_dtype), config=config,
     )
 
+def _out_width(n: int, config: GroupedGemmConfig) -> int:
+    """The kernels' output width: `n` padded to whole column tiles, and in clusters along N to
+    whole cluster tiles (whose last CTA may lie wholly past `n`), so that every `_store_rows`
+    copy stays inside its row (see there). Whole tiles are whole swizzle spans and 16-byte rows,
+    as the TMA store needs; no padding at all where `n` is a multiple of them (every
+    DeepSeek-V3 shape). The simple form's stores are flat copies on Hopper; the fast form's go
+    through Mosaic's tensor map from the SMEM layout it picks, and are padded alike so as not to
+    rely on that choice."""
+    return round_up(n, config.tile_n * cluster_shape(config)[1])
+
+
 @functools.partial(jax.jit, static_argnames=("n", "out_dtype", "config", "num_sms"))
 def _grouped_matmul_call(
     lhs_data, lhs_scale, rhs_data, rhs_scale, group_sizes, *, n, out_dtype, config, num_sms=None
@@ -293,10 +309,9 @@ def _grouped_matmul_call(
     # Chunk-major lhs scales, padded to whole row tiles: each K step TMA-loads one contiguous
     # (tile_m,) vector, with a row stride that meets TMA's 16-byte rule.
     sa_t = jnp.pad(lhs_scale.T, ((0, 0), (0, round_up(rows, tm) - rows)))  # [C, Tpad]
+    width = _out_width(n, config)
+    out_type = jax.ShapeDtypeStruct((rows, width), out_dtype)
     if config.warp_specialized:
-        # The row stores tile the output's columns like the SMEM tile (Mosaic's layout for it).
-        width = out_shape(rows, n, out_dtype, config)[1]
-        out_type = jax.ShapeDtypeStruct((rows, width), out_dtype)
         scalar_b = config.scalar_b
         if scalar_b:  # each block's scale as one 128-byte box, chunk-major: [G, C, blocks * SCALE_BOX]
             sb = jnp.repeat(rhs_scale.transpose(0, 2, 1), SCALE_BOX, axis=2)
@@ -311,12 +326,11 @@ def _grouped_matmul_call(
         )
         out = kernel(*work, pad_rows(lhs_data), sa_t, rhs_data, sb)
     else:
-        width = store_width(n, out_dtype)
         kernel = plgpu.kernel(
             functools.partial(
                 _grouped_matmul_kernel, config=config, groups=groups, chunks=kp // TILE
             ),
-            out_type=jax.ShapeDtypeStruct((rows, width), out_dtype),
+            out_type=out_type,
             grid=(work[0].shape[0], np_ // TILE),
             grid_names=("item", "n"),
             compiler_params=LANE_SEMANTICS,

@@ -36,6 +36,7 @@ from pallas_kernels._hopper import (
 from pallas_kernels._mainloop import (
     branch_once_tiles,
     chunk_product,
+    cluster_shape,
     cluster_tiles,
     for_each_tile,
     launch_tiles,
@@ -69,7 +70,7 @@ def _grouped_wgrad_kernel(
     sa_gmem,  # [C, Kpad] f32: chunk-major
     b_gmem,  # [N (8-aligned), Tp] e4m3: dy^T
     sb_gmem,  # [C, Npad] f32: chunk-major
-    o_gmem,  # [G, K, N padded to 16 bytes]
+    o_gmem,  # [G, K', N padded to 16 bytes] (K' = K, or whole row tiles: `_whole_tiles`)
     *,
     config: GroupedGemmConfig,
 ):
@@ -132,7 +133,7 @@ def _ws_wgrad_kernel(
     sa_gmem,  # [C, Kpad] f32: chunk-major
     b_gmem,  # [N (8-aligned), Tp] e4m3: dy^T
     sb_gmem,  # [C, Npad] f32: chunk-major
-    o_gmem,  # [G, K', N'] (`out_shape` of each group's (K, N) gradient)
+    o_gmem,  # [G, K', N'] (`out_shape` of each group's (K, N) gradient, `_whole_tiles`)
     *,
     config: GroupedGemmConfig,
     kdim: int,
@@ -236,6 +237,24 @@ def grouped_wgrad(
         out_dtype=jnp.dtype(out_dtype), config=config,
     )
 
+def _whole_tiles(k_out: int, n_out: int, config: GroupedGemmConfig) -> tuple[int, int]:
+    """The output's (K', N') per group from the extents (`k_out`, `n_out`) the TMA store needs.
+
+    A tile's store window (its rows of the group's gradient, `tile_n` columns) is contiguous in
+    GMEM when `n_out == tile_n`, and Mosaic GPU lowers such a store from unswizzled SMEM to a flat
+    bulk copy clamped only at the end of the whole array (`tests/tma_stores.py`): on Hopper the
+    rows of a partial last row tile past K would land on the next group's first rows, and a
+    cluster's CTA past N on the next rows. So in that case the output holds whole row tiles and
+    whole cluster column tiles (a wider output's windows are not contiguous: they take the tensor
+    map, which drops what lies past K or N). The simple form's store is such a flat copy; the
+    fast form's output tile is swizzled (a tensor map), and is padded alike so as not to rely on
+    it. Only an N of at most one tile is concerned, never a DeepSeek-V3 shape.
+    """
+    if n_out != config.tile_n:
+        return k_out, n_out
+    return round_up(k_out, config.tile_m), n_out * cluster_shape(config)[1]
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "num_sms"))
 def _grouped_wgrad_call(
     lhs_t_data, lhs_t_scale, rhs_t_data, rhs_t_scale, group_sizes, *, out_dtype, config,
@@ -251,7 +270,7 @@ def _grouped_wgrad_call(
     sb_t = jnp.pad(rhs_t_scale.T, ((0, 0), (0, round_up(n, tn) - n)))  # [C, Npad]
     operands = (starts, ends, first, count, pad_rows(lhs_t_data), sa_t, pad_rows(rhs_t_data), sb_t)
     if config.warp_specialized:
-        k_out, n_out = out_shape(kdim, n, out_dtype, config)  # the swizzled store's extents
+        k_out, n_out = _whole_tiles(*out_shape(kdim, n, out_dtype, config), config)
         grid = cluster_tiles(config, (groups * cdiv(kdim, tm), cdiv(n, tn)))
         kernel = launch_tiles(
             functools.partial(_ws_wgrad_kernel, config=config, kdim=kdim, n=n),
@@ -260,13 +279,13 @@ def _grouped_wgrad_call(
         )
         out = kernel(*operands)
         return out if (k_out, n_out) == (kdim, n) else out[:, :kdim, :n]
-    width = store_width(n, out_dtype)
+    k_out, width = _whole_tiles(kdim, store_width(n, out_dtype), config)
     kernel = plgpu.kernel(
         functools.partial(_grouped_wgrad_kernel, config=config),
-        out_type=jax.ShapeDtypeStruct((groups, kdim, width), out_dtype),
+        out_type=jax.ShapeDtypeStruct((groups, k_out, width), out_dtype),
         grid=(groups, cdiv(kdim, tm), cdiv(n, tn)),
         grid_names=("g", "m", "n"),
         compiler_params=LANE_SEMANTICS,
     )
     out = kernel(*operands)
-    return out if width == n else out[..., :n]
+    return out if (k_out, width) == (kdim, n) else out[:, :kdim, :n]

@@ -50,9 +50,10 @@ from pallas_kernels.grouped_wgrad import _grouped_wgrad_call, grouped_wgrad
 from pallas_kernels.schedule import row_tile_work
 from pallas_kernels.shapes import GROUPED_SHAPES
 from helpers import assert_bitwise_equal as _assert_bitwise_equal
-from helpers import interpret as _interpret
+from helpers import interpret as _interpret_clipped
 from helpers import on_cpu as _on_cpu
-from helpers import interpret_detecting_races as _interpret_detecting_races
+from helpers import interpret_detecting_races as _interpret_clipped_detecting_races
+from tma_stores import no_flat_store_spills
 
 # Jitted once per shape: eager quantization and references would compile op by op in every test.
 _quantize = jax.jit(quantize, static_argnums=1)
@@ -78,6 +79,20 @@ ORDER_RTOL = 1e-6
 
 def _seed() -> int:
     return int(np.random.default_rng().integers(2**31))
+
+
+def _interpret(fn, *args, **kwargs):
+    """`helpers.interpret`, failing if any TMA store would write past an inner axis's end on
+    Hopper, where Mosaic lowers it as a flat copy that the interpreter's per-axis clip hides
+    (`tma_stores`)."""
+    with no_flat_store_spills():
+        return _interpret_clipped(fn, *args, **kwargs)
+
+
+def _interpret_detecting_races(fn, *args):
+    """`helpers.interpret_detecting_races` with `_interpret`'s store check."""
+    with no_flat_store_spills():
+        return _interpret_clipped_detecting_races(fn, *args)
 
 
 def _values(rng: np.random.Generator, shape, exact: bool) -> np.ndarray:
@@ -174,6 +189,30 @@ def test_matmul_bit_identical_to_reference(t, k, n, groups, past, out_dtype, con
     _assert_bitwise_equal(out, ref, f"{seed} sizes={sizes}")
 
 
+# Store tails (`tma_stores`: a TMA store that Mosaic lowers as a flat copy must not run past an
+# inner axis's end), with fixed groups so that every case issues them: group boundaries at odd
+# rows, so each consumer's ladder of row stores (`_store_rows`) includes its one-row copy, in
+# the column tile that ends past N (56 columns past 200 in bf16, 32 past the swizzle width 224
+# in f32); empty groups first and between; the last group's rows running to the array's end,
+# or 7 rows past the groups (the pseudo-group's zeros, one-row copy included); clusters along N
+# over 3 column tiles, the last cluster's second CTA wholly past N.
+STORE_TAIL_MATMUL_CASES = {
+    "simple-bf16": (203, 200, [0, 101, 0, 102], jnp.bfloat16, SIMPLE),
+    "simple-past-groups": (203, 72, [101, 0, 95], jnp.float32, SIMPLE),
+    "fast-f32": (203, 200, [0, 101, 0, 102], jnp.float32, FAST),
+    "cluster-n-bf16": (203, 330, [0, 101, 0, 95], jnp.bfloat16, VARIANTS["cluster-n"]),
+}
+
+
+@pytest.mark.parametrize("case", STORE_TAIL_MATMUL_CASES)
+def test_matmul_store_tails(case):
+    t, n, sizes, out_dtype, config = STORE_TAIL_MATMUL_CASES[case]
+    seed = _seed()
+    lhs, rhs, sizes = _row_operands(seed, t, TILE, n, sizes, exact=True)
+    out = _interpret(_matmul, lhs, rhs, sizes, out_dtype, config)
+    _assert_bitwise_equal(out, _matmul_reference(lhs, rhs, sizes, out_dtype), f"{seed} sizes={sizes}")
+
+
 @pytest.mark.parametrize("config", [FAST, SIMPLE], ids=["fast", "simple"])
 def test_matmul_gaussian_within_summation_order(config):
     seed = _seed()
@@ -257,6 +296,26 @@ def test_wgrad_bit_identical_to_reference(t, k, n, groups, past, out_dtype, conf
     out = _interpret(_wgrad, lhs_t, rhs_t, sizes, out_dtype, config)
     ref = _wgrad_reference(lhs_t, rhs_t, sizes, out_dtype)
     _assert_bitwise_equal(out, ref, f"{seed} sizes={sizes}")
+
+
+# Store tails (`tma_stores`): N of one column tile, whose (rows, N) store windows are contiguous
+# in GMEM, with K = 200 ending inside the last row tile: its rows past K must not reach the next
+# group's gradient; clusters along N, the cluster's second CTA wholly past N. Empty groups first
+# and between, the last group's tokens running to the end.
+STORE_TAIL_WGRAD_CASES = {
+    "simple": (128, [0, 150, 0, 150], jnp.float32, SIMPLE),
+    "fast-bf16": (128, [0, 150, 0, 150], jnp.bfloat16, FAST),
+    "cluster-n": (64, [150, 0, 150], jnp.float32, dataclasses.replace(VARIANTS["cluster-n"], tile_n=64)),
+}
+
+
+@pytest.mark.parametrize("case", STORE_TAIL_WGRAD_CASES)
+def test_wgrad_store_tails(case):
+    n, sizes, out_dtype, config = STORE_TAIL_WGRAD_CASES[case]
+    seed = _seed()
+    lhs_t, rhs_t, sizes = _token_operands(seed, 300, 200, n, sizes, exact=True)
+    out = _interpret(_wgrad, lhs_t, rhs_t, sizes, out_dtype, config)
+    _assert_bitwise_equal(out, _wgrad_reference(lhs_t, rhs_t, sizes, out_dtype), f"{seed} sizes={sizes}")
 
 
 @pytest.mark.parametrize("config", [FAST, SIMPLE], ids=["fast", "simple"])

@@ -87,3 +87,16 @@ def flat_store_spills():
         yield spills
     finally:
         gpu_callbacks._clip_store_to_shape = clip
+
+
+@contextlib.contextmanager
+def no_flat_store_spills():
+    """Fails the block (after it ran) if any of its TMA stores would spill on Hopper
+    (`flat_store_spills`): for wrapping every interpreted run of a test file."""
+    with flat_store_spills() as spills:
+        yield
+    assert not spills, (
+        "TMA stores that Mosaic lowers as flat copies run past an inner axis of their array, "
+        "which Hopper writes into the next rows (destination shape, window, elements): "
+        f"{spills[:4]}"
+    )
