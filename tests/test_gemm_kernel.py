@@ -44,10 +44,9 @@ from pallas_kernels.configs import out_shape
 from pallas_kernels.fp8_math import FP8_DTYPE, TILE
 from pallas_kernels.shapes import DENSE_SHAPES
 from helpers import assert_bitwise_equal as _assert_bitwise_equal
-from helpers import interpret as _interpret_clipped
 from helpers import on_cpu as _on_cpu
-from helpers import interpret_detecting_races as _interpret_clipped_detecting_races
-from tma_stores import no_flat_store_spills
+from tma_stores import interpret as _interpret  # fails on a store Hopper would spill
+from tma_stores import interpret_detecting_races as _interpret_detecting_races
 
 # The weight pairing (b_block_rows = 128, Fprop/Dgrad) and the tile pairing (1, Wgrad).
 B_BLOCKS = {TILE: (TILE, TILE), 1: (1, TILE)}
@@ -66,20 +65,6 @@ def _quantize_pair(x, w, b_block_rows):
 
 def _seed() -> int:
     return int(np.random.default_rng().integers(2**31))
-
-
-def _interpret(fn, *args, **kwargs):
-    """`helpers.interpret`, failing if any TMA store would write past an inner axis's end on
-    Hopper, where Mosaic lowers it as a flat copy that the interpreter's per-axis clip hides
-    (`tma_stores`)."""
-    with no_flat_store_spills():
-        return _interpret_clipped(fn, *args, **kwargs)
-
-
-def _interpret_detecting_races(fn, *args):
-    """`helpers.interpret_detecting_races` with `_interpret`'s store check."""
-    with no_flat_store_spills():
-        return _interpret_clipped_detecting_races(fn, *args)
 
 
 def _operands(seed: int, m: int, n: int, k: int, b_block_rows: int, *, exact: bool):

@@ -50,10 +50,9 @@ from pallas_kernels.grouped_wgrad import _grouped_wgrad_call, grouped_wgrad
 from pallas_kernels.schedule import row_tile_work
 from pallas_kernels.shapes import GROUPED_SHAPES
 from helpers import assert_bitwise_equal as _assert_bitwise_equal
-from helpers import interpret as _interpret_clipped
 from helpers import on_cpu as _on_cpu
-from helpers import interpret_detecting_races as _interpret_clipped_detecting_races
-from tma_stores import no_flat_store_spills
+from tma_stores import interpret as _interpret  # fails on a store Hopper would spill
+from tma_stores import interpret_detecting_races as _interpret_detecting_races
 
 # Jitted once per shape: eager quantization and references would compile op by op in every test.
 _quantize = jax.jit(quantize, static_argnums=1)
@@ -79,20 +78,6 @@ ORDER_RTOL = 1e-6
 
 def _seed() -> int:
     return int(np.random.default_rng().integers(2**31))
-
-
-def _interpret(fn, *args, **kwargs):
-    """`helpers.interpret`, failing if any TMA store would write past an inner axis's end on
-    Hopper, where Mosaic lowers it as a flat copy that the interpreter's per-axis clip hides
-    (`tma_stores`)."""
-    with no_flat_store_spills():
-        return _interpret_clipped(fn, *args, **kwargs)
-
-
-def _interpret_detecting_races(fn, *args):
-    """`helpers.interpret_detecting_races` with `_interpret`'s store check."""
-    with no_flat_store_spills():
-        return _interpret_clipped_detecting_races(fn, *args)
 
 
 def _values(rng: np.random.Generator, shape, exact: bool) -> np.ndarray:

@@ -30,6 +30,8 @@ import math
 from jax._src.pallas.mosaic.interpret import utils as interpret_utils
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
+import helpers
+
 
 def _window(rng: tuple) -> tuple[list[int], list[int]]:
     """(starts, sizes) of an interpreter access range; an integer index is a size-1 window."""
@@ -100,3 +102,16 @@ def no_flat_store_spills():
         "which Hopper writes into the next rows (destination shape, window, elements): "
         f"{spills[:4]}"
     )
+
+
+def interpret(fn, *args, **kwargs):
+    """`helpers.interpret`, failing if any TMA store would write past an inner axis's end on
+    Hopper, where Mosaic lowers it as a flat copy that the interpreter's per-axis clip hides."""
+    with no_flat_store_spills():
+        return helpers.interpret(fn, *args, **kwargs)
+
+
+def interpret_detecting_races(fn, *args):
+    """`helpers.interpret_detecting_races` with `interpret`'s store check."""
+    with no_flat_store_spills():
+        return helpers.interpret_detecting_races(fn, *args)
