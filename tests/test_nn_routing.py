@@ -381,9 +381,17 @@ def test_sequence_balance_loss_counts_the_unbiased_top_k():
 
     cfg = ModelConfig.tiny(dtype="float32", recipe=Fp8Recipe.off())
     moe = MoE(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
-    moe.gate[...] = jnp.asarray(rng.standard_normal(moe.gate[...].shape), jnp.float32)  # spread affinities
+    # Spread affinities, expert 0's near zero for every token (a constant feature against its
+    # centroid: a logit shift of -40 against a spread of about 8), so that its unbiased share is
+    # far from the others' and forcing it moves the loss a lot: with random affinities alone the
+    # shares are all near 1/E and the biased loss could land within 1e-3 of the right one.
+    gate = rng.standard_normal(moe.gate[...].shape)
+    gate[0, 0] = -10.0
+    moe.gate[...] = jnp.asarray(gate, jnp.float32)
     moe.router_bias[...] = jnp.zeros(cfg.n_routed).at[0].set(10.0)
-    x = jnp.asarray(rng.standard_normal((2, 24, cfg.d_model)), jnp.float32)
+    x = rng.standard_normal((2, 24, cfg.d_model))
+    x[..., 0] = 4.0
+    x = jnp.asarray(x, jnp.float32)
     _, stats = moe(x)
     assert int(stats.loads[0]) == 2 * 24, f"seed {seed}: the bias did not force expert 0"
     s = np.asarray(router_scores(x.reshape(-1, cfg.d_model), moe.gate[...])).reshape(2, 24, -1)
@@ -394,7 +402,7 @@ def test_sequence_balance_loss_counts_the_unbiased_top_k():
     f = np.stack([np.bincount(r.ravel(), minlength=cfg.n_routed) for r in routed.reshape(2, 24, -1)])
     f = f * cfg.n_routed / (cfg.top_k * 24)
     wrong = cfg.balance_alpha * np.mean(np.sum(f * (s / s.sum(-1, keepdims=True)).mean(1), -1))
-    assert abs(wrong - want) > 1e-3 * want, f"seed {seed}"
+    assert abs(wrong - want) > 0.1 * want, f"seed {seed}"
 
 
 def test_sequence_balance_loss_minimum_at_perfect_balance():
