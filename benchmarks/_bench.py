@@ -19,6 +19,7 @@ import numpy as np
 
 from jfp8.reference import rel_error
 from pallas_kernels.shapes import GemmShape, GroupedShape
+from provenance import commit_info
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
@@ -300,11 +301,13 @@ def record_path(name: str, out: pathlib.Path) -> pathlib.Path:
 
 
 def write_record(name: str, rows: list[dict], out: pathlib.Path, **extra) -> pathlib.Path:
-    """benchmarks/results/<name>-<device>-<date>.json with device, jax version, date and rows."""
+    """benchmarks/results/<name>-<device>-<date>.json with device, jax version, date, the commit
+    and dirty flag of the tree (`provenance.commit_info`) and rows."""
     device = jax.devices()[0]
     today = datetime.date.today().isoformat()
     record = dict(benchmark=name, device=device.device_kind, platform=device.platform,
-                  jax_version=jax.__version__, date=today, host=platform.node(), **extra, rows=rows)
+                  jax_version=jax.__version__, date=today, host=platform.node(), **commit_info(), **extra,
+                  rows=rows)
     out.mkdir(parents=True, exist_ok=True)
     path = record_path(name, out)
     path.write_text(json.dumps(record, indent=1) + "\n")
@@ -455,27 +458,6 @@ def to_torch(torch, x):
 def torch_rel_error(out, ref) -> float:
     """`rel_error` of a torch output against a jax reference, in float32 on the host."""
     return rel_error(out.float().cpu().numpy(), np.asarray(ref, np.float32))
-
-
-def commit_info() -> dict:
-    """{"commit", "dirty"} of the tree a benchmark ran from: git's answers, else $JFP8_COMMIT and
-    $JFP8_DIRTY (a GPU machine's copy of the tree has no .git; docs/gpu.md's commands pass them).
-    None where neither says."""
-    import os
-    import subprocess
-
-    def git(*argv):
-        try:
-            r = subprocess.run(["git", *argv], cwd=RESULTS.parent.parent, capture_output=True, text=True,
-                               timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return r.stdout if r.returncode == 0 else None
-
-    head, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    flag = os.environ.get("JFP8_DIRTY")
-    return dict(commit=head.strip() if head else os.environ.get("JFP8_COMMIT") or None,
-                dirty=bool(status.strip()) if status is not None else (None if flag is None else flag not in ("0", "", "false")))
 
 
 def parse_overrides(text: str, cls: type) -> dict:

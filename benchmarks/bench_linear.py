@@ -41,7 +41,6 @@ from _bench import (
     CheckFailed,
     add_common_args,
     add_ratios,
-    commit_info,
     device_rel_error,
     error_entry,
     gemm_row,
@@ -172,7 +171,7 @@ def main(argv=None) -> int:
 
     def save():
         add_ratios(rows, BASELINE, (BASELINE,))
-        return write_record("bench_linear", rows, args.out, **commit_info(),
+        return write_record("bench_linear", rows, args.out,
                             timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
                             flops="3 GEMMs of 2*M*N*K (Fprop, Dgrad, Wgrad)", failed=failed,
                             skipped=skipped)

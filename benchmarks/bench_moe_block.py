@@ -44,7 +44,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -60,7 +59,6 @@ from _bench import (
     CheckFailed,
     add_common_args,
     add_ratios,
-    commit_info,
     device_rel_error,
     error_entry,
     gemm_row,
@@ -298,7 +296,7 @@ def main(argv=None) -> int:
     def save():
         add_ratios(rows, BASELINE, (BASELINE,), key=lambda r: r["problem"])
         return write_record(
-            "bench_moe_block", rows, args.out, **commit_info(), command=["bench_moe_block.py", *(argv or sys.argv[1:])],
+            "bench_moe_block", rows, args.out, command=["bench_moe_block.py", *(argv or sys.argv[1:])],
             timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
             flops="experts' GEMMs: 3 (Fprop, Dgrad, Wgrad) x (2*(T*E)*D*2H + 2*(T*E)*H*D); router excluded",
             baseline=f"{BASELINE}: the library's routing and swiglu around batched bf16 einsums "

@@ -56,7 +56,6 @@ from jfp8.train.step import build
 from _bench import (
     RESULTS,
     budget_spent,
-    commit_info,
     error_entry,
     parse_overrides,
     peak_tflops,
@@ -156,7 +155,7 @@ def run_precision(config: TrainConfig, batches: list, timed_from: int, max_secon
     `check(metrics of step 1)` raises `CheckFailed` before any further step runs."""
     device = jax.devices()[0]
     setup = build(config)
-    model_cfg, step_fn, tx = setup.model_cfg, setup.train_step, setup.tx
+    step_fn, tx = setup.train_step, setup.tx
     params, rest = jax.device_put((setup.params, setup.rest), device)
     del setup  # its copy of the initial weights would double their memory
     opt_state = jax.device_put(tx.init(params), device)
@@ -272,7 +271,7 @@ def main(argv=None) -> int:
             t = by_preset[r["preset"]]
             r["ratio_vs_bf16"] = t["bf16"] / r["step_ms"] if "bf16" in t else None
         return write_record(
-            "bench_step", rows, args.out, **commit_info(), command=["bench_step.py", *(argv or sys.argv[1:])],
+            "bench_step", rows, args.out, command=["bench_step.py", *(argv or sys.argv[1:])],
             steps=steps, timed_from=timed_from, max_seconds=args.max_seconds,
             timing="per step: wall time of the jitted step with its loss read back (device synchronised); "
                    "step_ms the median over the timed steps",

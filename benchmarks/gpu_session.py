@@ -1,14 +1,16 @@
 """A GPU window in device calls: the correctness record first (smoke, then check: 5 and 3 minutes
-with their starts), then the speed (bench, then bisect when time is left); docs/gpu.md keeps the
-plan.
+with their starts), then FP8 against BF16 end to end (e2e, step), then the kernels (bench, then
+bisect when time is left); docs/gpu.md keeps the plan.
 
     bash scripts/gpu_session.sh                     # record 1: env, smoke (each kernel form alone), pytest -m gpu
     bash scripts/gpu_session.sh --command check     # record 2: compute-sanitizer, the training check
+    bash scripts/gpu_session.sh --command e2e       # fp8_linear at the layer shapes, the routed-expert block
+    bash scripts/gpu_session.sh --command step      # the wide preset's training step, FP8 and BF16
     bash scripts/gpu_session.sh --command bench     # dense, grouped, quantize, fp8_linear benchmarks
     bash scripts/gpu_session.sh --command bisect    # GemmConfig bisection, ncu, Mosaic profile
     bash scripts/gpu_session.sh --command tune_gemm     # optional further calls: the tuning tables
     bash scripts/gpu_session.sh --command tune_grouped
-    python benchmarks/gpu_session.py --dry-run     # anywhere: the four calls' plans, in order
+    python benchmarks/gpu_session.py --dry-run     # anywhere: every call's plan, in order
     python benchmarks/gpu_session.py --rehearse --command smoke   # CPU: the same plumbing, kernels
                                                     # in the Mosaic GPU interpreter, tiny shapes
 
@@ -34,6 +36,9 @@ Stages:
   train_check    benchmarks/gpu_train_check.py: FP8 steps of tiny and gpu through the kernels
                  against the same steps on the reference; the four stages of the check call run
                  side by side
+  bench_linear_layer, bench_moe_block, bench_step
+                 benchmarks/bench_linear.py --shapes layer, bench_moe_block.py, bench_step.py:
+                 FP8 against BF16 per layer, per routed-expert block and per training step
   bench_*        benchmarks/bench_{gemm,grouped,quantize,linear}.py at the DeepSeek-V3 shapes,
                  every row checked against its reference before it is timed
   bisect_gemm    bench_gemm at 8192^3 and 4096x7168x16384 with one row per GemmConfig variant
@@ -83,6 +88,7 @@ REPO = BENCHMARKS.parent
 sys.path.insert(0, str(BENCHMARKS))
 import gpu_reports  # noqa: E402
 import gpu_tables  # noqa: E402
+from provenance import commit_info, git as _git  # noqa: E402
 from pallas_kernels import shapes  # noqa: E402  (plain tuples: no jax)
 
 COMMANDS = {
@@ -453,6 +459,16 @@ class Log:
         os.close(self.fd)
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=10)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
 def run_process(argv, env, timeout, stdout, stderr) -> tuple[str, int | None]:
     """Runs argv in its own process group; kills the group at the timeout. -> (status, rc)."""
     try:
@@ -465,24 +481,8 @@ def run_process(argv, env, timeout, stdout, stderr) -> tuple[str, int | None]:
         rc = proc.wait(timeout=max(timeout, 1))
         return ("ok" if rc == 0 else "failed"), rc
     except subprocess.TimeoutExpired:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=10)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
+        _kill_group(proc)
         return "timeout", None
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=10)
-            return
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            continue
 
 
 def run_smoke(stage: Stage, env: dict, log: Log, ctx: Session) -> None:
@@ -704,7 +704,7 @@ class Session:
         """The summary JSON, written whole to a temporary file and renamed over the old one."""
         record = dict(
             date=datetime.date.today().isoformat(), gpu=self.gpu.name, compute_capability=self.gpu.compute_cap,
-            hopper=self.gpu.hopper, command=self.command, rehearsal=self.rehearse, commit=_commit(), dirty=_dirty(),
+            hopper=self.gpu.hopper, command=self.command, rehearsal=self.rehearse, **commit_info(),
             budget_s=self.args.budget_s, dry_run=self.args.dry_run, argv=self.args.argv,
             stages=[dataclasses.asdict(s) for s in self.stages],
         )
@@ -730,30 +730,6 @@ class Session:
             for p in sorted(dumps.glob("*.txt")):
                 tar.add(p, arcname=f"smoke-dumps/{p.name}")
         os.replace(tmp, tarball)
-
-
-def _git(*argv: str) -> str | None:
-    try:
-        r = subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout if r.returncode == 0 else None
-
-
-def _commit() -> str | None:
-    """The commit the call ran: git's, else $JFP8_COMMIT (a GPU machine's copy of the tree may
-    have no .git; docs/gpu.md's commands pass it)."""
-    head = _git("rev-parse", "HEAD")
-    return head.strip() if head else os.environ.get("JFP8_COMMIT") or None
-
-
-def _dirty() -> bool | None:
-    """Whether the tree differed from that commit: git's answer, else $JFP8_DIRTY (0 or 1)."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    if status is not None:
-        return bool(status.strip())
-    flag = os.environ.get("JFP8_DIRTY")
-    return None if flag is None else flag not in ("0", "", "false")
 
 
 def stage_line(s: Stage) -> str:

@@ -36,6 +36,7 @@ import numpy as np
 from jfp8.train import data
 from jfp8.train.config import PRESET_TRAINING, TrainConfig
 from jfp8.train.step import build
+from provenance import commit_info
 
 PRESETS = ("tiny", "gpu")
 STEPS = 5
@@ -128,6 +129,7 @@ def main(argv=None) -> int:
         slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
         path = args.out / f"gpu_train_check-{slug}-{datetime.date.today().isoformat()}.json"
         record = {"device": device, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+                  **commit_info(),
                   "command": "python benchmarks/gpu_train_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "rows": rows}
         tmp = path.with_suffix(".json.tmp")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import hashlib
 import json
 import os
 import pathlib
