@@ -13,10 +13,10 @@ One timed call is one jitted `jax.vjp` of the block with a fixed random cotangen
 dx and the gradients of the router gate, w13 (gate | up) and w2 (down). Rows:
   bf16-einsum         the library's routing (`router_scores`, `route`, `dispatch`, `combine`) and
                       `swiglu` around two batched bf16 einsums over [experts, tokens, d] (f32
-                      accumulation): the baseline, as bench_grouped's "bf16 einsum". Not the
-                      library's own BF16 experts (`Fp8Recipe.off()` -> `jfp8.ops._ragged`, a scan
-                      over (row tile, expert) work items that the step model prices at a copy of
-                      the whole FP32 accumulator per item on a GPU): see the record's `skipped`.
+                      accumulation): the baseline, as bench_grouped's "bf16 einsum"
+  bf16-<impl>         the library's own BF16 layer (`Fp8Recipe.off()`): on Hopper its experts run
+                      jax's Mosaic GPU ragged dots (`pallas_kernels.ragged`), elsewhere the
+                      reference's scan over (row tile, expert) work items
   fp8-dispatch-<impl> the issue's block: `ExpertParallelMoE` (FP8 dispatch: each token quantized
                       once to E4M3 in 1x128 tiles and its FP8 rows gathered into the expert order,
                       straight into the grouped GEMM) on a one-device mesh, where the all-to-alls
@@ -25,7 +25,7 @@ dx and the gradients of the router gate, w13 (gate | up) and w2 (down). Rows:
                       then quantized per dispatched row by `grouped_fp8_linear`
   (impl: "mosaic", the kernels, on Hopper; the XLA reference path elsewhere)
 Checks before timing, on y, dx and the three weight gradients (the largest relative Frobenius
-error of the five): bf16-einsum against the same block in f32 (`precision="highest"`), <= 2e-2;
+error of the five): bf16-einsum and bf16-<impl> against the same block in f32 (`precision="highest"`), <= 2e-2;
 each FP8 row against the FP8 layer on the XLA reference path (same numerics: <= 1e-2) and against
 the f32 block (<= 0.15, recorded per tensor as `err_vs_f32`). FLOPs are the experts' GEMMs,
 3 x 3 x 2 x (T E) x D x H (gate/up 2H wide and down H: Fprop, Dgrad, Wgrad); the router's
@@ -77,10 +77,6 @@ TOL_SAME_NUMERICS = 1e-2
 # 128x256x128x4, the largest of the five tensors; the same-numerics bound above is the tight one.
 TOL_FP8_VS_F32 = 0.15
 PARTS = ("y", "dx", "d_gate", "d_w13", "d_w2")
-RAGGED_SKIP = ("the library's BF16 experts (Fp8Recipe.off() -> jfp8.ops._ragged, a scan over (row tile, "
-               "expert) work items) are not the baseline: the deviceless step model finds a copy of the "
-               "whole FP32 accumulator per scan step on a GPU (docs/gpu.md); bf16-einsum is exact here")
-
 
 class BlockShape(NamedTuple):
     tokens: int  # T tokens entering the block, each routed to every local expert
@@ -260,7 +256,17 @@ def _cases(shape: BlockShape, impl: str, seed: int) -> tuple[list[Case], dict]:
         extra[BASELINE] = dict(err_vs_f32=errs)
         return max(errs.values())
 
+    def library_check(name):
+        def check(out):
+            errs = _errors(out, f32())
+            extra[name] = dict(err_vs_f32=errs)
+            return max(errs.values())
+
+        return check
+
     cases = [Case(BASELINE, lambda: bf16(x, params, g), bf16_check, TOL_BF16, "bf16")]
+    library = _fwd_bwd(_moe_block(_graphdef(shape, jfp8.Fp8Recipe.off(impl=impl), seed), rest))
+    cases.append(Case(f"bf16-{impl}", lambda: library(x, params, g), library_check(f"bf16-{impl}"), TOL_BF16, "bf16"))
     for fp8_dispatch in (True, False):
         name = f"fp8-dispatch-{impl}" if fp8_dispatch else f"fp8-{impl}"
         fn = _fwd_bwd(_fp8_block(shape, impl, seed, rest, fp8_dispatch))
@@ -305,7 +311,6 @@ def main(argv=None) -> int:
             failed=failed, skipped=skipped)
 
     for shape, problem in within_budget(shapes, label, args.budget_s, start, skipped):
-        skipped.append(dict(impl="bf16-ragged", problem=problem, reason=RAGGED_SKIP))
         try:
             cases, extra = _cases(shape, impl, args.seed)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands

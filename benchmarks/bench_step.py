@@ -26,9 +26,11 @@ v head dim) (scores and values, forward + backward, no causal discount: 12 x lay
 when the two head widths are equal, as PaLM counts).
 The check before FP8 is timed: its first step from the same initialisation and batch as BF16's
 (same weights, so only the FP8 numerics differ) within `LOSS_RTOL` in loss and `GRAD_NORM_RTOL` in
-gradient norm. The BF16 step's routed experts run `jfp8.ops._ragged` (a scan over (row tile,
-expert) work items; `Fp8Recipe.off()`), which the deviceless step model prices at seconds per step
-on a GPU (docs/gpu.md): the record says so (`bf16_experts`). `--max-seconds` caps one precision's
+gradient norm. The BF16 step's routed experts run `jfp8.api.ragged_dot` (`Fp8Recipe.off()`):
+on Hopper jax's Mosaic GPU ragged dots (`pallas_kernels.ragged`), where the expert widths are
+multiples of 128, else the reference's scan over (row tile, expert) work items, which the
+deviceless step model prices at seconds per step on a GPU: the record says which (`bf16_experts`).
+`--max-seconds` caps one precision's
 steps after its first: a slow step ends the precision early and the median is taken over the steps
 that ran (`timed_steps` says which). Record: `<out>/bench_step-<device>-<date>.json`.
 """
@@ -75,10 +77,11 @@ PRECISIONS = ("bf16", "fp8")  # BF16 first: FP8's check compares its first step 
 LOSS_RTOL = 1e-3
 GRAD_NORM_RTOL = 1e-2
 MOSAIC_CALL = "mosaic_gpu"  # the kernels' custom-call target in lowered StableHLO
-BF16_EXPERTS = ("jfp8.ops._ragged via Fp8Recipe.off(): a lax.scan over (row tile, expert) work items, "
-                "which the deviceless step model prices at a copy of the whole FP32 accumulator per "
-                "work item on a GPU (docs/gpu.md, 'A step-time model without a GPU'); not a fast BF16 "
-                "MoE, so FP8/BF16 here is against the library's BF16 path as it is")
+BF16_EXPERTS = ("jfp8.api.ragged_dot via Fp8Recipe.off(): on Hopper jax's Mosaic GPU ragged dots "
+                "(pallas_kernels.ragged; forward, Dgrad and the transposed Wgrad) where d_model and "
+                "the expert width are multiples of 128 (gpu, wide), else the reference's lax.scan over "
+                "(row tile, expert) work items (tiny, small), which the deviceless step model prices "
+                "at seconds per step on a GPU")
 FLOPS_FORMULA = ("6 x matmul params per token (main model and MTP activated params: attention "
                  "projections, dense FFN, shared + top_k routed experts, router gate, MTP projection, output "
                  "head in both; embedding lookup and norms not counted) + 6 x attention layers x seq_len x "

@@ -4,6 +4,7 @@ an H100, priced op by op at the H100 rates measured so far.
     python benchmarks/step_model.py --presets tiny small              # compile, price, write JSON
     python benchmarks/step_model.py --presets gpu --keep-hlo          # + keep the optimized HLO (gz)
     python benchmarks/step_model.py --from-hlo benchmarks/results/step-model/hlo   # re-price the committed HLO
+    python benchmarks/step_model.py --from-hlo D --compile bf16 --keep-hlo D      # compile BF16 anew, re-price FP8
     python benchmarks/step_model.py --table                           # the committed JSONs as markdown
 
 The step compiles as `hopper_train_build.py` compiles it (same toolchain, same abstract arguments,
@@ -79,7 +80,7 @@ class Rates:
     fp8_dense: GemmRate
     fp8_grouped: GemmRate
     bf16_gemm: GemmRate
-    bf16_grouped: GemmRate  # prices the what-if of a BF16 grouped GEMM (no such kernel in the step)
+    bf16_grouped: GemmRate  # jax's BF16 ragged dots (not timed yet: the bf16 einsum's rate stands in)
     copy: Rate  # GB/s counting bytes read and written
     # quantizer kind -> ((elements of the measured tensor, GB/s), ...), bytes read + written
     quantizers: tuple[tuple[str, tuple[tuple[int, float], ...]], ...]
@@ -258,6 +259,8 @@ CATEGORIES = (
     ("fp8 gemm: dense wgrad", "Mosaic FP8 GEMM contracting tokens, FP32 out"),
     ("fp8 gemm: grouped", "Mosaic FP8 grouped (MoE) GEMM, Fprop/Dgrad"),
     ("fp8 gemm: grouped wgrad", "Mosaic FP8 grouped Wgrad, one FP32 result per expert"),
+    ("bf16 gemm: grouped", "jax's Mosaic BF16 ragged dots (the BF16 experts on Hopper), Fprop/Dgrad"),
+    ("bf16 gemm: grouped wgrad", "jax's Mosaic BF16 transposed ragged dot, one result per expert"),
     ("quantize: 1x128", "activation to E4M3 + 1x128 scales"),
     ("quantize: both orientations", "1x128 and 128x1 (tokens) in one pass: dy, or x for Wgrad"),
     ("quantize: weight 128x128", "FP32 master weight to 128x128 blocks (+ transposed copy)"),
@@ -360,6 +363,13 @@ def classify_mosaic(instr: Instr, module: Module) -> Op:
         wgrad = out.dtype == "f32"
         return Op("fp8 gemm: dense wgrad" if wgrad else "fp8 gemm: dense", instr.name, 2.0 * m * n * k, nbytes,
                   (m, n, k))
+    if grouped and len(float_in) >= 2 and not fp8_in and not fp8_out:  # jax's BF16 ragged dots
+        lhs, rhs, out = float_in[0], float_in[1], outs[0]
+        if len(out.dims) == 3:  # transposed: x [T, K], dy [T, N] -> [G, K, N]
+            g, m, n = out.dims
+            return Op("bf16 gemm: grouped wgrad", instr.name, 2.0 * m * n * lhs.dims[0], nbytes, (g, m, n, lhs.dims[0]))
+        m, n, k = out.dims[0], out.dims[-1], lhs.dims[-1]
+        return Op("bf16 gemm: grouped", instr.name, 2.0 * m * n * k, nbytes, (rhs.dims[0], m, n, k))
     if fp8_out and fp8_in:  # E4M3 + scales in and out: the cached x re-tiled for Wgrad
         return Op("quantize: retile", instr.name, 0.0, nbytes, elements=fp8_in[0].elements)
     if fp8_out and float_in:  # a quantizer: float in, E4M3 + scales out
@@ -532,14 +542,14 @@ def op_seconds(op: Op, rates: Rates = H100_RATES) -> float:
     memory = op.bytes / (rates.copy.value * 1e9)
     compute = 0.0
     c = op.category
-    if c.startswith("fp8 gemm") or c == "xla gemm (bf16)":
+    if c.startswith(("fp8 gemm", "bf16 gemm")) or c == "xla gemm (bf16)":
         rate = rates.bf16_gemm if c == "xla gemm (bf16)" else (
-            rates.fp8_grouped if "grouped" in c else rates.fp8_dense)
+            rates.bf16_grouped if c.startswith("bf16") else rates.fp8_grouped if "grouped" in c else rates.fp8_dense)
         g = op.gemm
-        if c == "fp8 gemm: grouped wgrad":  # one [M', N'] per expert over its share of the rows
+        if c.endswith("grouped wgrad"):  # one [M', N'] per expert over its share of the rows
             groups, m, n, k = g
             g = (groups, m, n, max(1, k // groups))
-        elif c == "fp8 gemm: grouped":  # the rows split into `groups` tiles' worth: half a tile each
+        elif c.endswith("grouped"):  # the rows split into `groups` tiles' worth: half a tile each
             groups, m, n, k = g
             g = (1, m + groups * rates.tile[0] // 2, n, k)
         if g is None and op.name.endswith("as one grouped GEMM"):
@@ -743,6 +753,8 @@ def main(argv=None) -> int:
     p.add_argument("--keep-hlo", type=pathlib.Path, help="also write each compiled step's stripped HLO here (gz)")
     p.add_argument("--from-hlo", type=pathlib.Path,
                    help="price HLO kept by --keep-hlo (with its meta JSON) instead of compiling")
+    p.add_argument("--compile", nargs="+", choices=PRECISIONS, default=None,
+                   help="with --from-hlo: compile these precisions anew (the rest are re-priced from the kept HLO)")
     p.add_argument("--table", action="store_true", help="print the committed results as markdown")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -762,7 +774,7 @@ def main(argv=None) -> int:
         steps = {}
         for precision in PRECISIONS:
             stem = f"{preset}-{precision}-train" + (f"-b{args.batch}" if args.batch else "")
-            if args.from_hlo:
+            if args.from_hlo and precision not in (args.compile or ()):
                 text = gzip.decompress((args.from_hlo / f"{stem}.hlo.gz").read_bytes()).decode()
                 meta = json.loads((args.from_hlo / f"{stem}.json").read_text())
             else:
@@ -777,7 +789,8 @@ def main(argv=None) -> int:
                   f"{t['bytes'] / 1e9:.3g} GB, {t['kernels']:.0f} kernels, peak {meta['memory']['peak'] / 1e9:.2f} GB",
                   flush=True)
         doc = record(preset, args.target, steps, command)
-        doc["priced_from_kept_hlo"] = bool(args.from_hlo)
+        doc["priced_from_kept_hlo"] = ([p for p in PRECISIONS if p not in (args.compile or ())]
+                                       if args.from_hlo else [])
         args.out.mkdir(parents=True, exist_ok=True)
         # another batch than the preset's (sizing) gets its own file
         path = args.out / f"{preset}{f'-b{args.batch}' if args.batch else ''}-{args.target}.json"

@@ -33,7 +33,7 @@ from jax.interpreters import batching, mlir
 from jfp8 import fp8, precompile, reference
 from jfp8.fp8 import AMAX_FLOOR, GRAD_AMAX_FLOOR, TILE, Block, Fp8Tensor, _check_block
 from jfp8.reference import check_nt_operands, chunk_operand
-from pallas_kernels import _mgpu, gemm, grouped_gemm, grouped_wgrad
+from pallas_kernels import _mgpu, gemm, grouped_gemm, grouped_wgrad, ragged
 from pallas_kernels import quantize as qk
 
 Impl: TypeAlias = Literal["xla", "mosaic", "auto"]
@@ -548,3 +548,42 @@ def _grouped_wgrad_kernel(a_t: Fp8Tensor, b_t: Fp8Tensor, group_sizes: jax.Array
     b_data, b_scale = chunk_operand(b_t, tp)
     return grouped_wgrad.grouped_wgrad(a_data, a_scale, b_data, b_scale, group_sizes,
                                        t=a_t.logical[1], out_dtype=out_dtype)
+
+
+# ------------------------------------------------------------------------------ no FP8: the BF16 baseline
+
+
+def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: Impl = "auto",
+               interpret: bool = False) -> jax.Array:
+    """The BF16 (or F16, F32) grouped GEMM of the baseline's experts: `jax.lax.ragged_dot(x, w,
+    group_sizes)` with an FP32 accumulator, in x's dtype; rows past sum(group_sizes) are zeros.
+
+    The reference is `reference.ragged_dot_reference` (a scan over work items); on Hopper the
+    kernels are jax's own Mosaic GPU ragged dots (`pallas_kernels.ragged`), where the shapes fit
+    them. Unlike the FP8 kernels they do not give the reference's bits: the tensor core sums in its
+    own order (tests/test_ragged.py bounds the difference).
+
+    Args:
+      x: (T, K) tokens sorted by group. w: (G, K, N), cast to x's dtype. group_sizes: (G,) int32.
+    """
+    return _dispatch(impl, interpret, _ragged_dot_kernel, reference.ragged_dot_reference, (x, w, group_sizes),
+                     ragged.unsupported(x, w))
+
+
+def ragged_dot_grads(x: jax.Array, w: jax.Array, group_sizes: jax.Array, dy: jax.Array, *,
+                     impl: Impl = "auto", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(dx, dw) of `ragged_dot(x, w, group_sizes)` for the cotangent dy [T, N]: dx [T, K] in x's
+    dtype, dw [G, K, N] in w's (computed in x's dtype with FP32 accumulation, as the reference's
+    autodiff does). The kernels: a ragged dot against each wᵀ, and jax's transposed ragged dot."""
+    return _dispatch(impl, interpret, _ragged_dot_grads_kernel, reference.ragged_dot_grads_reference,
+                     (x, w, group_sizes, dy), ragged.unsupported(x, w))
+
+
+def _ragged_dot_kernel(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return ragged.ragged_matmul(x, w, group_sizes)
+
+
+def _ragged_dot_grads_kernel(x: jax.Array, w: jax.Array, group_sizes: jax.Array, dy: jax.Array):
+    dx = ragged.ragged_matmul_nt(dy.astype(x.dtype), w, group_sizes)
+    dw = ragged.ragged_wgrad(x, dy, group_sizes).astype(w.dtype)
+    return dx, dw

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8.api import (
+    ragged_dot,
+    ragged_dot_grads,
     grouped_scaled_matmul,
     grouped_wgrad_matmul,
     quantize,
@@ -29,7 +31,7 @@ from jfp8.api import (
 )
 from jfp8.fp8 import TILE, Fp8Tensor
 from jfp8.recipe import Fp8Recipe
-from jfp8.reference import REF_TILE_M, check_group_sizes, row_tile_work
+from jfp8.reference import check_group_sizes, ragged_dot_reference as _ragged
 
 DEFAULT_RECIPE = Fp8Recipe()
 _IO_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -186,29 +188,25 @@ def fp8_linear(x: jax.Array, w: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE) -
 # ------------------------------------------------------------------------------ grouped (MoE)
 
 
-def _ragged(x, w, group_sizes):
-    """The non-FP8 grouped GEMM: `jax.lax.ragged_dot(x, w, group_sizes)` in x's dtype with an FP32
-    accumulator, computed one (row tile, group) work item at a time: about (T + G * tile) rows of
-    work. (XLA lowers ragged_dot to a dense masked dot, G times the FLOPs, on CPU and GPU.)"""
-    t, g, n = x.shape[0], w.shape[0], w.shape[2]
-    tm = REF_TILE_M
-    tp = -(-t // tm) * tm
-    xp = jnp.pad(x, ((0, tp - t), (0, 0)))
-    w = w.astype(x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _plain_grouped(x, w, group_sizes, recipe: Fp8Recipe):
+    """No FP8 (the BF16 baseline's experts): `ragged_dot`, jax's Mosaic GPU ragged dots on Hopper,
+    the reference (`_ragged`) elsewhere; the backward through `ragged_dot_grads`, whose reference
+    is `_ragged`'s own autodiff, so the reference path computes what it always has."""
+    return ragged_dot(x, w, group_sizes, impl=recipe.impl, interpret=recipe.interpret)
 
-    def item(out, it):
-        gi, tile, lo, hi = it
-        row0 = tile * tm
-        y = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, row0, tm), w[jnp.minimum(gi, g - 1)],
-                    preferred_element_type=jnp.float32)
-        rows = row0 + jnp.arange(tm)
-        keep = (rows >= lo) & (rows < hi) & (gi < g)
-        cur = jax.lax.dynamic_slice_in_dim(out, row0, tm)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep[:, None], y, cur), row0, 0), None
 
-    out0 = jnp.zeros((tp, n), jnp.float32) + xp[:, :0].sum(1, keepdims=True).astype(jnp.float32)
-    out, _ = jax.lax.scan(item, out0, row_tile_work(group_sizes, t, tm))
-    return out[:t].astype(x.dtype)
+def _plain_grouped_fwd(x, w, group_sizes, recipe: Fp8Recipe):
+    return _plain_grouped(x, w, group_sizes, recipe), (x, w, group_sizes)
+
+
+def _plain_grouped_bwd(recipe: Fp8Recipe, residuals, dy):
+    x, w, group_sizes = residuals
+    dx, dw = ragged_dot_grads(x, w, group_sizes, dy, impl=recipe.impl, interpret=recipe.interpret)
+    return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+_plain_grouped.defvjp(_plain_grouped_fwd, _plain_grouped_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -280,7 +278,8 @@ def grouped_fp8_linear(
     check_group_sizes(group_sizes, w.shape[0], x.shape[0])
     group_sizes = group_sizes.astype(jnp.int32)
     if not recipe.enabled:
-        return _ragged(x, w, group_sizes)
+        x, w = _vary_like(x, w, group_sizes), _vary_like(w, x, group_sizes)
+        return _plain_grouped(x, w, _vary_like(group_sizes, x, w), recipe)
     w32 = w.astype(jnp.float32)
     x, w32 = _vary_like(x, w32, group_sizes), _vary_like(w32, x, group_sizes)
     return _grouped(x, w32, _vary_like(group_sizes, x, w32), recipe)

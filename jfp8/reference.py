@@ -195,6 +195,39 @@ def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
 REF_TILE_M = 256
 
 
+def ragged_dot_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The non-FP8 grouped GEMM (the BF16 baseline's experts): `jax.lax.ragged_dot(x, w, group_sizes)` in x's dtype with an FP32
+    accumulator, computed one (row tile, group) work item at a time: about (T + G * tile) rows of
+    work. (XLA lowers ragged_dot to a dense masked dot, G times the FLOPs, on CPU and GPU.)"""
+    t, g, n = x.shape[0], w.shape[0], w.shape[2]
+    tm = REF_TILE_M
+    tp = -(-t // tm) * tm
+    xp = jnp.pad(x, ((0, tp - t), (0, 0)))
+    w = w.astype(x.dtype)
+
+    def item(out, it):
+        gi, tile, lo, hi = it
+        row0 = tile * tm
+        y = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, row0, tm), w[jnp.minimum(gi, g - 1)],
+                    preferred_element_type=jnp.float32)
+        rows = row0 + jnp.arange(tm)
+        keep = (rows >= lo) & (rows < hi) & (gi < g)
+        cur = jax.lax.dynamic_slice_in_dim(out, row0, tm)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep[:, None], y, cur), row0, 0), None
+
+    out0 = jnp.zeros((tp, n), jnp.float32) + xp[:, :0].sum(1, keepdims=True).astype(jnp.float32)
+    out, _ = jax.lax.scan(item, out0, row_tile_work(group_sizes, t, tm))
+    return out[:t].astype(x.dtype)
+
+
+def ragged_dot_grads_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, dy: jax.Array):
+    """(dx, dw) of `ragged_dot_reference(x, w, group_sizes)` for the cotangent dy: its autodiff,
+    the same operations a gradient through it has always run (dx in x's dtype, dw in w's)."""
+    _, vjp = jax.vjp(lambda x, w: ragged_dot_reference(x, w, group_sizes), x, w)
+    return vjp(dy)
+
+
+
 def grouped_scaled_matmul_reference(
     lhs: Fp8Tensor, rhs: Fp8Tensor, group_sizes: jax.Array, out_dtype=jnp.bfloat16
 ) -> jax.Array:
