@@ -150,6 +150,29 @@ def _grouped_wgrad(rng, config: grouped_gemm.GroupedGemmConfig | None) -> Check:
                  shape=f"groups {GROUP_SIZES} of {tokens} tokens, {K} x {N}")
 
 
+def _ragged_bf16(rng, interpret: bool) -> Check:
+    """The BF16 baseline's experts (`jfp8.api.ragged_dot`, jax's ragged dots): y, dx and dW, the
+    largest relative error against the CPU reference. Both round FP32 sums to BF16 (dW: the
+    reference once per 256-row work item), so some outputs differ by a BF16 ulp or two (2^-8 of
+    the value at most, each): the relative Frobenius error is bounded by 2^-8 (1e-5 to 3e-5 seen
+    in the interpreter; a wrong group's weights give about 1)."""
+    from jfp8.api import ragged_dot, ragged_dot_grads
+    from jfp8.reference import ragged_dot_grads_reference, ragged_dot_reference
+
+    rows, k = sum(GROUP_SIZES) + 20, 2 * TILE  # rows past the groups must come out as zeros
+    x = _gaussian(rng, (rows, k)).astype(jnp.bfloat16)
+    w = _gaussian(rng, (len(GROUP_SIZES), k, N))
+    dy = _gaussian(rng, (rows, N)).astype(jnp.bfloat16)
+    sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
+    dev = _to_device((x, w, sizes, dy))
+    out = (ragged_dot(*dev[:3], impl="mosaic", interpret=interpret),
+           *ragged_dot_grads(*dev, impl="mosaic", interpret=interpret))
+    ref = (_on_cpu(ragged_dot_reference, x, w, sizes), *[
+        _on_cpu(lambda *a, i=i: ragged_dot_grads_reference(*a)[i], x, w, sizes, dy) for i in (0, 1)])
+    err = max(rel_error(jnp.asarray(o, jnp.float32), jnp.asarray(r, jnp.float32)) for o, r in zip(out, ref))
+    return Check("rel_fro", err, 2.0**-8, shape=f"groups {GROUP_SIZES} of {rows} rows, K {k}, N {N}, bf16")
+
+
 # ------------------------------------------------------------------------------ quantizer forms
 
 
@@ -305,6 +328,7 @@ KERNELS = {
     "quantize_grad_flat_rows": ("quantize_grad at the smoke shape, rows of one magnitude",
                                 _quantizer(_mosaic(jfp8.quantize_grad), _xla(jfp8.quantize_grad),
                                            row_spread=False)),
+    "ragged_bf16": ("the BF16 baseline's experts: jax's ragged dots (Fprop, Dgrad, Wgrad; issue 43)", _ragged_bf16),
     # Issue 45's lean main loop: the stage released right after the wgmma's wait, no fence on the
     # consumers (the producer fences); not a default until racecheck is clean on a GPU.
     "gemm_lean_release": ("dense tile x block, GemmConfig(early_scale_loads=True, lean_release=True) (issue 45)",
