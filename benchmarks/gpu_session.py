@@ -168,7 +168,7 @@ PROFILE_SHAPE = "8192x8192x8192"
 # twin (`gpu_mutants.py`): its silence on the kernels counts only if it flagged the mutant.
 SANITIZER_KERNELS = ("gemm_default_tails", "grouped_fprop", "grouped_wgrad", "quantize_tile_tails",
                      "quantize_block_tails", "quantize_weight_tails", "quantize_grad_tails",
-                     "quantize_column_t_tails", "retile_tails")
+                     "quantize_column_t_tails", "retile_tails", "quantize_activation_tails")
 MUTANT, MUTANT_TWIN = "mutant_early_release", "mutant_clean_release"
 # Issue 45's lean main loop (no per-block fence on the consumers) becomes a default only after
 # racecheck is clean on it, in clusters too (a multicast refill lands in the other CTA's stage).

@@ -281,6 +281,8 @@ KERNELS = {
                         _quantizer(_mosaic(jfp8.quantize_weight), _xla(jfp8.quantize_weight), dtype=jnp.float32)),
     "quantize_grad": ("fused gradient quantizer: dy tiles and dy^T per 128 tokens",
                       _quantizer(_mosaic(jfp8.quantize_grad), _xla(jfp8.quantize_grad))),
+    "quantize_activation": ("fused activation quantizer: x tiles and their re-tiling for Wgrad (issue 43)",
+                            _quantizer(_mosaic(jfp8.quantize_activation), _xla(jfp8.quantize_activation))),
     "quantize_column_t": ("x^T per 128 tokens (Wgrad operand)",
                           _quantizer(_mosaic(jfp8.quantize_wgrad_operand), _xla(jfp8.quantize_wgrad_operand))),
     "retile": ("saved FP8 x re-tiled for Wgrad", _quantizer(
@@ -362,6 +364,8 @@ SANITIZER_FORMS = {
         _mosaic(jfp8.quantize_grad), _xla(jfp8.quantize_grad), shape=QUANT_TAILS)),
     "quantize_column_t_tails": ("x^T per 128 tokens at a tail shape", _quantizer(
         _mosaic(jfp8.quantize_wgrad_operand), _xla(jfp8.quantize_wgrad_operand), shape=QUANT_TAILS)),
+    "quantize_activation_tails": ("fused activation quantizer at a tail shape", _quantizer(
+        _mosaic(jfp8.quantize_activation), _xla(jfp8.quantize_activation), shape=QUANT_TAILS)),
     "retile_tails": ("re-tiling at a tail shape", _quantizer(
         _mosaic(jfp8.retile_wgrad_operand), _xla(jfp8.retile_wgrad_operand), shape=QUANT_TAILS,
         prepare=_xla(jfp8.quantize, block=(1, TILE)))),

@@ -122,6 +122,25 @@ def _grouped(config):
     return build
 
 
+def _ragged_bf16():
+    """The BF16 baseline's experts (`jfp8.api.ragged_dot` and its grads: jax's ragged dots) at
+    the grouped benchmark shape: three kernels in one form."""
+    def build():
+        import jax.numpy as jnp
+
+        from jfp8.api import ragged_dot, ragged_dot_grads
+
+        g, rows, n, k = GROUPED
+
+        def fn(x, w, sizes, dy):
+            return ragged_dot(x, w, sizes, impl="mosaic"), ragged_dot_grads(x, w, sizes, dy, impl="mosaic")
+
+        return fn, (_sds((g * rows, k), jnp.bfloat16), _sds((g, k, n), jnp.bfloat16), _sds((g,), jnp.int32),
+                    _sds((g * rows, n), jnp.bfloat16))
+
+    return build
+
+
 def _grouped_wgrad(config):
     def build():
         import jax.numpy as jnp
@@ -155,6 +174,7 @@ def _quantizer(name, dtype="bfloat16", shape=QUANT, config=None):
             "block": lambda x: jfp8.quantize(x, (128, 128), impl="mosaic"),
             "weight": lambda x: jfp8.quantize_weight(x, impl="mosaic"),
             "grad": lambda x: jfp8.quantize_grad(x, impl="mosaic"),
+            "activation": lambda x: jfp8.quantize_activation(x, impl="mosaic"),
             "column_t": lambda x: jfp8.quantize_wgrad_operand(x, impl="mosaic"),
             "tile_ring": lambda x: qk.quantize_tile(x, config=config),
         }
@@ -197,6 +217,8 @@ def forms() -> dict[str, Form]:
              ("quantize_block", "128x128 weight blocks (f32 master)", _quantizer("block", "float32")),
              ("quantize_weight", "fused weight quantizer: blocks and their transpose", _quantizer("weight", "float32")),
              ("quantize_grad", "fused gradient quantizer: dy tiles and dy^T per 128 tokens", _quantizer("grad")),
+             ("quantize_activation", "fused activation quantizer: x tiles and their re-tiling for Wgrad",
+              _quantizer("activation")),
              ("quantize_column_t", "x^T per 128 tokens (Wgrad operand)", _quantizer("column_t")),
              ("retile", "saved FP8 x re-tiled for Wgrad", _quantizer("retile")),
              ("quantize_tile_unswizzled", "1x128 tiles, a shape TMA cannot tile", _quantizer("tile", shape=(4090, 7166))),
@@ -212,6 +234,8 @@ def forms() -> dict[str, Form]:
     grouped("grouped_wgrad_simple", "grouped Wgrad, simple()", GroupedGemmConfig.simple(), wgrad=True)
     for name, what, build in quant:
         out.append(Form(name, what, build, 1))
+    out.append(Form("ragged_bf16", "the BF16 baseline's experts: jax's ragged dots (Fprop, Dgrad, Wgrad)",
+                    _ragged_bf16(), 1))
     # The rest of gpu_smoke.py's forms, by their smoke names (the GPU session compares its rows).
     dense("gemm_cluster", "dense, GemmConfig(cluster_m=2)", GemmConfig(cluster_m=2))
     dense("gemm_vector_b", "dense, GemmConfig(scalar_b_scale=False)", GemmConfig(scalar_b_scale=False))
@@ -255,6 +279,7 @@ def forms() -> dict[str, Form]:
 # Compiled on every CI run (tests/test_hopper_build.py): the default dense form, grouped Fprop
 # and Wgrad, and the fused quantizers the training step runs.
 CI_FORMS = ("gemm_default", "grouped_fprop", "grouped_wgrad", "quantize_tile", "quantize_weight", "quantize_grad",
+            "quantize_activation",
             "gemm[cluster_m=2]",
             # what the tuning rule runs at the benchmark shapes (tests/test_gemm_tuning.py DENSE_PICKS,
             # GROUPED_PICKS): 128 x 192 in clusters along M, 128 x 128 along N, grouped along N

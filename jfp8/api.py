@@ -401,6 +401,28 @@ def _quantize_grad_kernel(dy: jax.Array, *, pow2_scale: bool, amax_floor: float)
     return Fp8Tensor(data, scale, (1, TILE), (t, n)), Fp8Tensor(data_t, scale_t, (1, TILE), (n, t))
 
 
+def quantize_activation(
+    x: jax.Array, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, impl: Impl = "auto",
+    interpret: bool = False,
+) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """x (T, C) -> `(q, retile_wgrad_operand(q))` for `q = quantize(x, (1, 128))`: its Fprop operand
+    and its Wgrad operand (the §3.5.2 re-tiling of q), computed together in the forward pass; on
+    the kernels, one fused pass reads x once and writes both (2-D inputs). Bit-identical either
+    way to quantizing in the forward and re-tiling in the backward."""
+    x = _check_quantize_input(x, (1, TILE))
+    rule = _scale_rule(pow2_scale, amax_floor)
+
+    unsupported = _quantize_unsupported(x, (TILE, 1)) or (None if x.ndim == 2 else f"{x.ndim}-D input")
+    return _dispatch(impl, interpret, functools.partial(_quantize_activation_kernel, **rule),
+                     functools.partial(fp8.quantize_activation, **rule), (x,), unsupported)
+
+
+def _quantize_activation_kernel(x: jax.Array, *, pow2_scale: bool, amax_floor: float):
+    t, n = x.shape
+    data, scale, data_t, scale_t = qk.quantize_tile_and_retile_t(x, pow2_scale=pow2_scale, amax_floor=amax_floor)
+    return Fp8Tensor(data, scale, (1, TILE), (t, n)), Fp8Tensor(data_t, scale_t, (1, TILE), (n, t))
+
+
 def retile_wgrad_operand(
     t: Fp8Tensor, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, impl: Impl = "auto",
     interpret: bool = False,

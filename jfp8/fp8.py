@@ -220,3 +220,12 @@ def retile_wgrad_operand(
     """The FP8 x saved by Fprop, (T, C) in (1, 128) tiles -> (C, T) scaled per 128 tokens
     (DeepSeek-V3 §3.5.2: dequantize, transpose, re-quantize)."""
     return quantize(t.dequantize(jnp.float32), (TILE, 1), pow2_scale=pow2_scale, amax_floor=amax_floor).mT
+
+
+def quantize_activation(
+    x: jax.Array, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR
+) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """x (T, C) -> `(q, retile_wgrad_operand(q))` for `q = quantize(x, (1, 128))`: its Fprop operand
+    and the Wgrad operand the backward re-tiles from it (§3.5.2), both computed when x is."""
+    q = quantize(x, (1, TILE), pow2_scale=pow2_scale, amax_floor=amax_floor)
+    return q, retile_wgrad_operand(q, pow2_scale=pow2_scale, amax_floor=amax_floor)

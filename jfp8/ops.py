@@ -12,6 +12,7 @@ The residuals are FP8 data + scales (about half the bytes of bf16 inputs), not t
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from jfp8.api import (
     grouped_scaled_matmul,
     grouped_wgrad_matmul,
     quantize,
+    quantize_activation,
     quantize_grad,
     quantize_weight,
     quantize_wgrad_operand,
@@ -85,8 +87,34 @@ def _mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype, recipe: Fp8Recipe) -> jax.Array:
     return scaled_matmul(a, b, out_dtype=out_dtype, impl=recipe.impl, interpret=recipe.interpret)
 
 
-def _wgrad_x(saved: Fp8Tensor, recipe: Fp8Recipe) -> Fp8Tensor:
+class _Retiled(NamedTuple):
+    """A residual that is already the Wgrad operand xᵀ (per 128 tokens), re-tiled in the forward
+    pass from the FP8 x (`quantize_activation`), where the backward would otherwise re-tile it."""
+
+    t: Fp8Tensor
+
+
+def _q_x(x: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Tensor | _Retiled | jax.Array]:
+    """x -> (its Fprop operand or None, what the backward keeps of x for Wgrad).
+
+    With DeepSeek-V3's scaling for Fprop and Wgrad, one pass (`quantize_activation`) writes x's
+    1x128 tiles and their re-tiling for Wgrad, and the backward keeps the latter (the same bytes
+    as the FP8 copy it would re-tile), so x is read once. Otherwise x's FP8 copy (or x itself when
+    Wgrad is not FP8) is kept and `_wgrad_x` re-tiles it."""
+    if recipe.fprop and recipe.wgrad and recipe.fuse_quantizers and recipe.activation_block == (1, TILE):
+        qx, qx_t = quantize_activation(
+            x, pow2_scale=recipe.pow2_scale, amax_floor=recipe.activation_amax_floor, impl=recipe.impl,
+            interpret=recipe.interpret,
+        )
+        return qx, _Retiled(qx_t)
+    qx = _q(x, recipe.activation_block, recipe, recipe.activation_amax_floor) if (recipe.fprop or recipe.wgrad) else None
+    return qx, (qx if recipe.wgrad else x)
+
+
+def _wgrad_x(saved: Fp8Tensor | _Retiled, recipe: Fp8Recipe) -> Fp8Tensor:
     """xᵀ scaled per 128 tokens, from the FP8 x saved by Fprop (dequantize, re-tile, §3.5.2)."""
+    if isinstance(saved, _Retiled):
+        return saved.t
     if recipe.wgrad_block is None:
         if saved.block is None:
             return saved.mT
@@ -133,11 +161,10 @@ def _linear(x: jax.Array, w: jax.Array, recipe: Fp8Recipe) -> jax.Array:
 
 def _linear_fwd(x, w, recipe: Fp8Recipe):
     """x [M, K], w [K, N] -> y [M, N]; residuals are FP8 where the backward GEMM is FP8."""
-    fp8_x = recipe.fprop or recipe.wgrad
-    qx = _q(x, recipe.activation_block, recipe, recipe.activation_amax_floor) if fp8_x else None
+    qx, x_res = _q_x(x, recipe)
     qw, qw_t = _q_weight(w, recipe)  # [K, N], [N, K]
     y = _mm(qx, qw_t, x.dtype, recipe) if recipe.fprop else _plain_dot(x, w)
-    return y, (qx if recipe.wgrad else x, qw if recipe.dgrad else w)
+    return y, (x_res, qw if recipe.dgrad else w)
 
 
 def _linear_bwd(recipe: Fp8Recipe, residuals, dy):
@@ -222,11 +249,10 @@ def _gmm(a, b, group_sizes, out_dtype, recipe):
 
 def _grouped_fwd(x, w, group_sizes, recipe: Fp8Recipe):
     """x [T, K] sorted by group, w [G, K, N] -> y [T, N]."""
-    fp8_x = recipe.fprop or recipe.wgrad
-    qx = _q(x, recipe.activation_block, recipe, recipe.activation_amax_floor) if fp8_x else None
+    qx, x_res = _q_x(x, recipe)
     qw, qw_t = _q_weight(w, recipe)  # [G, K, N], [G, N, K]
     y = _gmm(qx, qw_t, group_sizes, x.dtype, recipe) if recipe.fprop else _ragged(x, w, group_sizes)
-    return y, (qx if recipe.wgrad else x, qw if recipe.dgrad else w, group_sizes)
+    return y, (x_res, qw if recipe.dgrad else w, group_sizes)
 
 
 def _grouped_bwd(recipe: Fp8Recipe, residuals, dy):

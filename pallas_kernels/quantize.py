@@ -17,6 +17,9 @@ Raw arrays in, raw arrays out; `jfp8` wraps them in `Fp8Tensor`s.
   quantize_tile_and_column_t
                            an output gradient's two forms, (1, 128) tiles (Dgrad) and
                            transposed (128, 1) tiles (Wgrad), from one read of it.
+  quantize_tile_and_retile_t
+                           an activation's two forms, (1, 128) tiles (Fprop) and their re-tiling
+                           for Wgrad (as `retile_tile_to_column_t`), from one read of it.
   retile_tile_to_column_t  the backward-pass re-tiling (§3.5.2): dequantize a (1, 128)-tiled
                            tensor, transpose it and requantize it as (128, 1) tiles, in one pass.
 
@@ -524,12 +527,17 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, amax_f
 # Both quantizations of an output gradient in one pass: (1, 128) tiles and transposed (128, 1).
 
 
-def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, pow2_scale: bool, amax_floor: float, swizzled: bool):
+def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, retile: bool, pow2_scale: bool, amax_floor: float,
+                swizzled: bool):
     """x_ref [128, 128] → its (1, 128)-tile E4M3 in `d_ref` [128, 128] and its (128, 1)-tile E4M3,
     transposed, in `dt_ref` [128, 128], one [128, 64] half at a time (`_store_half_transposed`).
 
-    Returns the [128] row scales and the two halves' [64] column scales. A row's amax is the max
-    of its two halves' maxima: the same value as one reduction over the row (max is exact).
+    The (128, 1) tiles quantize x itself, or with `retile` the (1, 128) tiles' dequantized values
+    (`q.astype(f32) * row_scale`, as `Fp8Tensor.dequantize`): the Fprop operand and the §3.5.2
+    re-tiling of it for Wgrad from one read of x, bit for bit `retile_tile_to_column_t` of the
+    first output. Returns the [128] row scales and the two halves' [64] column scales. A row's
+    amax is the max of its two halves' maxima: the same value as one reduction over the row (max
+    is exact).
     """
     halves = [pl.ds(h * _HALF, _HALF) for h in range(TILE // _HALF)]
     row_amax, col_scales = None, []
@@ -537,19 +545,24 @@ def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, pow2_scale: bool, amax_floo
         a = abs_for_amax(_load_f32(x_ref.at[:, h], swizzled))
         r = jnp.max(a, axis=1)
         row_amax = r if row_amax is None else jnp.maximum(row_amax, r)
-        col_scales.append(scale_from_amax(jnp.max(a, axis=0), pow2_scale, amax_floor))
+        if not retile:
+            col_scales.append(scale_from_amax(jnp.max(a, axis=0), pow2_scale, amax_floor))
     row_scale = scale_from_amax(row_amax, pow2_scale, amax_floor)
     inv_row = jax.lax.broadcast_in_dim(ieee_reciprocal(row_scale), (TILE, _HALF), (0,))
-    for h, col_scale in zip(halves, col_scales):
+    for i, h in enumerate(halves):
         x = _load_f32(x_ref.at[:, h], swizzled)
-        d_ref[:, h] = encode_scaled(x, inv_row)
-        inv_col = jax.lax.broadcast_in_dim(ieee_reciprocal(col_scale), (TILE, _HALF), (1,))
+        q = encode_scaled(x, inv_row)
+        d_ref[:, h] = q
+        if retile:
+            x = q.astype(jnp.float32) * jax.lax.broadcast_in_dim(row_scale, (TILE, _HALF), (0,))
+            col_scales.append(scale_from_amax(jnp.max(abs_for_amax(x), axis=0), pow2_scale, amax_floor))
+        inv_col = jax.lax.broadcast_in_dim(ieee_reciprocal(col_scales[i]), (TILE, _HALF), (1,))
         _store_half_transposed(encode_scaled(x, inv_col), h, dt_ref, bounce_ref, swizzled)
     return row_scale, col_scales
 
 
 def _both_body(x_gmem, d_gmem, s_gmem, dt_gmem, st_gmem, x_smem, d_smem, dt_smem, bounce,
-               s_smem, st_smem, bars, *, chunks: int, slots: int, pow2_scale: bool, amax_floor: float,
+               s_smem, st_smem, bars, *, chunks: int, slots: int, retile: bool, pow2_scale: bool, amax_floor: float,
                swizzled: bool):
     """One CTA: rows [128 i, 128 i + 128) x `chunks` chunks of 128 columns of x [M, N].
 
@@ -563,8 +576,8 @@ def _both_body(x_gmem, d_gmem, s_gmem, dt_gmem, st_gmem, x_smem, d_smem, dt_smem
 
     def quantize_chunk(c, slot):
         row_scale, col_scales = _both_chunk(
-            x_smem.at[slot], d_smem.at[slot], dt_smem.at[slot], bounce, pow2_scale=pow2_scale, amax_floor=amax_floor,
-            swizzled=swizzled,
+            x_smem.at[slot], d_smem.at[slot], dt_smem.at[slot], bounce, retile=retile, pow2_scale=pow2_scale,
+            amax_floor=amax_floor, swizzled=swizzled,
         )
         s_smem[:, c] = row_scale
         for h, s in enumerate(col_scales):
@@ -581,7 +594,8 @@ def _both_body(x_gmem, d_gmem, s_gmem, dt_gmem, st_gmem, x_smem, d_smem, dt_smem
     plgpu.wait_smem_to_gmem(0)
 
 
-def _both_call(x, *, m: int, n: int, pow2_scale: bool, amax_floor: float, cfg: QuantizeConfig):
+def _both_call(x, *, m: int, n: int, pow2_scale: bool, amax_floor: float, cfg: QuantizeConfig,
+               retile: bool = False):
     """Runs `_both_body` on x [m, >= n] (rows 16-byte aligned) → d, s, dt, st (see there)."""
     chunks = cfg.column_chunks
     slots = cfg.slots(chunks)
@@ -593,7 +607,8 @@ def _both_call(x, *, m: int, n: int, pow2_scale: bool, amax_floor: float, cfg: Q
     swizzled = cfg.swizzle and _swizzle_fits(x, TILE) and n % SWIZZLE_ROWS == 0
     kernel = plgpu.kernel(
         functools.partial(
-            _both_body, chunks=chunks, slots=slots, pow2_scale=pow2_scale, amax_floor=amax_floor, swizzled=swizzled
+            _both_body, chunks=chunks, slots=slots, retile=retile, pow2_scale=pow2_scale, amax_floor=amax_floor,
+            swizzled=swizzled,
         ),
         out_type=(
             jax.ShapeDtypeStruct((m, col_chunks * TILE), FP8_DTYPE),
@@ -777,6 +792,35 @@ def quantize_tile_and_column_t(
         return (*_empty((m, np_), (m, np_ // TILE)), *_empty((n, mp), (n, mp // TILE)))
     data, scale, data_t, scale_t = _both_call(
         _tma_aligned(x), m=m, n=n, pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config
+    )
+    return data, scale[:, : np_ // TILE], data_t, scale_t[:, :n].T
+
+
+def quantize_tile_and_retile_t(
+    x: jax.Array, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, config: QuantizeConfig = BOTH_CONFIG
+):
+    """An activation's two FP8 forms from one read of it: its (1, 128) tiles (the Fprop operand,
+    `quantize_tile(x)`) and their §3.5.2 re-tiling for Wgrad, transposed (128, 1) tiles of the
+    dequantized tiles (`retile_tile_to_column_t` of the first), bit for bit both.
+
+    Instead of quantizing x in the forward pass and reading the FP8 copy back in the backward to
+    re-tile it, the forward writes both: x is read once, and the backward keeps the Wgrad
+    operand (the same bytes as the FP8 copy it replaces).
+
+    Args and returns: as `quantize_tile_and_column_t`.
+    """
+    _check_input(x)
+    if config.column_chunks % _SCALE_GROUP:
+        raise ValueError(
+            f"quantize_tile_and_retile_t needs column_chunks a multiple of {_SCALE_GROUP}, got "
+            f"{config.column_chunks}; e.g. pallas_kernels.quantize.BOTH_CONFIG"
+        )
+    m, n = x.shape
+    mp, np_ = _round_up(m, TILE), _round_up(n, TILE)
+    if m == 0 or n == 0:
+        return (*_empty((m, np_), (m, np_ // TILE)), *_empty((n, mp), (n, mp // TILE)))
+    data, scale, data_t, scale_t = _both_call(
+        _tma_aligned(x), m=m, n=n, pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config, retile=True
     )
     return data, scale[:, : np_ // TILE], data_t, scale_t[:, :n].T
 

@@ -34,7 +34,9 @@ def test_auto_is_decided_by_the_platform_lowered_for():
     assert _mosaic_calls("xla", "cuda") == 0
     grad = jax.jit(jax.grad(lambda x, w: jfp8.fp8_linear(x, w).astype(jnp.float32).sum(), argnums=1))
     text = grad.trace(*_x_w()).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") >= 6  # fwd: 2 quantizers + GEMM; bwd: 2 + 2 GEMMs
+    # fwd: x's two forms (Fprop, Wgrad) and W's in two quantizers + GEMM; bwd: dy's two forms + the
+    # Wgrad GEMM (Dgrad is not asked for)
+    assert text.count("custom_call @mosaic_gpu") == 5
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="checks the reference path without a Hopper GPU")
@@ -165,22 +167,44 @@ def test_quantize_grad_front_door_is_bit_identical():
             np.testing.assert_array_equal(gb, wb)
 
 
+def test_quantize_activation_front_door_is_bit_identical():
+    """x's Fprop operand (1x128 tiles) and Wgrad operand (the re-tiling of those tiles, xᵀ per
+    128 tokens) from the fused kernel equal quantizing and then re-tiling, logical shapes and
+    blocks included."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((200, 136)) * np.exp(rng.normal(size=(200, 1))), jnp.bfloat16)
+    got = jax.jit(lambda v: jfp8.quantize_activation(v, impl="mosaic", interpret=True))(x)
+    q = jfp8.quantize(x, (1, 128))
+    want = (q, jfp8.retile_wgrad_operand(q))
+    for g, w in zip(got, want):
+        assert (g.block, g.logical, g.shape) == (w.block, w.logical, w.shape)
+        for gb, wb in zip(_bits(g), _bits(w)):
+            np.testing.assert_array_equal(gb, wb)
+    # Not the column quantization of x itself (what `quantize_grad` does for dy): the re-tiling.
+    direct = jfp8.quantize_wgrad_operand(x)
+    assert not all(np.array_equal(a, b) for a, b in zip(_bits(got[1]), _bits(direct)))
+
+
 def _count_calls(monkeypatch, module, name, calls):
     fn = getattr(module, name)
     monkeypatch.setattr(module, name, lambda x, **kw: calls.append((name, x.shape)) or fn(x, **kw))
 
 
-def test_fp8_ops_read_weight_and_gradient_once_for_both_of_their_forms(monkeypatch):
+def test_fp8_ops_read_input_weight_and_gradient_once_for_both_of_their_forms(monkeypatch):
     """On the kernels' path Fprop and Dgrad take their weights from one fused quantizer launch
-    (not a quantize plus an XLA transpose), and Dgrad and Wgrad their dy from one (not two reads
-    of dy), for dense and expert layers; traced, not run."""
+    (not a quantize plus an XLA transpose), Dgrad and Wgrad their dy from one (not two reads of
+    dy), and Fprop and Wgrad their x from one in the forward pass (no re-tiling pass over the
+    FP8 copy in the backward), for dense and expert layers; traced, not run."""
     from pallas_kernels import quantize as qk
 
     calls = []
+    _count_calls(monkeypatch, qk, "quantize_tile_and_retile_t", calls)
     _count_calls(monkeypatch, qk, "quantize_block_and_transpose", calls)
     _count_calls(monkeypatch, qk, "quantize_tile_and_column_t", calls)
     monkeypatch.setattr(qk, "quantize_block", lambda *a, **kw: pytest.fail("two-pass weight"))
     monkeypatch.setattr(qk, "quantize_column", lambda *a, **kw: pytest.fail("dy read twice"))
+    monkeypatch.setattr(qk, "quantize_tile", lambda *a, **kw: pytest.fail("x quantized apart"))
+    monkeypatch.setattr(qk, "retile_tile_to_column_t", lambda *a, **kw: pytest.fail("x re-tiled apart"))
     recipe = jfp8.Fp8Recipe(interpret=True)
     x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 384), jnp.float32)
     jax.eval_shape(jax.grad(lambda x, w: jfp8.fp8_linear(x, w, recipe).sum(), (0, 1)), x, w)
@@ -188,8 +212,10 @@ def test_fp8_ops_read_weight_and_gradient_once_for_both_of_their_forms(monkeypat
     loss = lambda x, w: jfp8.grouped_fp8_linear(x, w, sizes, recipe).sum()  # noqa: E731
     jax.eval_shape(jax.grad(loss, (0, 1)), x, wg)
     assert calls == [
+        ("quantize_tile_and_retile_t", (256, 256)),
         ("quantize_block_and_transpose", (256, 384)),
         ("quantize_tile_and_column_t", (256, 384)),
+        ("quantize_tile_and_retile_t", (256, 256)),
         ("quantize_block_and_transpose", (2, 256, 384)),
         ("quantize_tile_and_column_t", (256, 384)),
     ]
@@ -205,7 +231,7 @@ def test_fuse_quantizers_false_runs_the_separate_kernels(monkeypatch):
         fn = getattr(qk, name)
         monkeypatch.setattr(qk, name, lambda x, fn=fn, name=name, **kw: (
             calls.append(name) or fn(x, **kw)))
-    for name in ("quantize_block_and_transpose", "quantize_tile_and_column_t"):
+    for name in ("quantize_block_and_transpose", "quantize_tile_and_column_t", "quantize_tile_and_retile_t"):
         monkeypatch.setattr(qk, name, lambda *a, **kw: pytest.fail("a fused quantizer ran"))
     recipe = jfp8.Fp8Recipe(interpret=True, fuse_quantizers=False)
     x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 384), jnp.float32)
@@ -294,6 +320,7 @@ def test_auto_under_vmap_and_shard_map_lowers_the_kernels_for_cuda():
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P(), P())))
     args = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("data"))),
             jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P())))
-    # the forward pass's 3 kernels and the backward pass's 4
-    assert step.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu") == 7
+    # the forward pass's 3 kernels (x's two forms, W's, the GEMM) and the backward pass's 3 (dy's
+    # two forms, Dgrad, Wgrad: x's Wgrad form was made in the forward pass)
+    assert step.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu") == 6
     assert step.trace(*args).lower(lowering_platforms=("cpu",)).as_text().count("custom_call @mosaic_gpu") == 0

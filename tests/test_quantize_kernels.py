@@ -37,8 +37,10 @@ from tma_stores import flat_store_spills, spilled_elements
 
 KERNELS = ("tile", "block", "column", "column_t", "retile")
 # "block_t": `quantize_block_and_transpose`, the block quantizer that also writes the transpose;
-# "both": `quantize_tile_and_column_t`, a gradient's (1, 128) tiles and transposed (128, 1) tiles.
-ALL_KINDS = (*KERNELS, "block_t", "both")
+# "both": `quantize_tile_and_column_t`, a gradient's (1, 128) tiles and transposed (128, 1) tiles;
+# "both_retile": `quantize_tile_and_retile_t`, an activation's (1, 128) tiles and their re-tiling.
+ALL_KINDS = (*KERNELS, "block_t", "both", "both_retile")
+BOTH_KINDS = ("both", "both_retile")  # one kernel body, 4 chunks per CTA
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "pow2_scale", "amax_floor"))
@@ -52,6 +54,10 @@ def _reference(x, *, kind: str, pow2_scale: bool, amax_floor: float = AMAX_FLOOR
     block = {"tile": (1, TILE), "block": (TILE, TILE), "block_t": (TILE, TILE)}.get(kind, (TILE, 1))
     if kind == "both":
         t, c = (quantize(x, b, pow2_scale=pow2_scale, amax_floor=amax_floor) for b in ((1, TILE), (TILE, 1)))
+        return t.data, t.scale, c.mT.data, c.mT.scale
+    if kind == "both_retile":  # the (1, 128) tiles, and `retile` of them
+        t = quantize(x, (1, TILE), pow2_scale=pow2_scale, amax_floor=amax_floor)
+        c = quantize(t.dequantize(jnp.float32), (TILE, 1), pow2_scale=pow2_scale, amax_floor=amax_floor)
         return t.data, t.scale, c.mT.data, c.mT.scale
     t = quantize(x, block, pow2_scale=pow2_scale, amax_floor=amax_floor)
     if kind == "block_t":
@@ -69,7 +75,8 @@ def _kernel(x, *, kind: str, pow2_scale: bool, config=None, amax_floor: float = 
     if kind.startswith("column"):
         return qk.quantize_column(x, transpose=kind == "column_t", **kw)
     fn = {"tile": qk.quantize_tile, "block": qk.quantize_block,
-          "block_t": qk.quantize_block_and_transpose, "both": qk.quantize_tile_and_column_t}[kind]
+          "block_t": qk.quantize_block_and_transpose, "both": qk.quantize_tile_and_column_t,
+          "both_retile": qk.quantize_tile_and_retile_t}[kind]
     return fn(x, **kw)
 
 
@@ -183,6 +190,11 @@ HARD_CASES = [
     ("both", (264, 640), jnp.float32, False, qk.BOTH_CONFIG),
     ("both", (136, 1088), jnp.bfloat16, False, qk.QuantizeConfig(column_chunks=4, stages=1)),
     ("both", (257, 448), jnp.bfloat16, True, qk.QuantizeConfig(column_chunks=4, stages=3)),
+    # An activation's two forms (the column pass on the dequantized tiles): the same four forms.
+    ("both_retile", (300, 130), jnp.bfloat16, True, qk.BOTH_CONFIG),
+    ("both_retile", (264, 640), jnp.float32, False, qk.BOTH_CONFIG),
+    ("both_retile", (136, 1088), jnp.bfloat16, False, qk.QuantizeConfig(column_chunks=4, stages=1)),
+    ("both_retile", (257, 448), jnp.bfloat16, True, qk.QuantizeConfig(column_chunks=4, stages=3)),
 ]
 
 
@@ -198,9 +210,9 @@ def test_bit_identical_at_the_gradient_floor(kind):
     ~1e-40 to ~1e-25, a zero block, tiles under the floor, NaN/Inf), where the 1e-4 floor would
     have bound on every tile. bf16 input: it has f32's exponent range."""
     seed = _seed()
-    shape = (300, 200) if kind in ("tile", "both", "retile") else (264, 320)
+    shape = (300, 200) if kind in ("tile", "both", "both_retile", "retile") else (264, 320)
     x = (_hard_input(seed, shape, jnp.float32) * 2.0**-100).astype(jnp.bfloat16)
-    pow2 = kind in ("block", "column_t", "both")
+    pow2 = kind in ("block", "column_t", "both", "both_retile")
     got = _interpret(_kernel, x, kind=kind, pow2_scale=pow2, amax_floor=GRAD_AMAX_FLOOR)
     want = _reference(x, kind=kind, pow2_scale=pow2, amax_floor=GRAD_AMAX_FLOOR)
     _assert_outputs_equal(got, want, kind, seed)
@@ -224,6 +236,7 @@ def test_bit_identical_at_the_gradient_floor(kind):
         ("block_t", (300, 1000), qk.QuantizeConfig(column_chunks=5, stages=2)),
         # Three stores per chunk through its 2-slot ring; the bounce reused by every half-chunk.
         ("both", (264, 1088), qk.BOTH_CONFIG),
+        ("both_retile", (264, 1088), qk.BOTH_CONFIG),
     ],
 )
 def test_bit_identical_without_smem_races(kind, shape, config):
@@ -234,7 +247,7 @@ def test_bit_identical_without_smem_races(kind, shape, config):
     assert not gpu_callbacks.get_races().races_found
 
 
-@pytest.mark.parametrize("kind", ["tile", "column", "retile", "block_t", "both"])  # each body
+@pytest.mark.parametrize("kind", ["tile", "column", "retile", "block_t", "both", "both_retile"])  # each body
 def test_single_element(kind):
     """M = K = 1 (f16): one element, the rest padding (zero-filled loads, dropped stores)."""
     _check(kind, _seed(), (1, 1), jnp.float16, True)
@@ -290,6 +303,9 @@ TAIL_CASES = [
     ("both", (300, 100)),  # N one chunk: d is [300, 128]
     ("both", (200, 300)),  # 3 chunks of 4, the last partial: column scales past N in their row
     ("both", (100, 300)),  # M one chunk: dt is [300, 128]
+    ("both_retile", (300, 100)),
+    ("both_retile", (200, 300)),
+    ("both_retile", (100, 300)),
 ]
 
 
@@ -505,7 +521,7 @@ def test_invalid_config_raises(fields):
 def _for_kind(kind: str, config: qk.QuantizeConfig) -> qk.QuantizeConfig:
     """`config` made valid for `kind`: "both" takes 4 chunks per CTA (16-byte scale rows) in a
     2-slot ring, its default, whatever the config's own chunking (its other fields are kept)."""
-    if kind != "both":
+    if kind not in BOTH_KINDS:
         return config
     return dataclasses.replace(config, column_chunks=qk.BOTH_CONFIG.column_chunks,
                                stages=qk.BOTH_CONFIG.stages)
@@ -545,6 +561,9 @@ LOWERING_CASES = [(kind, *_SHAPES[(i + j) % 4]) for i, kind in enumerate(KERNELS
         ("both", 4096, 2112, jnp.bfloat16),
         ("both", 300, 130, jnp.float32),
         ("both", 256, 60, jnp.bfloat16),  # padded to 64 columns: see the swizzle test
+        # Activations: the same kernel body with the column pass on the dequantized tiles.
+        ("both_retile", 4096, 7168, jnp.bfloat16),
+        ("both_retile", 300, 130, jnp.float32),
     ],
 )
 def test_lowers_for_hopper(kind, m, k, dtype):
@@ -588,7 +607,7 @@ def test_stacked_block_t_lowers_for_hopper():
     assert "mosaic_gpu" in _mgpu.lower_for_cuda(fn, jax.ShapeDtypeStruct((8, 7168, 2048), jnp.float32))
 
 
-@pytest.mark.parametrize("kind", ["tile", "column", "retile", "block_t", "both"])  # each body
+@pytest.mark.parametrize("kind", ["tile", "column", "retile", "block_t", "both", "both_retile"])  # each body
 def test_lowers_a_single_element(kind):
     """TMA boxes larger than the whole array, and a 1-element row padded to 16 bytes."""
     assert "mosaic_gpu" in _lower(kind, 1, 1, jnp.bfloat16)
@@ -633,6 +652,8 @@ def test_lowers_with_other_tiling(kind, config, dtype):
         # multiple of 8.
         ("both", 4096, 7166, jnp.bfloat16, False),
         ("both", 256, 30, jnp.float32, False),
+        ("both_retile", 4096, 7168, jnp.bfloat16, True),
+        ("both_retile", 4096, 7166, jnp.bfloat16, False),
     ],
 )
 def test_swizzles_exactly_where_tma_can_tile(kind, m, k, dtype, swizzled, monkeypatch):
