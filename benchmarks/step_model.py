@@ -505,7 +505,8 @@ def step_ops(module: Module, computation: str | None = None, times: float = 1.0,
 
 
 def gemm_loops(ops: list[Op], rates: Rates = H100_RATES) -> dict[str, dict]:
-    """The while loops that run GEMMs one tile at a time (BF16's grouped GEMM, `jfp8.ops._ragged`,
+    """The while loops that run GEMMs one tile at a time (BF16's grouped GEMM where jax's ragged
+    kernels do not take the shapes: `jfp8.reference.ragged_dot_reference`,
     is a scan over (row tile, expert) work items): per loop, its GEMM FLOPs, launches, seconds."""
     loops = collections.defaultdict(lambda: {"flops": 0.0, "kernels": 0.0, "seconds": 0.0})
     for op in ops:
@@ -599,16 +600,30 @@ def as_grouped_gemm(ops: list[Op], rates: Rates = H100_RATES) -> list[Op]:
     return kept
 
 
+# The issue's goal for the quantizers (issue 43): this fraction of copy bandwidth at the step's shapes.
+QUANTIZER_GOAL = 0.7
+
+
+def quantizers_at(rates: Rates, fraction: float) -> Rates:
+    """`rates` with every quantizer at `fraction` of copy bandwidth, at every size (a what-if)."""
+    speed = fraction * rates.copy.value
+    return dataclasses.replace(rates, quantizers=tuple(
+        (kind, tuple((size, speed) for size, _ in points)) for kind, points in rates.quantizers))
+
+
 def model_hlo(text: str, rates: Rates = H100_RATES) -> dict:
     """The model of one compiled step's HLO text: categories, total, quantization cuts, the GEMM
-    tile loops, and the step with those loops as grouped GEMMs (a what-if)."""
+    tile loops, the step with those loops as grouped GEMMs, and the step with the quantizers at
+    the issue's goal (`QUANTIZER_GOAL` of copy bandwidth): what-ifs."""
     ops = step_ops(parse_module(text))
     loops = gemm_loops(ops, rates)
     what_if = summarize(as_grouped_gemm(ops, rates), rates) if loops else None
+    goal = summarize(ops, quantizers_at(rates, QUANTIZER_GOAL))["total"]["seconds"]
     return {**summarize(ops, rates), "quantization_cuts": quantization_cuts(ops, rates),
             "gemm_loops": {"loops": len(loops), **{k: sum(r[k] for r in loops.values())
                                                     for k in ("flops", "kernels", "seconds")}},
-            "with_grouped_gemm": what_if}
+            "with_grouped_gemm": what_if,
+            "with_quantizers_at_goal": {"fraction_of_copy": QUANTIZER_GOAL, "seconds": goal}}
 
 
 # ------------------------------------------------------------------------------ compiling (subprocess)
@@ -710,9 +725,13 @@ def markdown_table(doc: dict) -> str:
                f"| {_fmt_amount(tb['flops'], tb['bytes'])} | {ta['kernels']:.0f} / {tb['kernels']:.0f} "
                f"| FP8 {meas(fp8)}, BF16 {meas(bf16)} |")
     loops = bf16.get("gemm_loops", {})
+    goal = fp8.get("with_quantizers_at_goal")
+    goal = (f" With the quantizers at {goal['fraction_of_copy']:.0%} of copy bandwidth (what-if): FP8 "
+            f"{goal['seconds'] * 1e3:.2f} ms, {goal['seconds'] / tw['seconds']:.2f} of BF16." if goal else "")
     out += ["", f"FP8/BF16 predicted: {ta['seconds'] / tb['seconds']:.2f} as compiled, "
-            f"{ta['seconds'] / tw['seconds']:.2f} against BF16 with grouped GEMMs. BF16's GEMM tile loops "
-            f"(`jfp8.ops._ragged`): {loops.get('loops', 0)} loops, {loops.get('kernels', 0):.0f} launches, "
+            f"{ta['seconds'] / tw['seconds']:.2f} against BF16 with grouped GEMMs.{goal} BF16's GEMM tile loops "
+            f"(the reference's scan, where jax's ragged kernels do not take the shapes): "
+            f"{loops.get('loops', 0)} loops, {loops.get('kernels', 0):.0f} launches, "
             f"{loops.get('seconds', 0) * 1e3:.1f} ms. Peak memory (XLA): FP8 {fp8['memory']['peak'] / 1e9:.2f} GB, "
             f"BF16 {bf16['memory']['peak'] / 1e9:.2f} GB."]
     return "\n".join(out)
@@ -729,16 +748,19 @@ def _split(s: dict) -> tuple[float, float, float]:
 def summary_table(docs: list[dict]) -> str:
     """One line per preset: predicted FP8 and BF16 steps, their ratio, and where the time goes."""
     out = ["| preset | batch × seq | FP8 ms | BF16 ms | BF16 ms, grouped GEMM (what-if) | FP8/BF16 (what-if) "
+           f"| FP8 ms, quantizers at {QUANTIZER_GOAL:.0%} of copy (what-if) "
            "| FP8: GEMMs (FP8 + XLA) / quantize / rest ms | BF16 what-if: GEMMs / rest ms | peak GB FP8 / BF16 | measured |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for doc in docs:
         f, b = doc["precisions"]["fp8"], doc["precisions"]["bf16"]
         w = b.get("with_grouped_gemm") or b
         fg, fq, fr = _split(f)
         wg, _, wr = _split(w)
         tf, tb, tw = (s["total"]["seconds"] * 1e3 for s in (f, b, w))
+        goal = f.get("with_quantizers_at_goal")
+        goal = f"{goal['seconds'] * 1e3:.2f} ({goal['seconds'] * 1e3 / tw:.2f})" if goal else "–"
         out.append(f"| {doc['preset']} | {f['batch_size']} × {f['seq_len']} | {tf:.2f} | {tb:.2f} | {tw:.2f} "
-                   f"| {tf / tb:.2f} ({tf / tw:.2f}) | {fg:.2f} / {fq:.2f} / {fr:.2f} | {wg:.2f} / {wr:.2f} "
+                   f"| {tf / tb:.2f} ({tf / tw:.2f}) | {goal} | {fg:.2f} / {fq:.2f} / {fr:.2f} | {wg:.2f} / {wr:.2f} "
                    f"| {f['memory']['peak'] / 1e9:.2f} / {b['memory']['peak'] / 1e9:.2f} | {MEASURED_NOT} |")
     return "\n".join(out)
 

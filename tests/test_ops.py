@@ -350,3 +350,72 @@ def test_fused_and_separate_quantizers_give_the_same_bits():
     dyg = jnp.asarray(rng.standard_normal((150, 128)), jnp.float32)
     for got, want in zip(*[_grouped_vjp(xg, wg, gs, dyg, recipe=r) for r in (fused, separate)]):
         assert_bitwise_equal(got, want, seed)
+
+
+# ------------------------------------------------------------------------------ gathered rows (MoE dispatch)
+
+
+@functools.partial(jax.jit, static_argnames=("recipe", "gather_first"))
+def _gathered_vjp(tokens, rows, w, group_sizes, dy, recipe=XLA, gather_first=False):
+    """y, d tokens, dW of the fused gather + grouped GEMM, or of gathering first."""
+    def f(t, w):
+        if gather_first:
+            return grouped_fp8_linear(jnp.take(t, rows, axis=0), w, group_sizes, recipe)
+        return jfp8.ops.gathered_grouped_fp8_linear(t, rows, w, group_sizes, recipe)
+
+    y, vjp = jax.vjp(f, tokens, w)
+    return (y, *vjp(dy))
+
+
+def _routed_problem(rng, n=90, k=256, out=136, sizes=(100, 0, 150, 20), top_k=3):
+    """Tokens copied top_k times and sorted by a random expert choice, as `MoE` dispatches them
+    (rows past the groups' sum included); a zero row and a -0.0 among the tokens."""
+    tokens = rng.standard_normal((n, k)) * np.exp(rng.normal(size=(n, 1)))
+    tokens[5], tokens[7, 3] = 0.0, -0.0
+    experts = rng.integers(0, len(sizes), (n, top_k))
+    rows = (np.argsort(experts.reshape(-1), kind="stable") // top_k)[: sum(sizes) + 10]
+    w = rng.standard_normal((len(sizes), k, out)) / np.sqrt(k)
+    dy = rng.standard_normal((len(rows), out))
+    return (jnp.asarray(tokens, jnp.bfloat16), jnp.asarray(rows, jnp.int32), jnp.asarray(w, jnp.float32),
+            jnp.asarray(sizes, jnp.int32), jnp.asarray(dy, jnp.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [XLA, Fp8Recipe(interpret=True), Fp8Recipe.off(impl="xla"), Fp8Recipe(activation_block=(TILE, TILE), impl="xla")],
+    ids=["xla", "kernels", "off", "blocks"],
+)
+def test_gathered_rows_give_the_bits_of_gathering_first(recipe):
+    """Quantizing each token once and gathering its FP8 rows (1x128 tiles never mix tokens) is
+    bit for bit quantizing the gathered rows: y, the tokens' gradient (each token's copies summed
+    as the gather's autodiff sums them) and dW, on the reference and through the kernels; recipes
+    without 1x128 activation tiles gather first."""
+    rng, seed = _rng()
+    args = _routed_problem(rng)
+    got = _gathered_vjp(*args, recipe=recipe)
+    want = _gathered_vjp(*args, recipe=recipe, gather_first=True)
+    for g, w in zip(got, want):
+        assert_bitwise_equal(g, w, seed)
+    assert np.all(np.asarray(got[0][270:]) == 0)  # rows past the groups
+
+
+def test_gathered_rows_quantize_each_token_once(monkeypatch):
+    """The tokens [N, K] are quantized (x's two forms, one kernel on Hopper), not the [R, K]
+    gathered copies; the call is the one a shared expert on the same tokens makes (XLA merges
+    the two)."""
+    seen = []
+    real = jfp8.ops.quantize_activation
+    monkeypatch.setattr(jfp8.ops, "quantize_activation", lambda x, **kw: seen.append(x.shape) or real(x, **kw))
+    rng, _ = _rng()
+    tokens, rows, w, sizes, dy = _routed_problem(rng)
+    jax.eval_shape(lambda t, w: jfp8.ops.gathered_grouped_fp8_linear(t, rows, w, sizes, XLA), tokens, w)
+    assert seen == [tokens.shape]
+
+
+def test_gathered_rows_bad_input():
+    rng, _ = _rng()
+    tokens, rows, w, sizes, _ = _routed_problem(rng)
+    with pytest.raises(ValueError, match="rows"):
+        jfp8.ops.gathered_grouped_fp8_linear(tokens, rows.astype(jnp.float32), w, sizes, XLA)
+    with pytest.raises(ValueError, match="more than the"):
+        jfp8.ops.gathered_grouped_fp8_linear(tokens, rows[:50], w, sizes, XLA)

@@ -179,3 +179,45 @@ def test_gemm_tile_loop_what_if_prices_one_grouped_gemm():
     assert [o.name for o in what_if] == ["add", "w as one grouped GEMM"]
     r = sm.H100_RATES
     assert sm.op_seconds(what_if[1]) == pytest.approx(100 * tile.flops / (r.bf16_grouped.tflops * 1e12) + r.launch.value)
+
+
+RAGGED = """\
+HloModule ragged
+
+ENTRY %main (gs: s32[8], x: bf16[4096,512], w: bf16[8,512,256], dy: bf16[4096,256]) -> bf16[4096,256] {
+  %gs = s32[8]{0} parameter(0)
+  %x = bf16[4096,512]{1,0} parameter(1)
+  %w = bf16[8,512,256]{2,1,0} parameter(2)
+  %dy = bf16[4096,256]{1,0} parameter(3)
+  %trd = bf16[8,512,256]{2,1,0} custom-call(%gs, %gs, %gs, %gs, %gs, %x, %dy), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[8]{0}, s32[8]{0}, s32[8]{0}, s32[8]{0}, s32[8]{0}, bf16[4096,512]{1,0}, bf16[4096,256]{1,0}}, api_version=API_VERSION_TYPED_FFI, backend_config={}
+  ROOT %rd = bf16[4096,256]{1,0} custom-call(%gs, %x, %w), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[8]{0}, bf16[4096,512]{1,0}, bf16[8,512,256]{2,1,0}}, api_version=API_VERSION_TYPED_FFI, backend_config={}
+}
+"""
+
+
+def test_bf16_ragged_kernels_are_grouped_gemms_at_the_bf16_grouped_rate():
+    """jax's ragged dots (the BF16 experts on Hopper): 2·M·N·K FLOPs, priced as grouped GEMMs at
+    the BF16 grouped rate (the forward one with half a tile per group, the transposed one per
+    group over its share of the tokens)."""
+    ops = _by_name(sm.step_ops(sm.parse_module(RAGGED)))
+    fwd, wgrad = ops["rd"], ops["trd"]
+    assert (fwd.category, fwd.flops, fwd.gemm) == ("bf16 gemm: grouped", 2.0 * 4096 * 256 * 512, (8, 4096, 256, 512))
+    assert (wgrad.category, wgrad.flops, wgrad.gemm) == (
+        "bf16 gemm: grouped wgrad", 2.0 * 512 * 256 * 4096, (8, 512, 256, 4096))
+    r = sm.H100_RATES
+    # Compute only (no bytes): the same wave model as the FP8 grouped GEMM, at the BF16 rate.
+    bf16, fp8 = (sm.Op(c, "rd", fwd.flops, 0, fwd.gemm) for c in ("bf16 gemm: grouped", "fp8 gemm: grouped"))
+    ratio = (sm.op_seconds(bf16) - r.launch.value) / (sm.op_seconds(fp8) - r.launch.value)
+    assert ratio == pytest.approx(r.fp8_grouped.tflops / r.bf16_grouped.tflops)
+
+
+def test_quantizers_at_the_goal_is_a_what_if_on_the_quantizers_only():
+    r = sm.H100_RATES
+    fast = sm.quantizers_at(r, 0.7)
+    assert {gbs for _, points in fast.quantizers for _, gbs in points} == {0.7 * r.copy.value}
+    quant = sm.Op("quantize: 1x128", "q", 0.0, 1 << 30, elements=1 << 29)
+    gemm = sm.Op("fp8 gemm: dense", "g", 2.0 * 4096**3, 1 << 20, (4096, 4096, 4096))
+    assert sm.op_seconds(quant, fast) == pytest.approx((1 << 30) / (0.7 * r.copy.value * 1e9) + r.launch.value)
+    assert sm.op_seconds(gemm, fast) == sm.op_seconds(gemm, r)
+    doc = json.loads((sm.OUT / "wide-h100_sxm.json").read_text())["precisions"]["fp8"]
+    assert doc["with_quantizers_at_goal"]["seconds"] < doc["total"]["seconds"]  # every quantizer is slower today

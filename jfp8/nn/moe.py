@@ -7,7 +7,9 @@ The routing is a chain of small pure functions, testable without Flax:
   select_experts     top-K of s + b, optionally within the best groups   [T, K]   (eq. 16)
   top_k_routing      experts and gates g = route_scale · s / Σ_topK s    [T, K]   (eq. 13)
   dispatch           tokens sorted by expert + group sizes        [T*K, d]
-  (experts)          grouped_fp8_linear on the sorted tokens      [T*K, d]   (module)
+  (experts)          grouped_fp8_linear on the sorted tokens      [T*K, d]   (module: the sort
+                     fused into the first GEMM, `gathered_grouped_fp8_linear`, which
+                     gathers each token's FP8 rows, quantized once)
   combine            unsort, Σ_k g_k · y_k                        [T, d]
   expert_loads       tokens per expert                            [E]
   sequence_balance_loss   α Σ_i f_i P_i per sequence              ()       (eq. 17-20)
@@ -28,7 +30,7 @@ from flax import nnx
 
 from jfp8.nn.config import BIAS_RULES, BiasRule, ModelConfig, check_expert_groups
 from jfp8.nn.layers import SwiGLU, normal_init, swiglu
-from jfp8.ops import grouped_fp8_linear
+from jfp8.ops import gathered_grouped_fp8_linear, grouped_fp8_linear
 
 # ------------------------------------------------------------------------------ pure routing
 
@@ -129,11 +131,16 @@ def dispatch(x: jax.Array, experts: jax.Array, n_experts: int) -> tuple[jax.Arra
       (rows per expert, summing to T*K), order [T*K] int32 (row r of x_sorted is assignment
       order[r] of `experts.ravel()`, i.e. token order[r] // K).
     """
-    k = experts.shape[-1]
-    flat = experts.reshape(-1)  # [T*K]
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [T*K]
-    x_sorted = jnp.take(x, order // k, axis=0)  # [T*K, d]
-    return x_sorted, expert_loads(experts, n_experts), order
+    order, group_sizes = dispatch_order(experts, n_experts)
+    x_sorted = jnp.take(x, order // experts.shape[-1], axis=0)  # [T*K, d]
+    return x_sorted, group_sizes, order
+
+
+def dispatch_order(experts: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
+    """`dispatch` without the copy: order [T*K] int32 (row r of the sorted tokens is token
+    order[r] // K) and group_sizes [E] int32."""
+    order = jnp.argsort(experts.reshape(-1), stable=True).astype(jnp.int32)  # [T*K]
+    return order, expert_loads(experts, n_experts)
 
 
 def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
@@ -292,11 +299,14 @@ class MoE(nnx.Module):
 
     def routed_experts(self, tokens: jax.Array, experts: jax.Array, weights: jax.Array):
         """Σ_k g_k FFN_{e_k}(u) for each token: tokens [N, d], experts/weights [N, K] -> (y [N, d],
-        loads [E]). The tokens sorted by expert, two grouped FP8 GEMMs (fused gate/up, then down),
-        combined back with the gating weights. The one step an expert-parallel MoE replaces
+        loads [E]). The tokens sorted by expert (the FP8 copy of each, gathered: no BF16 copy per
+        expert), two grouped FP8 GEMMs (fused gate/up, then down), combined back with the gating
+        weights. The one step an expert-parallel MoE replaces
         (`jfp8.nn.expert_parallel.ExpertParallelMoE`)."""
         cfg = self.cfg
-        x_sorted, group_sizes, order = dispatch(tokens, experts, cfg.n_routed)  # [N*K, d]
-        gate_up = grouped_fp8_linear(x_sorted, self.w13[...], group_sizes, cfg.recipe)  # [N*K, 2h]
+        order, group_sizes = dispatch_order(experts, cfg.n_routed)
+        # `dispatch` fused into the first GEMM: each token quantized once, its FP8 rows gathered.
+        rows = order // experts.shape[-1]  # [N*K]: the token of each sorted row
+        gate_up = gathered_grouped_fp8_linear(tokens, rows, self.w13[...], group_sizes, cfg.recipe)  # [N*K, 2h]
         y_sorted = grouped_fp8_linear(swiglu(gate_up), self.w2[...], group_sizes, cfg.recipe)  # [N*K, d]
         return combine(y_sorted, order, weights), group_sizes
