@@ -243,7 +243,7 @@ class ModelConfig:
         fine-grained routed experts (top-6) + 1 shared of width 512, MLA ranks 768 (query) and 512
         (key/value) with DeepSeek-V3's head widths (128 + 64 RoPE, value 128). Every GEMM dimension
         is a multiple of 128 except the key/value down-projection's 512 + 64 RoPE outputs. Sized
-        with the deviceless memory analysis at batch 4 x 2048 tokens (docs/gpu.md)."""
+        with the deviceless memory analysis at batch 8 x 2048 tokens (docs/gpu.md)."""
         base = cls(
             d_model=2048, n_layers=8, n_dense_layers=1, n_heads=16,
             q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,

@@ -18,7 +18,7 @@ PRESET_TRAINING = {
     "tiny": dict(batch_size=16, seq_len=128, steps=200, peak_lr=3e-3, warmup=20),
     "small": dict(batch_size=16, seq_len=256, steps=1500, peak_lr=2e-3, warmup=100),
     "gpu": dict(batch_size=32, seq_len=1024, steps=3000, peak_lr=1e-3, warmup=200),
-    "wide": dict(batch_size=4, seq_len=2048, steps=3000, peak_lr=6e-4, warmup=200),
+    "wide": dict(batch_size=8, seq_len=2048, steps=3000, peak_lr=6e-4, warmup=200),
 }
 PRESETS = tuple(PRESET_TRAINING)
 
