@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step.py                          # GPU: wide and gpu; CPU: tiny, small batch
     python benchmarks/bench_step.py --presets wide --steps 25 --timed-from 6
+    python benchmarks/bench_step.py --presets wide --steps 100     # H100: speedup, memory, loss gap
     python benchmarks/bench_step.py --presets tiny --model n_layers=1,n_dense_layers=0,mtp=false
 
 Per preset and precision, the jitted `jfp8.train.step.build(...).train_step` (AdamW, the router-bias
@@ -19,6 +20,8 @@ synchronised (its loss read back). Recorded per row:
                      "not measured" where the device reports none (CPU); XLA's compile-time memory
                      analysis of the step (arguments + outputs - aliased + temporaries) beside it
   losses, grad_norms every step's, both precisions on the same batches
+Per preset, `fp8_vs_bf16` (printed last): the speedup, both peaks, and the loss gap over the last
+fifth of the steps (81-100 with --steps 100: on an H100, the front door's 100-step comparison).
 Model FLOPs per token (`model_flops`): 6 x the matmul parameters a token passes through (the
 activated parameters of the main model and of the MTP module, the output head counted in both,
 the embedding lookup not counted) + attention's 6 x layers x seq_len x heads x (qk head dim +
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import pathlib
@@ -141,6 +145,37 @@ def _xla_memory(compiled) -> dict | str:
     out["peak_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"] - out["alias_size_in_bytes"]
                          + out["temp_size_in_bytes"])
     return out
+
+
+def compare(bf16: dict, fp8: dict) -> dict:
+    """FP8 against BF16 on one preset, from their rows: the speedup (BF16's median step / FP8's),
+    each one's peak memory (XLA's analysis of the compiled step, and the allocator's where the
+    reading is the precision's own), and the loss gap over the last fifth of the steps (81-100
+    of 100: the issue's window), relative to BF16's mean there."""
+    n = min(len(bf16["losses"]), len(fp8["losses"]))
+    last = max(1, n // 5)
+    mean = lambda r: sum(r["losses"][n - last:n]) / last  # noqa: E731
+    xla = lambda r: r["xla_memory"]["peak_bytes"] if isinstance(r.get("xla_memory"), dict) else None  # noqa: E731
+    own = lambda r: r["peak_bytes_in_use"] if r.get("peak_is_own") else None  # noqa: E731
+    return dict(
+        speedup=bf16["step_ms"] / fp8["step_ms"],
+        tokens_per_s=dict(fp8=fp8["tokens_per_s"], bf16=bf16["tokens_per_s"]),
+        xla_peak_bytes=dict(fp8=xla(fp8), bf16=xla(bf16)),
+        device_peak_bytes=dict(fp8=own(fp8), bf16=own(bf16)),
+        loss_window=[n - last + 1, n],
+        mean_loss=dict(fp8=mean(fp8), bf16=mean(bf16)),
+        loss_gap=(mean(fp8) - mean(bf16)) / mean(bf16),
+    )
+
+
+def comparison_line(preset: str, c: dict) -> str:
+    gb = lambda v: "not measured" if v is None else f"{v / 1e9:.2f} GB"  # noqa: E731
+    first, last = c["loss_window"]
+    return (f"{preset}: FP8 {c['speedup']:.2f}x BF16's speed ({c['tokens_per_s']['fp8']:.0f} vs "
+            f"{c['tokens_per_s']['bf16']:.0f} tokens/s); peak memory (XLA, compiled step) FP8 "
+            f"{gb(c['xla_peak_bytes']['fp8'])}, BF16 {gb(c['xla_peak_bytes']['bf16'])}; loss over steps "
+            f"{first}-{last}: FP8 {c['mean_loss']['fp8']:.4f}, BF16 {c['mean_loss']['bf16']:.4f}, "
+            f"gap {100 * c['loss_gap']:+.2f} % (one seed: an anecdote, not a noise band)")
 
 
 def _checksum(tree) -> float:
@@ -273,9 +308,14 @@ def main(argv=None) -> int:
         for r in rows:
             t = by_preset[r["preset"]]
             r["ratio_vs_bf16"] = t["bf16"] / r["step_ms"] if "bf16" in t else None
+        pairs = {}
+        for preset in by_preset:
+            got = {r["precision"]: r for r in rows if r["preset"] == preset}
+            if {"bf16", "fp8"} <= set(got):
+                pairs[preset] = compare(got["bf16"], got["fp8"])
         return write_record(
             "bench_step", rows, args.out, command=["bench_step.py", *(argv or sys.argv[1:])],
-            steps=steps, timed_from=timed_from, max_seconds=args.max_seconds,
+            fp8_vs_bf16=pairs, steps=steps, timed_from=timed_from, max_seconds=args.max_seconds,
             timing="per step: wall time of the jitted step with its loss read back (device synchronised); "
                    "step_ms the median over the timed steps",
             peak_tflops_bf16=peak, peak_source="989 TFLOP/s BF16 dense (H100/H200 SXM datasheet) for both precisions",
@@ -337,6 +377,9 @@ def main(argv=None) -> int:
         if bf16 is not None and not bf16["all_finite"]:
             failed.append(dict(impl="bf16", problem=preset, error="non-finite loss or gradient norm"))
     path = save()
+    record = json.loads(path.read_text())
+    for preset, c in record.get("fp8_vs_bf16", {}).items():
+        print(comparison_line(preset, c), flush=True)
     return report_end(path, skipped, failed)
 
 

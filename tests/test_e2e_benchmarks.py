@@ -109,6 +109,13 @@ def test_step_record(tmp_path, monkeypatch, step_bench, fresh_steps):
         flops = record["configs"]["tiny"]["flops_per_token"]
         assert r["mfu"] == pytest.approx(flops * r["tokens_per_s"] / 989e12)  # both precisions: BF16's peak
         assert r["xla_memory"]["peak_bytes"] > 0 and r["all_finite"]
+    # The front door's summary: FP8 against BF16 from the two rows.
+    c = record["fp8_vs_bf16"]["tiny"]
+    assert c["speedup"] == pytest.approx(rows["bf16"]["step_ms"] / rows["fp8"]["step_ms"])
+    assert c["loss_window"] == [4, 4]  # the last fifth of 4 steps: the last one
+    assert c["loss_gap"] == pytest.approx((rows["fp8"]["losses"][-1] - rows["bf16"]["losses"][-1]) / rows["bf16"]["losses"][-1])
+    assert c["xla_peak_bytes"]["fp8"] == rows["fp8"]["xla_memory"]["peak_bytes"]
+    assert c["device_peak_bytes"] == {"fp8": None, "bf16": None}  # CPU: no allocator statistics
     fp8 = rows["fp8"]
     assert fp8["impl"] == "fp8-xla" and fp8["same_init"] and fp8["ratio_vs_bf16"] > 0
     assert fp8["check"]["against"] == "bf16 step 1" and fp8["check"]["loss_rel"] < 1e-3
@@ -118,12 +125,16 @@ def test_step_record(tmp_path, monkeypatch, step_bench, fresh_steps):
 def test_wrong_step_fails_its_check(tmp_path, monkeypatch, step_bench, fresh_steps):
     """The FP8 side's routed experts doubled: its first step's gradient norm leaves BF16's by
     a few percent (the loss at initialisation barely moves), and FP8 is not timed."""
-    right = jfp8.nn.moe.grouped_fp8_linear
+    right, right_gathered = jfp8.nn.moe.grouped_fp8_linear, jfp8.nn.moe.gathered_grouped_fp8_linear
 
     def wrong(x, w, sizes, recipe):
         return right(x, w, sizes, recipe) * (2.0 if recipe.enabled else 1.0)
 
+    def wrong_gathered(tokens, rows, w, sizes, recipe):  # the first expert GEMM (gate/up)
+        return right_gathered(tokens, rows, w, sizes, recipe) * (2.0 if recipe.enabled else 1.0)
+
     monkeypatch.setattr(jfp8.nn.moe, "grouped_fp8_linear", wrong)
+    monkeypatch.setattr(jfp8.nn.moe, "gathered_grouped_fp8_linear", wrong_gathered)
     assert step_bench.main([*STEP, "--out", str(tmp_path)]) == 1
     record = _record(tmp_path, "bench_step")
     (failure,) = record["failed"]
