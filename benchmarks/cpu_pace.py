@@ -3,6 +3,7 @@ steps, each measured in a fresh process, FP8 and BF16 processes alternating.
 
     python benchmarks/cpu_pace.py --out benchmarks/results/cpu_pace-cpu-DATE.json
     python benchmarks/cpu_pace.py --presets tiny --alternations 2 --steps 5 --out /tmp/pace.json
+    python benchmarks/cpu_pace.py --cache --out ...    # a second start: jax's persistent cache warm
 
 Per process: seconds to trace + lower + compile the train step and the eval step (the eval step
 with the recipe's default impl="auto", as users run it), then the median wall time of `--steps`
@@ -22,6 +23,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -48,11 +50,16 @@ def _worker(preset: str, precision: str, steps: int, warmup: int) -> dict:
 
     def compile_seconds(fn, *args):
         t0 = time.perf_counter()
-        compiled = fn.trace(*args).lower().compile()
-        return compiled, time.perf_counter() - t0
+        traced = fn.trace(*args)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        compiled = lowered.compile()
+        t3 = time.perf_counter()
+        return compiled, t3 - t0, {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2}
 
-    train, train_compile = compile_seconds(setup.train_step, params, rest, opt_state, tokens)
-    evaluate, eval_compile = compile_seconds(setup.eval_step, params, rest, tokens)
+    train, train_compile, train_phases = compile_seconds(setup.train_step, params, rest, opt_state, tokens)
+    evaluate, eval_compile, eval_phases = compile_seconds(setup.eval_step, params, rest, tokens)
 
     state = (params, rest, opt_state)
     train_times = []
@@ -71,15 +78,20 @@ def _worker(preset: str, precision: str, steps: int, warmup: int) -> dict:
     return {
         "preset": preset, "precision": precision,
         "train_compile_s": train_compile, "eval_compile_s": eval_compile,
+        "train_compile_phases_s": train_phases, "eval_compile_phases_s": eval_phases,
+        "compilation_cache": jax.config.jax_compilation_cache_dir or None,
         "train_step_s": statistics.median(train_times), "eval_step_s": statistics.median(eval_times),
         "train_times_s": train_times, "eval_times_s": eval_times,
     }
 
 
-def _run_process(preset: str, precision: str, args) -> dict:
+def _run_process(preset: str, precision: str, args, cache: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", preset, precision, "--steps", str(args.steps),
            "--warmup", str(args.warmup)]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JFP8_COMPILE_CACHE")}
+    if cache is not None:  # jax's persistent cache, as the training scripts use it (jfp8.train.compile_cache)
+        env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False, env=env)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -103,19 +115,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="timed calls of each step per process")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls before them")
     ap.add_argument("--out", type=pathlib.Path, help="JSON record path")
+    ap.add_argument("--cache", action="store_true",
+                    help="every process with jax's persistent compilation cache in a fresh folder, filled "
+                         "first by one untimed process per preset and precision (rows with cold=true): the "
+                         "compile times of a second start")
     ap.add_argument("--worker", nargs=2, metavar=("PRESET", "PRECISION"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(_worker(*args.worker, args.steps, args.warmup)))
         return 0
-    rows = []
-    for preset in args.presets:
-        for i in range(args.alternations):
-            # Alternate which precision goes first so that neither always follows the other.
-            for precision in PRECISIONS if i % 2 == 0 else PRECISIONS[::-1]:
-                row = _run_process(preset, precision, args)
-                rows.append(row)
-                print(f"{preset:5s} {precision:4s} " + "  ".join(f"{m} {row[m]:.4f}" for m in METRICS), flush=True)
+    rows, cold = [], []
+    with tempfile.TemporaryDirectory(prefix="cpu-pace-cache-") as tmp:
+        cache = tmp if args.cache else None
+        for preset in args.presets:
+            if cache is not None:  # fill the cache: the first start of each program
+                for precision in PRECISIONS:
+                    row = {**_run_process(preset, precision, args, cache), "cold": True}
+                    cold.append(row)
+                    print(f"{preset:5s} {precision:4s} (cold) " + "  ".join(f"{m} {row[m]:.4f}" for m in METRICS),
+                          flush=True)
+            for i in range(args.alternations):
+                # Alternate which precision goes first so that neither always follows the other.
+                for precision in PRECISIONS if i % 2 == 0 else PRECISIONS[::-1]:
+                    row = _run_process(preset, precision, args, cache)
+                    rows.append(row)
+                    print(f"{preset:5s} {precision:4s} " + "  ".join(f"{m} {row[m]:.4f}" for m in METRICS), flush=True)
     summary = {preset: _ratios(rows, preset) for preset in args.presets}
     print("\nFP8/BF16 (median over processes)")
     for preset, s in summary.items():
@@ -129,9 +153,11 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": _git("rev-parse", "HEAD"),
             "git_dirty": bool(_git("status", "--porcelain")),
-            "settings": {"alternations": args.alternations, "steps": args.steps, "warmup": args.warmup},
+            "settings": {"alternations": args.alternations, "steps": args.steps, "warmup": args.warmup,
+                         "compilation_cache": "a fresh folder, filled by the cold rows first" if args.cache else None},
             "summary": summary,
             "rows": rows,
+            "cold_rows": cold,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")

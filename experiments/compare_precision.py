@@ -26,6 +26,7 @@ import sys
 
 import numpy as np
 
+from jfp8.train import compile_cache
 from jfp8.train.evaluate import evaluate_checkpoints, mean_validation_ce
 from jfp8.train.loop import last_quarter_balance, read_metrics, train, worst_load
 
@@ -170,6 +171,7 @@ def run_configs(args) -> dict:
 
 def main(argv=None) -> dict:
     args = parser().parse_args(argv)
+    compile_cache.enable()  # a second start with the same programs skips XLA's compile
     out = pathlib.Path(args.out)
     configs = run_configs(args)
     results, whole = {}, {}

@@ -18,6 +18,7 @@ import json
 from jfp8 import mesh as meshes
 from jfp8.nn import ModelConfig
 from jfp8.recipe import Fp8Recipe
+from jfp8.train import compile_cache
 from jfp8.train.config import PRESET_TRAINING, PRESETS, TrainConfig
 from jfp8.train.loop import train
 from jfp8.train.optim import OptimizerConfig
@@ -157,6 +158,7 @@ def config_from_args(args) -> TrainConfig:
 
 def main(argv=None) -> dict:
     args = parser().parse_args(argv)
+    compile_cache.enable()  # a second start with the same program skips XLA's compile
     # Joins a multi-process job when JFP8_COORDINATOR etc. are set (scripts/launch_local.py), before
     # anything below creates an array.
     joined = meshes.initialize_distributed()

@@ -9,6 +9,11 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+# The training scripts switch on jax's persistent compilation cache in ~/.cache (jfp8.train.
+# compile_cache); the suite runs them in-process and as subprocesses, and stays hermetic without it
+# (tests/test_compile_cache.py turns it on where it is the subject).
+os.environ["JFP8_COMPILE_CACHE"] = "0"
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
