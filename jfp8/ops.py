@@ -51,14 +51,26 @@ def _plain_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def _varying(x: jax.Array) -> frozenset | None:
+    """The mesh axes x varies over inside `shard_map` (empty outside); None if jax does not say."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return None if mat is None else frozenset(mat.varying)
+
+
 def _vary_like(a: jax.Array, *others: jax.Array) -> jax.Array:
-    """`a + 0`, the zero an empty sum over each of `others`.
+    """`a`, typed as varying over every mesh axis any of `others` varies over: `a + 0`, the zero an
+    empty sum over each of `others`, where that adds an axis; `a` itself otherwise.
 
     Inside `shard_map`, a replicated weight used with sharded activations must enter a custom_vjp
     typed as varying over the activations' mesh axes: its FP8 gradient, computed from sharded
     tensors, varies over them, and autodiff then inserts the psum (the transpose of this implicit
-    broadcast) exactly as it does for a plain matmul. Outside shard_map this is a no-op.
+    broadcast) exactly as it does for a plain matmul. Outside shard_map (and where `a` already
+    varies over those axes) nothing is added: no ops to trace, and XLA's common-subexpression pass
+    sees the very same operand in every layer that quantizes it.
     """
+    mine = _varying(a)
+    if mine is not None and all((v := _varying(o)) is not None and v <= mine for o in others):
+        return a
     zero = sum(o.ravel()[:0].astype(a.dtype).sum() for o in others)
     return a + zero
 
