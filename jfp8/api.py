@@ -139,9 +139,38 @@ def _flat(fn: Callable, in_tree, out_tree_box: list) -> Callable:
     return run
 
 
+# The reference's jaxpr of each keyed choice, traced once per process instead of once per call
+# site (a model's layers call each op at a handful of shapes): choice key + the operands' full
+# types (sharding and varying mesh axes included) + the trace context -> (ClosedJaxpr, out tree).
+_REFERENCE_JAXPRS: dict = {}
+_MAX_REFERENCE_JAXPRS = 4096
+
+
+def _trace_context() -> tuple:
+    """What else a reference's jaxpr may depend on: the mesh being traced under and the config
+    that changes what jax's numerics functions emit."""
+    return (jax.sharding.get_abstract_mesh(), jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision,
+            jax.config.jax_numpy_rank_promotion, jax.config.jax_numpy_dtype_promotion)
+
+
 def _bind_choice(kernel_flat: Callable, reference_flat: Callable, flat: list, mosaic: bool,
-                 key: tuple | None = None) -> list:
+                 key: tuple | None = None, out_tree_box: list | None = None) -> list:
+    cache_key = None
+    if key is not None and out_tree_box is not None:
+        try:
+            cache_key = (key, tuple(jax.typeof(x) for x in flat), _trace_context())
+            hash(cache_key)
+        except TypeError:  # something in it is not hashable: trace as usual
+            cache_key = None
+    if cache_key is not None and cache_key in _REFERENCE_JAXPRS:
+        reference, tree = _REFERENCE_JAXPRS[cache_key]
+        out_tree_box[:] = [tree]
+        return _choice_p.bind(*flat, choice=_Choice(reference, kernel_flat, mosaic, key))
     reference = jax.make_jaxpr(reference_flat)(*flat)
+    if cache_key is not None and not any(isinstance(c, jax.core.Tracer) for c in reference.consts):
+        if len(_REFERENCE_JAXPRS) >= _MAX_REFERENCE_JAXPRS:
+            _REFERENCE_JAXPRS.clear()
+        _REFERENCE_JAXPRS[cache_key] = (reference, out_tree_box[0])
     if any(isinstance(c, jax.core.Tracer) for c in reference.consts):
         # The reference closed over traced values, which cannot live in a parameter: they become
         # leading operands (the kernel ignores them).
@@ -165,7 +194,8 @@ def _choose_when_lowered(impl: Impl, kernel: Callable, xla: Callable, args: tupl
     reference_flat = _flat(xla, in_tree, out_tree)
     kernel_flat = _flat(kernel, in_tree, out_tree)
     mosaic = impl == "mosaic"
-    outs = _bind_choice(kernel_flat, reference_flat, flat, mosaic, _choice_key(kernel, xla, in_tree, flat, mosaic))
+    outs = _bind_choice(kernel_flat, reference_flat, flat, mosaic, _choice_key(kernel, xla, in_tree, flat, mosaic),
+                        out_tree)
     return jax.tree.unflatten(out_tree[0], outs)
 
 

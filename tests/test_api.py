@@ -34,9 +34,9 @@ def test_auto_is_decided_by_the_platform_lowered_for():
     assert _mosaic_calls("xla", "cuda") == 0
     grad = jax.jit(jax.grad(lambda x, w: jfp8.fp8_linear(x, w).astype(jnp.float32).sum(), argnums=1))
     text = grad.trace(*_x_w()).lower(lowering_platforms=("cuda",)).as_text()
-    # fwd: x's two forms (Fprop, Wgrad) and W's in two quantizers + GEMM; bwd: dy's two forms + the
-    # Wgrad GEMM (Dgrad is not asked for)
-    assert text.count("custom_call @mosaic_gpu") == 5
+    # dW only, of sum(y): x's two forms (its Wgrad form), dy's two forms and the Wgrad GEMM. Fprop,
+    # W's quantization and Dgrad are not needed for it (dy of a sum does not depend on y) and go.
+    assert text.count("custom_call @mosaic_gpu") == 3
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="checks the reference path without a Hopper GPU")
@@ -320,7 +320,35 @@ def test_auto_under_vmap_and_shard_map_lowers_the_kernels_for_cuda():
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P(), P())))
     args = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("data"))),
             jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P())))
-    # the forward pass's 3 kernels (x's two forms, W's, the GEMM) and the backward pass's 3 (dy's
-    # two forms, Dgrad, Wgrad: x's Wgrad form was made in the forward pass)
-    assert step.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu") == 6
+    # the forward pass's 3 kernels (x's two forms, W's, the GEMM) and the backward pass's 2 (dy's
+    # two forms, Wgrad: x's Wgrad form was made in the forward pass; no Dgrad: x is not a function
+    # of w, so its gradient is not asked for)
+    assert step.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu") == 5
     assert step.trace(*args).lower(lowering_platforms=("cpu",)).as_text().count("custom_call @mosaic_gpu") == 0
+
+
+def test_reference_jaxpr_is_traced_once_per_op_and_operand_types(monkeypatch):
+    """Under a trace, each keyed choice traces its reference once per (op, operand types, trace
+    context) and reuses the jaxpr at every other call site (a model's layers repeat shapes); new
+    operand types trace again. The program is the same either way."""
+    from jfp8 import api
+
+    monkeypatch.setattr(api, "_REFERENCE_JAXPRS", {})
+    traced = []
+    real = jax.make_jaxpr
+    monkeypatch.setattr(api.jax, "make_jaxpr", lambda fn, *a, **k: (traced.append(1), real(fn, *a, **k))[1])
+    x = jnp.ones((256, 256), jnp.bfloat16)
+
+    def three_quantizations(x):
+        return [jfp8.quantize(x * i) for i in range(3)] + [jfp8.quantize(x[:128] * 2)]
+
+    real(three_quantizations)(x)
+    assert len(traced) == 2  # (256, 256) once, (128, 256) once
+    cold = jax.jit(lambda x: three_quantizations(x)).lower(x).as_text()  # new functions: jax re-traces them
+    warm = jax.jit(lambda x: three_quantizations(x)).lower(x).as_text()
+    assert len(traced) == 2 and warm == cold  # from the cache, the same program
+    monkeypatch.setattr(api, "_REFERENCE_JAXPRS", {})
+    fresh = jax.jit(lambda x: three_quantizations(x))
+    assert fresh.lower(x).as_text() == cold and len(traced) == 4
+    got = fresh(x)  # and it runs
+    np.testing.assert_array_equal(np.asarray(got[3].data), np.asarray(jfp8.quantize(x[:128] * 2, impl="xla").data))
