@@ -780,10 +780,16 @@ def quantize_tile_and_column_t(
       data [M, Np], scale [M, Np // 128] (the (1, 128) tiles; Np = N rounded up to 128) and
       data_t [N, Mp], scale_t [N, Mp // 128] (the transposed (128, 1) tiles; Mp = M rounded up).
     """
+    return _both_forms("quantize_tile_and_column_t", x, pow2_scale, amax_floor, config, retile=False)
+
+
+def _both_forms(name: str, x: jax.Array, pow2_scale: bool, amax_floor: float, config: QuantizeConfig, *,
+                retile: bool):
+    """The two public both-forms quantizers' checks, empty case, launch and output slicing."""
     _check_input(x)
     if config.column_chunks % _SCALE_GROUP:
         raise ValueError(
-            f"quantize_tile_and_column_t needs column_chunks a multiple of {_SCALE_GROUP}, got "
+            f"{name} needs column_chunks a multiple of {_SCALE_GROUP}, got "
             f"{config.column_chunks}; e.g. pallas_kernels.quantize.BOTH_CONFIG"
         )
     m, n = x.shape
@@ -791,7 +797,7 @@ def quantize_tile_and_column_t(
     if m == 0 or n == 0:
         return (*_empty((m, np_), (m, np_ // TILE)), *_empty((n, mp), (n, mp // TILE)))
     data, scale, data_t, scale_t = _both_call(
-        _tma_aligned(x), m=m, n=n, pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config
+        _tma_aligned(x), m=m, n=n, pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config, retile=retile
     )
     return data, scale[:, : np_ // TILE], data_t, scale_t[:, :n].T
 
@@ -809,20 +815,7 @@ def quantize_tile_and_retile_t(
 
     Args and returns: as `quantize_tile_and_column_t`.
     """
-    _check_input(x)
-    if config.column_chunks % _SCALE_GROUP:
-        raise ValueError(
-            f"quantize_tile_and_retile_t needs column_chunks a multiple of {_SCALE_GROUP}, got "
-            f"{config.column_chunks}; e.g. pallas_kernels.quantize.BOTH_CONFIG"
-        )
-    m, n = x.shape
-    mp, np_ = _round_up(m, TILE), _round_up(n, TILE)
-    if m == 0 or n == 0:
-        return (*_empty((m, np_), (m, np_ // TILE)), *_empty((n, mp), (n, mp // TILE)))
-    data, scale, data_t, scale_t = _both_call(
-        _tma_aligned(x), m=m, n=n, pow2_scale=pow2_scale, amax_floor=amax_floor, cfg=config, retile=True
-    )
-    return data, scale[:, : np_ // TILE], data_t, scale_t[:, :n].T
+    return _both_forms("quantize_tile_and_retile_t", x, pow2_scale, amax_floor, config, retile=True)
 
 
 def quantize_column(x: jax.Array, *, pow2_scale: bool = False, amax_floor: float = AMAX_FLOOR, transpose: bool = False,
