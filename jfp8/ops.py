@@ -106,13 +106,16 @@ class _Retiled(NamedTuple):
     t: Fp8Tensor
 
 
-def _q_x(x: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Tensor | _Retiled | jax.Array]:
-    """x -> (its Fprop operand or None, what the backward keeps of x for Wgrad).
+def _q_x(x: jax.Array, recipe: Fp8Recipe, backward: bool = True) -> tuple[Fp8Tensor | None, Fp8Tensor | _Retiled | jax.Array | None]:
+    """x -> (its Fprop operand or None, what the backward keeps of x for Wgrad; None without
+    `backward`: the op's primal, outside autodiff, quantizes x for Fprop alone).
 
     With DeepSeek-V3's scaling for Fprop and Wgrad, one pass (`quantize_activation`) writes x's
     1x128 tiles and their re-tiling for Wgrad, and the backward keeps the latter (the same bytes
     as the FP8 copy it would re-tile), so x is read once. Otherwise x's FP8 copy (or x itself when
     Wgrad is not FP8) is kept and `_wgrad_x` re-tiles it."""
+    if not backward:
+        return (_q(x, recipe.activation_block, recipe, recipe.activation_amax_floor) if recipe.fprop else None), None
     if recipe.fprop and recipe.wgrad and recipe.fuse_quantizers and recipe.activation_block == (1, TILE):
         qx, qx_t = quantize_activation(
             x, pow2_scale=recipe.pow2_scale, amax_floor=recipe.activation_amax_floor, impl=recipe.impl,
@@ -168,12 +171,12 @@ def _q_grad(dy: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Tens
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _linear(x: jax.Array, w: jax.Array, recipe: Fp8Recipe) -> jax.Array:
-    return _linear_fwd(x, w, recipe)[0]
+    return _linear_fwd(x, w, recipe, backward=False)[0]
 
 
-def _linear_fwd(x, w, recipe: Fp8Recipe):
+def _linear_fwd(x, w, recipe: Fp8Recipe, backward: bool = True):
     """x [M, K], w [K, N] -> y [M, N]; residuals are FP8 where the backward GEMM is FP8."""
-    qx, x_res = _q_x(x, recipe)
+    qx, x_res = _q_x(x, recipe, backward)
     qw, qw_t = _q_weight(w, recipe)  # [K, N], [N, K]
     y = _mm(qx, qw_t, x.dtype, recipe) if recipe.fprop else _plain_dot(x, w)
     return y, (x_res, qw if recipe.dgrad else w)
@@ -250,7 +253,7 @@ _plain_grouped.defvjp(_plain_grouped_fwd, _plain_grouped_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped(x, w, group_sizes, recipe: Fp8Recipe):
-    return _grouped_fwd(x, w, group_sizes, recipe)[0]
+    return _grouped_fwd(x, w, group_sizes, recipe, backward=False)[0]
 
 
 def _gmm(a, b, group_sizes, out_dtype, recipe):
@@ -259,9 +262,9 @@ def _gmm(a, b, group_sizes, out_dtype, recipe):
     )
 
 
-def _grouped_fwd(x, w, group_sizes, recipe: Fp8Recipe):
+def _grouped_fwd(x, w, group_sizes, recipe: Fp8Recipe, backward: bool = True):
     """x [T, K] sorted by group, w [G, K, N] -> y [T, N]."""
-    qx, x_res = _q_x(x, recipe)
+    qx, x_res = _q_x(x, recipe, backward)
     qw, qw_t = _q_weight(w, recipe)  # [G, K, N], [G, N, K]
     y = _gmm(qx, qw_t, group_sizes, x.dtype, recipe) if recipe.fprop else _ragged(x, w, group_sizes)
     return y, (x_res, qw if recipe.dgrad else w, group_sizes)
@@ -328,14 +331,14 @@ def grouped_fp8_linear(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _gathered(tokens, w, rows, group_sizes, recipe: Fp8Recipe):
-    return _gathered_fwd(tokens, w, rows, group_sizes, recipe)[0]
+    return _gathered_fwd(tokens, w, rows, group_sizes, recipe, backward=False)[0]
 
 
-def _gathered_fwd(tokens, w, rows, group_sizes, recipe: Fp8Recipe):
+def _gathered_fwd(tokens, w, rows, group_sizes, recipe: Fp8Recipe, backward: bool = True):
     """tokens [N, K], rows [R] (token of each grouped row) -> y [R, N']: the tokens quantized once,
     their FP8 rows (1x128 tiles are row-local: the same bits as quantizing the gathered rows)
     gathered into the grouped GEMM."""
-    q, _ = _q_x(tokens, recipe)  # the call the token's other GEMMs (the shared expert) make: one kernel
+    q, _ = _q_x(tokens, recipe, backward)  # the call the token's other GEMMs (the shared expert) make: one kernel
     qx = Fp8Tensor(jnp.take(q.data, rows, axis=0), jnp.take(q.scale, rows, axis=0), q.block,
                    (rows.shape[0], q.logical[1]))
     qw, qw_t = _q_weight(w, recipe)  # [G, K, N'], [G, N', K]

@@ -221,6 +221,25 @@ def test_fp8_ops_read_input_weight_and_gradient_once_for_both_of_their_forms(mon
     ]
 
 
+def test_outside_autodiff_x_is_quantized_for_fprop_alone(monkeypatch):
+    """An op's primal (eval, inference: no backward to come) quantizes x into its 1x128 tiles only,
+    not also into the Wgrad re-tiling that training keeps."""
+    from pallas_kernels import quantize as qk
+
+    calls = []
+    for name in ("quantize_tile", "quantize_block_and_transpose"):
+        _count_calls(monkeypatch, qk, name, calls)
+    monkeypatch.setattr(qk, "quantize_tile_and_retile_t", lambda *a, **kw: pytest.fail("Wgrad form made"))
+    recipe = jfp8.Fp8Recipe(interpret=True)
+    x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 384), jnp.float32)
+    jax.eval_shape(lambda x, w: jfp8.fp8_linear(x, w, recipe), x, w)
+    wg, sizes = jnp.ones((2, 256, 384), jnp.float32), jnp.array([100, 156], jnp.int32)
+    jax.eval_shape(lambda x, w: jfp8.grouped_fp8_linear(x, w, sizes, recipe), x, wg)
+    rows = jnp.arange(256, dtype=jnp.int32) // 2
+    jax.eval_shape(lambda x, w: jfp8.ops.gathered_grouped_fp8_linear(x, rows, w, sizes, recipe), x, wg)
+    assert [c[0] for c in calls] == ["quantize_tile", "quantize_block_and_transpose"] * 3
+
+
 def test_fuse_quantizers_false_runs_the_separate_kernels(monkeypatch):
     """Fp8Recipe(fuse_quantizers=False): the fused quantizers never run; W goes through the
     block kernel and dy through the tile and transposed-column kernels."""

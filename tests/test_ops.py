@@ -408,7 +408,8 @@ def test_gathered_rows_quantize_each_token_once(monkeypatch):
     monkeypatch.setattr(jfp8.ops, "quantize_activation", lambda x, **kw: seen.append(x.shape) or real(x, **kw))
     rng, _ = _rng()
     tokens, rows, w, sizes, dy = _routed_problem(rng)
-    jax.eval_shape(lambda t, w: jfp8.ops.gathered_grouped_fp8_linear(t, rows, w, sizes, XLA), tokens, w)
+    loss = lambda t, w: jfp8.ops.gathered_grouped_fp8_linear(t, rows, w, sizes, XLA).astype(jnp.float32).sum()  # noqa: E731
+    jax.eval_shape(jax.grad(loss, (0, 1)), tokens, w)  # training: x's two forms, of the N tokens
     assert seen == [tokens.shape]
 
 
