@@ -1,12 +1,15 @@
-"""FP8 training ops: `fp8_linear` and `grouped_fp8_linear` (`fp8_dot_general`, the drop-in for
-`lax.dot_general` and Flax, is built on `fp8_linear` in `jfp8.dot_general`).
+"""FP8 training ops: `fp8_linear`, `grouped_fp8_linear` and `gathered_grouped_fp8_linear` (an MoE's
+dispatch fused into its first expert GEMM); `fp8_dot_general`, the drop-in for `lax.dot_general`
+and Flax, is built on `fp8_linear` in `jfp8.dot_general`.
 
 Each is a `jax.custom_vjp` whose three GEMMs follow DeepSeek-V3 §3.3 (Figure 6):
   Fprop  y  = x · W      x in 1x128 tiles, W in 128x128 blocks
   Dgrad  dx = dy · Wᵀ    dy in 1x128 tiles, the same W blocks transposed
-  Wgrad  dW = xᵀ · dy    both scaled per 128 tokens; x comes from the FP8 copy saved in the
-                         forward pass, dequantized and re-tiled (§3.5.2); dW in FP32
-The residuals are FP8 data + scales (about half the bytes of bf16 inputs), not the inputs.
+  Wgrad  dW = xᵀ · dy    both scaled per 128 tokens; x's operand is its FP8 tiles dequantized and
+                         re-tiled (§3.5.2), made in the forward pass with the tiles from one read
+                         of x (`quantize_activation`) and kept for the backward; dW in FP32
+The residuals are FP8 data + scales (about half the bytes of bf16 inputs), not the inputs. With
+`Fp8Recipe.off()` the grouped ops are BF16 ragged dots (`jfp8.api.ragged_dot`).
 """
 
 from __future__ import annotations
