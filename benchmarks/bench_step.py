@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import pathlib
@@ -166,6 +165,14 @@ def compare(bf16: dict, fp8: dict) -> dict:
         mean_loss=dict(fp8=mean(fp8), bf16=mean(bf16)),
         loss_gap=(mean(fp8) - mean(bf16)) / mean(bf16),
     )
+
+
+def pairs(rows: list[dict]) -> dict[str, dict]:
+    """`compare` for every preset with both precisions' rows."""
+    by_preset: dict[str, dict] = {}
+    for r in rows:
+        by_preset.setdefault(r["preset"], {})[r["precision"]] = r
+    return {p: compare(got["bf16"], got["fp8"]) for p, got in by_preset.items() if {"bf16", "fp8"} <= set(got)}
 
 
 def comparison_line(preset: str, c: dict) -> str:
@@ -308,14 +315,9 @@ def main(argv=None) -> int:
         for r in rows:
             t = by_preset[r["preset"]]
             r["ratio_vs_bf16"] = t["bf16"] / r["step_ms"] if "bf16" in t else None
-        pairs = {}
-        for preset in by_preset:
-            got = {r["precision"]: r for r in rows if r["preset"] == preset}
-            if {"bf16", "fp8"} <= set(got):
-                pairs[preset] = compare(got["bf16"], got["fp8"])
         return write_record(
             "bench_step", rows, args.out, command=["bench_step.py", *(argv or sys.argv[1:])],
-            fp8_vs_bf16=pairs, steps=steps, timed_from=timed_from, max_seconds=args.max_seconds,
+            fp8_vs_bf16=pairs(rows), steps=steps, timed_from=timed_from, max_seconds=args.max_seconds,
             timing="per step: wall time of the jitted step with its loss read back (device synchronised); "
                    "step_ms the median over the timed steps",
             peak_tflops_bf16=peak, peak_source="989 TFLOP/s BF16 dense (H100/H200 SXM datasheet) for both precisions",
@@ -377,8 +379,7 @@ def main(argv=None) -> int:
         if bf16 is not None and not bf16["all_finite"]:
             failed.append(dict(impl="bf16", problem=preset, error="non-finite loss or gradient norm"))
     path = save()
-    record = json.loads(path.read_text())
-    for preset, c in record.get("fp8_vs_bf16", {}).items():
+    for preset, c in pairs(rows).items():
         print(comparison_line(preset, c), flush=True)
     return report_end(path, skipped, failed)
 

@@ -167,11 +167,12 @@ def _bind_choice(kernel_flat: Callable, reference_flat: Callable, flat: list, mo
         out_tree_box[:] = [tree]
         return _choice_p.bind(*flat, choice=_Choice(reference, kernel_flat, mosaic, key))
     reference = jax.make_jaxpr(reference_flat)(*flat)
-    if cache_key is not None and not any(isinstance(c, jax.core.Tracer) for c in reference.consts):
+    closes_over_tracers = any(isinstance(c, jax.core.Tracer) for c in reference.consts)
+    if cache_key is not None and not closes_over_tracers:
         if len(_REFERENCE_JAXPRS) >= _MAX_REFERENCE_JAXPRS:
             _REFERENCE_JAXPRS.clear()
         _REFERENCE_JAXPRS[cache_key] = (reference, out_tree_box[0])
-    if any(isinstance(c, jax.core.Tracer) for c in reference.consts):
+    if closes_over_tracers:
         # The reference closed over traced values, which cannot live in a parameter: they become
         # leading operands (the kernel ignores them).
         consts, jaxpr, n = list(reference.consts), reference.jaxpr, len(reference.consts)

@@ -22,8 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8.api import (
-    ragged_dot,
-    ragged_dot_grads,
     grouped_scaled_matmul,
     grouped_wgrad_matmul,
     quantize,
@@ -31,6 +29,8 @@ from jfp8.api import (
     quantize_grad,
     quantize_weight,
     quantize_wgrad_operand,
+    ragged_dot,
+    ragged_dot_grads,
     retile_wgrad_operand,
     scaled_matmul,
 )

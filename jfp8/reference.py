@@ -196,9 +196,10 @@ REF_TILE_M = 256
 
 
 def ragged_dot_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """The non-FP8 grouped GEMM (the BF16 baseline's experts): `jax.lax.ragged_dot(x, w, group_sizes)` in x's dtype with an FP32
-    accumulator, computed one (row tile, group) work item at a time: about (T + G * tile) rows of
-    work. (XLA lowers ragged_dot to a dense masked dot, G times the FLOPs, on CPU and GPU.)"""
+    """The non-FP8 grouped GEMM (the BF16 baseline's experts): `jax.lax.ragged_dot(x, w,
+    group_sizes)` in x's dtype with an FP32 accumulator, computed one (row tile, group) work item at
+    a time: about (T + G * tile) rows of work. (XLA lowers ragged_dot to a dense masked dot, G times
+    the FLOPs, on CPU and GPU.)"""
     t, g, n = x.shape[0], w.shape[0], w.shape[2]
     tm = REF_TILE_M
     tp = -(-t // tm) * tm
@@ -225,7 +226,6 @@ def ragged_dot_grads_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Arra
     the same operations a gradient through it has always run (dx in x's dtype, dw in w's)."""
     _, vjp = jax.vjp(lambda x, w: ragged_dot_reference(x, w, group_sizes), x, w)
     return vjp(dy)
-
 
 
 def grouped_scaled_matmul_reference(

@@ -524,7 +524,8 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, amax_f
 
 
 # ---------------------------------------------------------------------------------------------
-# Both quantizations of an output gradient in one pass: (1, 128) tiles and transposed (128, 1).
+# Both quantizations of an output gradient in one pass: (1, 128) tiles and transposed (128, 1);
+# or of an activation, the transposed (128, 1) tiles re-tiled from the first (`retile`).
 
 
 def _both_chunk(x_ref, d_ref, dt_ref, bounce_ref, *, retile: bool, pow2_scale: bool, amax_floor: float,
