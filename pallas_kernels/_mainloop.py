@@ -18,6 +18,7 @@ from pallas_kernels import _mgpu
 from pallas_kernels._hopper import (
     SCALE_BOX,
     TILE_K,
+    WGMMA_M,
     WS_CONSUMER_WGS,
     WS_PRODUCER_REGISTERS,
     check_tma_slot,
@@ -49,6 +50,9 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
     if release is not None and not early_scales:
         raise ValueError("release needs early_scales: the scales live in the stage it releases")
     rows, cols = out.shape
+    if rows > WGMMA_M:  # a 256-row tile's consumer: 64-row waves through one accumulator
+        return _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out, scalar_b=scalar_b,
+                              early_scales=early_scales, release=release)
     wgmma_layout = plgpu.Layout.WGMMA
     width, pieces = block_pieces(cols)
 
@@ -99,6 +103,79 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
             # a 128-thread BAR.SYNC, per K step on the consumers' critical path.)
             plgpu.commit_smem()
     return out
+
+def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool,
+                   early_scales: bool, release) -> jax.Array:
+    """`promote` of rows = 64 w in w waves of 64 rows, DeepGEMM's schedule for a 256-row tile:
+    wave i's wgmma into the accumulator, its wait, its promotion into rows [64 i, 64 i + 64) of
+    `out`, then wave i + 1's wgmma into the same accumulator registers. One wave's partial sum
+    is live beside the result (64 + 128 registers a thread for a consumer's 128 x 128), where
+    one 128-row accumulator needs 128 + 128, more than a consumer's 232, and spills.
+
+    Zeroing the accumulator anew for each wave is not enough: ptxas then gives the next wave's
+    wgmma registers of its own and issues it before the last wave's promotion has read its
+    partial sum, both partial sums live (196 bytes of spills at 256 x 128, ptxas 13.5). So the
+    next wave's zeros are written into the last wave's partial-sum registers
+    (`_mgpu.zeros_in_registers_of`): the wgmma that overwrites them must wait for the promotion
+    that reads them, and both waves' QGMMAs use the same registers (0 spills). The stage is
+    released (`release`) after the last wave's wait; the bits are `promote`'s, element by
+    element."""
+    rows, cols = out.shape
+    waves, wave_rows = rows // WGMMA_M, WGMMA_M
+    width, pieces = block_pieces(cols)
+
+    def load_scales(w):
+        sa = plgpu.load(sa_smem.at[pl.ds(w * wave_rows, wave_rows)], layout=plgpu.Layout.WGMMA.reduce(1))
+        if scalar_b:
+            return [sa * sb_smem[p] for p in range(pieces)], None
+        return sa, plgpu.load(sb_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+
+    def add(out, partial, sa, sb):  # `promote`'s arithmetic on one wave
+        if sb is None and pieces == 1:
+            return out + partial * lax.broadcast_in_dim(sa[0], out.shape, [0])
+        if sb is None:
+            part = [slice(p * width, (p + 1) * width) for p in range(pieces)]
+            return jnp.concatenate(
+                [out[:, c] + partial[:, c] * lax.broadcast_in_dim(s, (wave_rows, width), [0])
+                 for c, s in zip(part, sa)], axis=1)
+        sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
+        return out + partial * (sa * sb)
+
+    def product(acc_ref, w):  # wave w's chunk product; reading it waits for the wgmma
+        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(w * wave_rows, wave_rows)], b_smem.transpose((1, 0)))
+        return acc_ref[...]
+
+    def waves_of(acc_ref):
+        """The waves through `acc_ref`, or, with None, each through a fresh accumulator of its
+        own: in the GPU interpreter, which models no registers and cannot store into an
+        accumulator (the values are the same: zeros, then the chunk product)."""
+        if early_scales:
+            with jax.named_scope("scales"):
+                scales = [load_scales(w) for w in range(waves)]
+        promoted, partial = [], None
+        for w in range(waves):
+            with jax.named_scope("wgmma"):
+                if acc_ref is None:
+                    partial = pl.run_scoped(functools.partial(product, w=w), plgpu.ACC((wave_rows, cols), jnp.float32))
+                else:
+                    if w:  # the last wave's partial sum is dead: its registers take the zeros
+                        acc_ref[...] = _mgpu.zeros_in_registers_of(partial)
+                    partial = product(acc_ref, w)
+            if release is not None and w == waves - 1:
+                release()  # the scales are in registers and the stage is read
+            with jax.named_scope("promote"):
+                sa, sb = scales[w] if early_scales else load_scales(w)
+                promoted.append(add(out[w * wave_rows:(w + 1) * wave_rows], partial, sa, sb))
+        return jnp.concatenate(promoted, axis=0)
+
+    if _mgpu.interpreting():
+        out = waves_of(None)
+    else:
+        out = pl.run_scoped(waves_of, plgpu.ACC((wave_rows, cols), jnp.float32))  # zeroed for wave 0
+    if release is None:
+        plgpu.commit_smem()  # as `promote`'s
+    return out
+
 
 def cluster_shape(config) -> tuple[int, int]:
     """CTAs per thread-block cluster along (M, N): `cluster_m` row tiles of one column tile share
@@ -249,12 +326,15 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
     runs on every warpgroup (the producer's `out_rows` are unused) and must visit the same tiles
     in the same order on all of them, threading `step` (a traced int32, 0 at first) through
 
-        k_tile(mi, ni, views, epilogue, step, *, k_first=0, k_steps=C, before_chunk=None) -> step
+        k_tile(mi, ni, views, epilogue, step, *, k_first=0, k_steps=C, edge_chunk=None) -> step
 
     for each tile with a K loop: tile (mi, ni) of `views` (refs shaped like `operands`, e.g. one
     group's weight) from chunk `k_first` for `k_steps` chunks (at least one; traced with
-    `dynamic_k`), with `before_chunk(k, a_rows)` run by each consumer on its rows of chunk k of the loop
-    before the wgmma; then, on each consumer, `epilogue(out, out_rows)` with out its
+    `dynamic_k`), with `edge_chunk(k, a_rows)` run by each consumer on its rows of the loop's
+    first and last chunks (k = 0 and k_steps - 1, once if they are one) before their wgmma:
+    those two are peeled off the loop, so that its body, every interior chunk, carries none of
+    that work (the grouped Wgrad's masking of other groups' tokens, 257 of the 469 instructions
+    its loop had per chunk); then, on each consumer, `epilogue(out, out_rows)` with out its
     [wm, tile_n] f32 result. Work without a K loop (a tile of zeros) the schedule does
     itself, on the consumers (the warpgroups given `out_rows`).
 
@@ -282,8 +362,8 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
         def _producer():
             plgpu.set_max_registers(WS_PRODUCER_REGISTERS, action="decrease")
 
-            def k_tile(mi, ni, views, epilogue, step, *, k_first=0, k_steps=chunks, before_chunk=None):
-                del epilogue, before_chunk  # the consumers' part
+            def k_tile(mi, ni, views, epilogue, step, *, k_first=0, k_steps=chunks, edge_chunk=None):
+                del epilogue, edge_chunk  # the consumers' part
                 specs = in_specs(config, mi, ni, k_first, scalar_b=scalar_b)
 
                 def load(k, step):
@@ -316,15 +396,15 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
             rows = pl.ds(wg * wm, wm)  # this consumer's rows of the tile
             out_rows = out_smem.at[rows]
 
-            def k_tile(mi, ni, views, epilogue, step, *, k_first=0, k_steps=chunks, before_chunk=None):
+            def k_tile(mi, ni, views, epilogue, step, *, k_first=0, k_steps=chunks, edge_chunk=None):
                 del mi, ni, views, k_first  # the producer's part
 
-                def chunk(k, carry):
+                def chunk(k, carry, edge=False):
                     step, out = carry
                     slot = lax.rem(step, stages)
                     plgpu.barrier_wait(produced.at[slot])
-                    if before_chunk is not None:
-                        before_chunk(k, bufs[0].at[slot].at[rows])
+                    if edge:
+                        edge_chunk(k, bufs[0].at[slot].at[rows])
                     release = functools.partial(plgpu.barrier_arrive, consumed.at[slot])
                     out = _promote_rows(config, rows, *(buf.at[slot] for buf in bufs), out, scalar_b,
                                         release=release if lean else None)
@@ -332,7 +412,14 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
                         release()
                     return step + 1, out
 
-                step, out = lax.fori_loop(0, k_steps, chunk, (step, zeros((wm, tn))))
+                carry = (step, zeros((wm, tn)))
+                if edge_chunk is None:
+                    carry = lax.fori_loop(0, k_steps, chunk, carry)
+                else:  # the first and last chunks peeled off: the loop's body has no edge work
+                    edge = functools.partial(chunk, edge=True)
+                    carry = lax.fori_loop(1, k_steps - 1, chunk, edge(0, carry))
+                    carry = lax.cond(k_steps > 1, lambda c: edge(k_steps - 1, c), lambda c: c, carry)
+                step, out = carry
                 epilogue(out, out_rows)
                 return step
 

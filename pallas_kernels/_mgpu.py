@@ -240,3 +240,38 @@ def _register_mosaic_rule() -> None:
 
 
 _register_mosaic_rule()
+
+
+# ---------------------------------------------------------------------------------------------
+# Zeros in the registers of a dead value: the next wgmma wave's accumulator.
+
+
+def zeros_in_registers_of(x: jax.Array) -> jax.Array:
+    """f32 zeros shaped like `x`, a WGMMA-layout register array whose value is dead after this
+    call, held in `x`'s own registers: each is overwritten by an inline `mov.b32 r, 0` whose
+    output is tied to its input (PTX register `r` of `x`).
+
+    For a wgmma accumulator (`acc_ref[...] = zeros_in_registers_of(partial)`): the wgmma that
+    then writes those registers depends on every earlier read of `x`, so ptxas cannot issue it
+    before they are done and give it registers of its own (`_mainloop._promote_waves`); it
+    still sees the zeros and issues the wgmma without reading its accumulator (`RZ, !UPT`).
+    Lowering only (the GPU interpreter has no registers to reuse)."""
+    if x.dtype != jnp.float32:
+        raise TypeError(f"zeros_in_registers_of takes float32, got {x.dtype}")
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(layout,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout))
+    def tied_zeros(ctx, value):
+        del ctx
+        return value._pointwise(value._lift_fast_instr(_tied_zero))
+
+    return tied_zeros(x)
+
+
+def _tied_zero(value):
+    """PTX `mov.b32 r, 0` into the register of one f32 MLIR value (output tied to input)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+
+    return llvm.inline_asm(ir.F32Type.get(), [value], "mov.b32 $0, 0;", "=f,0", has_side_effects=True)

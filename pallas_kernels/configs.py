@@ -59,6 +59,9 @@ class GemmConfig:
     Attributes:
       tile_m: output rows per CTA, a multiple of 64 (one warpgroup's wgmma M); with
         `warp_specialized`, a multiple of 128, split evenly between the consumer warpgroups.
+        A warpgroup with more than 64 rows (256-row tiles) promotes them in 64-row waves
+        through one accumulator, so it holds its rows' result and one 64-row partial sum
+        (128 + 64 registers a thread at 256 x 128; `_mainloop._promote_waves`).
       tile_n: output columns per CTA, a multiple of 16 and at most 256 (wgmma N, TMA box, and
         a swizzled bf16 output row). A warpgroup computing r rows holds f32 register tiles of
         r x tile_n (`partial`, the scale product, `out`), each 64 registers/thread at 64 x 128;

@@ -39,6 +39,10 @@ Launch structure, two forms selected by `GemmConfig`:
   for 128 x 128-block-scaled b, the tile's one block scale per K step is read as a scalar
   instead of a per-column vector; a 192- or 256-wide tile, which spans two weight blocks, is
   promoted in 64- or 128-column slices with one scalar each.
+- `GemmConfig(tile_m=256, max_concurrent_steps=3)`: 256-row tiles (DeepGEMM's 256 x 128, the
+  rule's pick at most large shapes with a bf16 output): each consumer promotes its 128 rows in
+  two 64-row waves through one accumulator (`_mainloop._promote_waves`), which keeps a consumer
+  within its registers (0 spills; one 128-row accumulator spilled).
 - `GemmConfig(early_scale_loads=True)` (off by default until measured): a K step's scales are
   read from SMEM before its wgmma is issued rather than after its wait.
 - `GemmConfig(early_scale_loads=True, lean_release=True)` (off by default until racecheck on a
@@ -57,8 +61,9 @@ until that SMEM is needed again. The numerics do not depend on the config: every
 gets the same chunk products promoted in the same order. Called without a config,
 `scaled_matmul` runs the one `tuning.dense_config` picks for the problem: what
 `benchmarks/tune_gemm.py` measured best on this GPU model, else the tile and 2-CTA cluster a
-cost model predicts fastest (`tuning.rule_config`; 128 x 192 or 128 x 128 tiles in clusters at
-the DENSE_SHAPES), one-warpgroup forms for small M.
+cost model predicts fastest (`tuning.rule_config`; at the DENSE_SHAPES DeepGEMM's own layouts:
+256 x 128 tiles in clusters along N, 128 x 192 along M at 4096 x 2112 x 7168), one-warpgroup
+forms for small M.
 
 What each form is predicted to change on a GPU, and what to look for there (SASS, ncu), is in
 `docs/gpu.md`; nothing here has been timed.

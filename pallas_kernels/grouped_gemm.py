@@ -23,8 +23,9 @@ Two forms, selected by the frozen `GroupedGemmConfig`:
   weight-block scale read as one number per K step (Lane semantics, untiled output SMEM).
 - `GroupedGemmConfig()`, the fast form (the default): the dense kernel's warp-specialized main
   loop, `branch_once_tiles` — one TMA warpgroup, two wgmma warpgroups on 64 rows each
-  of a 128-row tile, 4 SMEM stages allocated once per CTA — with a persistent grid in grouped
-  tile order (`for_each_tile`). What is grouped is only the schedule:
+  of a 128-row tile (or 128 rows each of a 256-row tile, in two 64-row waves through one
+  accumulator: the rule's pick for groups of 256 rows or more), 4 SMEM stages allocated once
+  per CTA — with a persistent grid in grouped tile order (`for_each_tile`). What is grouped is only the schedule:
   * Fprop/Dgrad walks the (work item, column tile) pairs of `row_tile_work`; an item runs the
     dense K loop with its group's weight (`b.at[g]`) and per-column weight scales (each 128x128
     block's scale repeated over its columns, chunk-major, as the dense kernel takes them), and

@@ -157,16 +157,13 @@ def _ws_wgrad_kernel(
             def epilogue(out, smem):
                 store_tile(out, smem, dst)
 
-            def before_chunk(k, a_rows):  # k: the chunk's number in the group's K loop
+            def edge_chunk(k, a_rows):  # the group's first or last chunk (k: its number in the loop)
                 chunk_start = (first + k) * TILE
-
-                @pl.when((k == 0) | (k == count - 1))
-                def _():
-                    _mask_tokens(a_rows, start - chunk_start, end - chunk_start)
+                _mask_tokens(a_rows, start - chunk_start, end - chunk_start)
 
             def k_loop(step):
                 return k_tile(mi, ni, operands, epilogue, step, k_first=first, k_steps=count,
-                              before_chunk=before_chunk)
+                              edge_chunk=edge_chunk)
 
             step = jax.lax.cond(count > 0, k_loop, lambda step: step, step)
             if out_rows is not None:  # None: the producer

@@ -112,9 +112,12 @@ LEAN = dataclasses.replace(FAST, early_scale_loads=True, lean_release=True)
 # 128 x 192 tiles (over two weight blocks) with the scalar scale per 64-column slice; 2 stages
 # leave room for an f32 output tile.
 WIDE = dataclasses.replace(SCALAR_B, tile_n=192, max_concurrent_steps=2)
+# 256-row tiles (DeepGEMM's 256 x 128): each consumer promotes its 128 rows in two 64-row waves
+# through one accumulator; 3 stages leave room for the 64 KiB bf16 output tile.
+TALL = dataclasses.replace(FAST, tile_m=256, max_concurrent_steps=3)
 CONFIGS = {"simple": SIMPLE, "fast": FAST, "cluster": CLUSTER, "cluster-n": CLUSTER_N,
            "scalar-b": SCALAR_B, "early-scales": EARLY, "run-ahead": RUN_AHEAD, "wide": WIDE,
-           "lean": LEAN}
+           "lean": LEAN, "tall": TALL}
 
 # (M, N, K, b_block_rows, out_dtype): M/N tails within and past one tile, b with padded rows
 # (N=200 and 136 under 128x128 blocks), K tails (K=200 -> 2 chunks), 1 and 4 chunks (more
@@ -138,7 +141,9 @@ EXACT_CASES = [
     + [(*EXACT_CASES[1], "scalar-b"), (*EXACT_CASES[2], "scalar-b")]
     + [(*EXACT_CASES[2], "early-scales"), (*EXACT_CASES[4], "early-scales")]
     + [(*EXACT_CASES[1], "run-ahead"), (*EXACT_CASES[4], "run-ahead")]
-    + [(*EXACT_CASES[2], "lean"), (*EXACT_CASES[4], "lean")],
+    + [(*EXACT_CASES[2], "lean"), (*EXACT_CASES[4], "lean")]
+    # two waves per consumer: rows in both waves of both consumers, the last tile partial
+    + [(300, 200, 384, TILE, jnp.bfloat16, "tall"), (*EXACT_CASES[1], "tall")],
 )
 def test_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype, config):
     seed = _seed()
@@ -195,6 +200,8 @@ LEAN_RACE_CASES = {
     # The rule's 128 x 192 tiles along M: two blocks' scales per K step.
     "rule-192-cluster-m": (dataclasses.replace(LEAN, tile_n=192, cluster_m=2, max_concurrent_steps=2),
                            330, 500, TILE, 4),
+    # 256-row tiles: the stage released after the second wave's wait; a tile-scaled b.
+    "256-rows": (dataclasses.replace(LEAN, tile_m=256, tile_n=64, max_concurrent_steps=2), 300, 200, 1, 3),
 }
 
 
@@ -343,10 +350,15 @@ def test_interpreter_poisons_unwritten_output():
         # 3 row tiles x 3 column tiles, the third over a partial block, on 2 persistent clusters.
         (dataclasses.replace(FAST, tile_n=192, cluster_m=2, max_concurrent_steps=2,
                              scalar_b_scale=True), 330, 500, 4),
+        # 256-row tiles in clusters along N (DeepGEMM's layout; 64 wide here, for the f32 output
+        # tile): 3 row tiles x 4 column tiles on 2 persistent clusters, the waves' accumulator
+        # reused across K steps and tiles.
+        (dataclasses.replace(FAST, tile_m=256, tile_n=64, cluster_n=2, max_concurrent_steps=2),
+         600, 200, 4),
     ],
     ids=["ws", "one-warpgroup", "cluster-persistent", "cluster", "cluster-scalar-early",
          "cluster-n-persistent", "cluster-n", "run-ahead", "run-ahead-cluster-scalar-early",
-         "run-ahead-cluster-n", "rule-192-cluster"],
+         "run-ahead-cluster-n", "rule-192-cluster", "256-rows-cluster-n"],
 )
 def test_persistent_ctas_walk_every_tile_without_races(config, m, n, num_sms):
     """CTAs that each own several tiles write every output element (the outputs start as NaN),
@@ -476,8 +488,12 @@ LOWERING_CASES = (
 )
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("m,n,k,b_block_rows,out_dtype", LOWERING_CASES)
+@pytest.mark.parametrize(
+    "m,n,k,b_block_rows,out_dtype,config",
+    # 256 x 128 tiles leave no room for a second stage beside an f32 output tile (ws-tall below)
+    [(*case, config) for case in LOWERING_CASES for config in CONFIGS
+     if not (config == "tall" and case[-1] == jnp.float32)],
+)
 def test_lowers_for_hopper(m, n, k, b_block_rows, out_dtype, config):
     text = gemm.lower_scaled_matmul(
         m, n, k, b_block_rows=b_block_rows, out_dtype=out_dtype, config=CONFIGS[config]
@@ -550,8 +566,9 @@ def test_smem_estimate_equals_mosaic_count(config, out_dtype, chunks, monkeypatc
         gemm.GemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=4, warp_specialized=False),
         gemm.GemmConfig(tile_n=256, max_concurrent_steps=4),
         gemm.GemmConfig(max_concurrent_steps=5),  # 5 x 33 KiB + a 64 KiB f32 tile
+        gemm.GemmConfig(tile_m=256, max_concurrent_steps=2),  # 2 x 49 KiB + a 128 KiB f32 tile
     ],
-    ids=["one-warpgroup", "ws-wide", "ws-deep"],
+    ids=["one-warpgroup", "ws-wide", "ws-deep", "ws-tall"],
 )
 def test_a_config_over_the_smem_budget_is_rejected(config):
     """Rejected before lowering, so in the interpreter (which has no SMEM limit) too."""
@@ -572,7 +589,10 @@ def test_a_config_over_the_smem_budget_is_rejected(config):
 def test_on_gpu_matches_reference(m, n, k, b_block_rows, config):
     seed = _seed()
     a, b = _operands(seed, m, n, k, b_block_rows, exact=False)
-    out = np.asarray(_kernel(a, b, b_block_rows, jnp.float32, CONFIGS.get(config)))
+    cfg = CONFIGS.get(config)
+    if config == "tall":  # the waves' shared accumulator on hardware, 64 wide beside an f32 tile
+        cfg = dataclasses.replace(cfg, tile_n=64)
+    out = np.asarray(_kernel(a, b, b_block_rows, jnp.float32, cfg))
     ref = _on_cpu(_reference, a, b, jnp.float32)
     # The tensor core sums each 128-chunk with ~14 bits, not f32: bit-exactness is the
     # interpreter's, and hardware is held to the simulated accumulator's error (with margin).

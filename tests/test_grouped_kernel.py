@@ -72,6 +72,10 @@ VARIANTS = {
     # issue 45: the stage released right after the wgmma's wait, the proxy fence in the producer
     "lean": dataclasses.replace(FAST, early_scale_loads=True, lean_release=True),
 }
+# Issue 45: 256-row tiles in clusters along N (the rule's pick at the benchmark shapes), each
+# consumer promoting its 128 rows in two 64-row waves; Fprop/Dgrad only (bf16 output): beside
+# an f32 output tile (the Wgrad's) two stages do not fit.
+TALL = dataclasses.replace(FAST, tile_m=256, cluster_n=2, max_concurrent_steps=3)
 # Summation-order tolerance, relative to sum |a_i b_i|.
 ORDER_RTOL = 1e-6
 
@@ -160,6 +164,8 @@ EXACT_MATMUL_CASES = [
      dataclasses.replace(FAST, cluster_n=2, scalar_b_scale=True, early_scale_loads=True)),
     (260, 256, 200, 4, 0, jnp.float32,
      dataclasses.replace(FAST, tile_n=64, scalar_b_scale=True, max_concurrent_steps=2, persistent=False)),
+    # 256-row tiles: random groups straddling them, both waves of both consumers holding rows
+    (600, 384, 330, 3, 9, jnp.bfloat16, TALL),
 ]
 
 
@@ -381,6 +387,27 @@ def test_clusters_along_n_walk_every_tile_without_races():
     _walk_330_columns_without_races(config, dataclasses.replace(config, tile_n=32, scalar_b_scale=False))
 
 
+def test_tall_tiles_walk_every_tile_without_races():
+    """256-row tiles, lean, on 1 cluster of 2 along N: each consumer's two waves share one
+    accumulator across K steps, tiles and work items (groups straddling a row tile: two items);
+    64-wide for the f32 output tile. Then the Wgrad with 256 K rows a tile (dynamic K loops,
+    masked shared chunks). Every output written, bit-identical, no race."""
+    seed = _seed()
+    config = dataclasses.replace(TALL, tile_n=64, max_concurrent_steps=2, early_scale_loads=True,
+                                 lean_release=True)
+    lhs, rhs, sizes = _row_operands(seed, 600, 384, 200, [300, 0, 250], exact=True)
+    call = functools.partial(_grouped_matmul_call, n=200, out_dtype=jnp.float32, config=config, num_sms=2)
+    out, races = _interpret_detecting_races(call, lhs.data, lhs.scale, rhs.data, rhs.scale, sizes)
+    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
+    _assert_bitwise_equal(out, _matmul_reference(lhs, rhs, sizes, jnp.float32), seed)
+
+    lhs_t, rhs_t, sizes = _token_operands(seed, 300, 300, 72, [150, 0, 130], exact=True)
+    call = functools.partial(_grouped_wgrad_call, out_dtype=jnp.float32, config=config, num_sms=2)
+    out, races = _interpret_detecting_races(call, lhs_t.data, lhs_t.scale, rhs_t.data, rhs_t.scale, sizes)
+    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
+    _assert_bitwise_equal(out, _wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32), seed)
+
+
 @pytest.mark.parametrize("cluster_n", [1, 2], ids=["persistent", "clusters-along-n"])
 def test_lean_release_walks_every_tile_without_races(cluster_n):
     """`lean_release` (each consumer releases a stage right after its wgmma's wait, the producer
@@ -550,10 +577,13 @@ WGRAD_LOWERING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["chosen", *VARIANTS])  # chosen: `tuning.grouped_config`
+@pytest.mark.parametrize("variant", ["chosen", *VARIANTS, "tall"])  # chosen: `tuning.grouped_config`
 @pytest.mark.parametrize("groups,t,n,k,out_dtype", MATMUL_LOWERING_CASES)
 def test_matmul_lowers_for_hopper(groups, t, n, k, out_dtype, variant):
-    assert "mosaic_gpu" in _lower_matmul(groups, t, n, k, out_dtype, VARIANTS.get(variant))
+    config = TALL if variant == "tall" else VARIANTS.get(variant)
+    if variant == "tall" and out_dtype == jnp.float32:  # no room beside an f32 tile
+        config = dataclasses.replace(config, tile_n=64)
+    assert "mosaic_gpu" in _lower_matmul(groups, t, n, k, out_dtype, config)
 
 
 @pytest.mark.parametrize("variant", ["chosen", "cluster-n", "early-scales", "lean"])  # b is tile-scaled
@@ -584,7 +614,8 @@ def test_lowering_rejects_a_config_over_the_smem_budget(config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", [FAST, SIMPLE, *VARIANTS.values()], ids=["fast", "simple", *VARIANTS])
+@pytest.mark.parametrize("config", [FAST, SIMPLE, *VARIANTS.values(), dataclasses.replace(TALL, tile_n=64)],
+                         ids=["fast", "simple", *VARIANTS, "tall-64"])  # 64 wide: beside the Wgrad's f32 tile
 def test_on_gpu_matches_reference(config):
     """Hardware sums each 128-chunk with ~14 bits: each kernel is held to the simulated
     accumulator's error on its own operands (`jfp8.accumulation`), against a CPU reference."""
