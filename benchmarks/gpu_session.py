@@ -172,7 +172,8 @@ SANITIZER_KERNELS = ("gemm_default_tails", "grouped_fprop", "grouped_wgrad", "qu
 MUTANT, MUTANT_TWIN = "mutant_early_release", "mutant_clean_release"
 # Issue 45's lean main loop (no per-block fence on the consumers) becomes a default only after
 # racecheck is clean on it, in clusters too (a multicast refill lands in the other CTA's stage).
-LEAN_FORMS = ("gemm_lean_release", "grouped_fprop_lean_release", "gemm_lean_release_128x192_cluster_m")
+LEAN_FORMS = ("gemm_lean_release", "grouped_fprop_lean_release", "gemm_lean_release_128x192_cluster_m",
+              "gemm_lean_release_256x128_cluster_n")  # the last: released after the second wave
 SANITIZED = {"racecheck": ("racecheck", (MUTANT, MUTANT_TWIN, *SANITIZER_KERNELS, *LEAN_FORMS)),
              "memcheck": ("memcheck", SANITIZER_KERNELS),
              "synccheck": ("synccheck", SANITIZER_KERNELS)}
@@ -795,7 +796,10 @@ def final_table(ctx: Session, header: str) -> str:
 
 
 RESULTS = REPO / "benchmarks" / "results"
-DEFAULT_FORMS = ("gemm_default", "grouped_fprop", "grouped_wgrad", "quantize_tile", "quantize_grad")
+# What users run: the default configs, and what the tuning rule picks at large problems with a bf16
+# output (256-row tiles, dense and grouped).
+DEFAULT_FORMS = ("gemm_default", "gemm_rule_256x128_cluster_n", "grouped_fprop", "grouped_fprop_rule_256x128_cluster_n",
+                 "grouped_wgrad", "quantize_tile", "quantize_grad")
 
 
 def last_record(results: pathlib.Path = RESULTS) -> dict | None:

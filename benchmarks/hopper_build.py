@@ -265,6 +265,30 @@ def forms() -> dict[str, Form]:
     grouped("grouped_fprop_rule_128x64", "grouped Fprop, GroupedGemmConfig(tile_n=64, "
             f"max_concurrent_steps={MAX_STAGES}): a rule layout",
             GroupedGemmConfig(tile_n=64, max_concurrent_steps=MAX_STAGES))
+    # Issue 45: 256-row tiles, each consumer promoting its 128 rows in two 64-row waves through
+    # one accumulator (`_mainloop._promote_waves`); 3 stages beside the bf16 output tile. The
+    # rule's pick at most benchmark shapes is the form in clusters along N (DeepGEMM's).
+    tall = dict(tile_m=256, max_concurrent_steps=3)
+    dense("gemm_rule_256x128", "dense, GemmConfig(tile_m=256, max_concurrent_steps=3): a rule layout",
+          GemmConfig(**tall))
+    dense("gemm_rule_256x128_cluster_m", "dense, GemmConfig(tile_m=256, cluster_m=2, max_concurrent_steps=3): "
+          "a rule layout", GemmConfig(**tall, cluster_m=2))
+    dense("gemm_rule_256x128_cluster_n", "dense, GemmConfig(tile_m=256, cluster_n=2, max_concurrent_steps=3): "
+          "the rule's pick at 5 of the 6 dense benchmark shapes", GemmConfig(**tall, cluster_n=2))
+    dense("gemm_rule_256x128_cluster_n_tile_x_tile", "dense tile x tile (Wgrad operands), "
+          "GemmConfig(tile_m=256, cluster_n=2, max_concurrent_steps=3)", GemmConfig(**tall, cluster_n=2),
+          b_block=(1, 128))
+    dense("gemm_lean_release_256x128_cluster_n", "dense, GemmConfig(tile_m=256, cluster_n=2, "
+          "max_concurrent_steps=3, early_scale_loads=True, lean_release=True): the rule's pick, lean",
+          GemmConfig(**tall, cluster_n=2, early_scale_loads=True, lean_release=True))
+    grouped("grouped_fprop_rule_256x128", "grouped Fprop, GroupedGemmConfig(tile_m=256, max_concurrent_steps=3): "
+            "a rule layout", GroupedGemmConfig(**tall))
+    grouped("grouped_fprop_rule_256x128_cluster_n", "grouped Fprop, GroupedGemmConfig(tile_m=256, cluster_n=2, "
+            "max_concurrent_steps=3): the rule's pick at the grouped benchmark shapes",
+            GroupedGemmConfig(**tall, cluster_n=2))
+    grouped("grouped_fprop_lean_release_256x128_cluster_n", "grouped Fprop, GroupedGemmConfig(tile_m=256, "
+            "cluster_n=2, max_concurrent_steps=3, early_scale_loads=True, lean_release=True): the rule's pick, lean",
+            GroupedGemmConfig(**tall, cluster_n=2, early_scale_loads=True, lean_release=True))
     for text in BISECT_CONFIGS:
         dense(f"gemm[{text}]", f"dense, GemmConfig({text})", parse_config(text, GemmConfig))
     for text in GROUPED_BISECT_CONFIGS:
@@ -286,7 +310,10 @@ CI_FORMS = ("gemm_default", "grouped_fprop", "grouped_wgrad", "quantize_tile", "
             "gemm_rule_128x192_cluster_m", "gemm_cluster_n", "grouped[cluster_n=2]",
             # issue 45's lean main loop (not a default until racecheck on a GPU is clean): CI holds
             # the targets it meets ("no MEMBAR") from now on
-            "gemm_lean_release", "grouped_fprop_lean_release", "gemm_lean_release_128x192_cluster_m")
+            "gemm_lean_release", "grouped_fprop_lean_release", "gemm_lean_release_128x192_cluster_m",
+            # issue 45's 256-row tiles: the rule's picks at the other benchmark shapes, and lean
+            "gemm_rule_256x128_cluster_n", "grouped_fprop_rule_256x128_cluster_n",
+            "gemm_lean_release_256x128_cluster_n", "grouped_fprop_lean_release_256x128_cluster_n")
 # The CI GEMM forms' main loops against `MAINLOOP_TARGETS` (form -> its kind), and the targets
 # each does not meet yet, exactly (`mainloop_problems`; numbers in docs/gpu.md, "Issue 45's
 # deviceless targets"). CI asserts every other target; a target newly met fails too, until it
@@ -295,7 +322,10 @@ MAINLOOP_FORMS = {"gemm_default": "gemm", "gemm[cluster_m=2]": "gemm", "gemm_rul
                   "gemm_cluster_n": "gemm", "grouped_fprop": "grouped_fprop",
                   "grouped[cluster_n=2]": "grouped_fprop", "grouped_wgrad": "grouped_wgrad",
                   "gemm_lean_release": "gemm", "grouped_fprop_lean_release": "grouped_fprop",
-                  "gemm_lean_release_128x192_cluster_m": "gemm"}
+                  "gemm_lean_release_128x192_cluster_m": "gemm", "gemm_rule_256x128_cluster_n": "gemm",
+                  "grouped_fprop_rule_256x128_cluster_n": "grouped_fprop",
+                  "gemm_lean_release_256x128_cluster_n": "gemm",
+                  "grouped_fprop_lean_release_256x128_cluster_n": "grouped_fprop"}
 _OVER_100 = "main loop over 100 instructions per 64x128x128"
 MAINLOOP_UNMET: dict[str, tuple[str, ...]] = {
     "gemm_default": (_OVER_100, "MEMBAR in the main loop"),
@@ -304,10 +334,14 @@ MAINLOOP_UNMET: dict[str, tuple[str, ...]] = {
     "gemm_cluster_n": (_OVER_100, "MEMBAR in the main loop"),
     "grouped_fprop": (_OVER_100, "MEMBAR in the main loop"),
     "grouped[cluster_n=2]": (_OVER_100, "MEMBAR in the main loop"),
-    "grouped_wgrad": ("main loop over 212 static instructions per 128-K block", "MEMBAR in the main loop"),
+    "grouped_wgrad": ("MEMBAR in the main loop",),
     "gemm_lean_release": (_OVER_100,),
     "grouped_fprop_lean_release": (_OVER_100,),
     "gemm_lean_release_128x192_cluster_m": (_OVER_100,),
+    "gemm_rule_256x128_cluster_n": (_OVER_100, "MEMBAR in the main loop"),
+    "grouped_fprop_rule_256x128_cluster_n": (_OVER_100, "MEMBAR in the main loop"),
+    "gemm_lean_release_256x128_cluster_n": (_OVER_100,),
+    "grouped_fprop_lean_release_256x128_cluster_n": (_OVER_100,),
 }
 # Every layout the tuning rule picks among (`tuning.DENSE_LAYOUTS`, `GROUPED_LAYOUTS`: tile_m,
 # tile_n, cluster_m, cluster_n) -> the form that compiles it; tests/test_hopper_build.py holds each
@@ -323,16 +357,22 @@ RULE_FORMS: dict[tuple[str, tuple[int, int, int, int]], str] = {
     ("grouped", (128, 128, 1, 1)): "grouped_fprop",
     ("grouped", (128, 128, 1, 2)): "grouped[cluster_n=2]",
     ("grouped", (128, 64, 1, 1)): "grouped_fprop_rule_128x64",
+    ("dense", (256, 128, 1, 1)): "gemm_rule_256x128",
+    ("dense", (256, 128, 2, 1)): "gemm_rule_256x128_cluster_m",
+    ("dense", (256, 128, 1, 2)): "gemm_rule_256x128_cluster_n",
+    ("grouped", (256, 128, 1, 1)): "grouped_fprop_rule_256x128",
+    ("grouped", (256, 128, 1, 2)): "grouped_fprop_rule_256x128_cluster_n",
 }
 # Defects the build found and that are not fixed (docs/gpu.md, "Compiled for Hopper without a
 # Hopper", item 2): form -> its `check_row` problems, exactly, at ptxas 13.5. No default form has
 # one. The committed tables are held to this for every form, and CI's compile of `CI_FORMS` too: a
 # form showing other problems fails, and so does one whose problems went away (delete its entry).
 KNOWN_DEFECTS: dict[str, tuple[str, ...]] = {
-    # A consumer's 64 x 256 (or 128 x 128) f32 result plus its chunk's partial sum is 2 x 128
-    # registers, over its 232 (promotion in 64 x 128 waves was tried: docs/gpu.md).
+    # A consumer's 64 x 256 f32 result plus its chunk's 64 x 256 partial sum is 2 x 128 registers,
+    # over its 232. (256-row tiles no longer spill: their consumers promote in 64-row waves
+    # through one accumulator, `_mainloop._promote_waves`; a 256-wide tile would need column
+    # waves, which fp8 wgmma's K-major b allows but nothing here builds.)
     "gemm[tile_n=256,scalar_b_scale=true,max_concurrent_steps=3]": ("spills: 356 bytes stored, 356 loaded",),
-    "gemm[tile_m=256,max_concurrent_steps=3]": ("spills: 320 bytes stored, 320 loaded",),
 }
 
 
@@ -433,8 +473,11 @@ def read_dump(text: str) -> dict:
 def mainloop_summary(sass_text: str) -> dict | None:
     """The GEMM main loop's census (`hopper/sass_loops.mainloop_census`: the loop around the
     QGMMAs), per 128-K block of one consumer warpgroup: instructions, the same per 64x128x128 of
-    MMA work, the fewest-instruction path, MEMBARs, local-memory loads and stores; None when
-    no loop issues QGMMA."""
+    MMA work, the fewest-instruction path, MEMBARs, local-memory loads and stores, and the
+    accumulator waves per K block with the QGMMA chains that do not start from zero (the
+    promotion needs every chunk's product in a zeroed accumulator: `RZ, !UPT` on its first
+    QGMMA, as 64-row waves through one accumulator must show too); None when no loop issues
+    QGMMA."""
     sys.path.insert(0, str(REPO / "benchmarks" / "hopper"))
     from sass_loops import mainloop_census
 
@@ -446,7 +489,9 @@ def mainloop_summary(sass_text: str) -> dict | None:
             "instructions_per_64x128x128": (main["per_64x128x128"] or {}).get("instructions"),
             "fewest_path_per_k128": fewest["instructions"] if fewest else None,
             "membar_per_k128": sum(v for k, v in k128["fences"].items() if k.startswith("MEMBAR")),
-            "ldl_stl_per_k128": k128["ldl_stl"]}
+            "ldl_stl_per_k128": k128["ldl_stl"],
+            "m_waves": main["m_waves"], "chains": main["chains"]["lengths"],
+            "carried_accumulators": sorted(main["chains"]["carried"])}
 
 
 # Issue 45's deviceless targets for the default forms' main loops (DeepGEMM's loop: 96
@@ -472,6 +517,8 @@ def mainloop_problems(row: dict, kind: str) -> list[str]:
         bad.append("MEMBAR in the main loop")
     if loop["ldl_stl_per_k128"]:
         bad.append("local memory in the main loop")
+    if loop.get("carried_accumulators"):
+        bad.append("a QGMMA chain in the main loop does not start from a zeroed accumulator")
     return bad
 
 

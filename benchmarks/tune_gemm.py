@@ -110,6 +110,9 @@ def candidates(m: int, n: int, kp: int, out_dtype, num_sms: int) -> list[GemmCon
         found += [GemmConfig(tile_n=192, scalar_b_scale=True, max_concurrent_steps=stages) for stages in (3, 4)]
         found += [GemmConfig(tile_n=256, scalar_b_scale=True, max_concurrent_steps=3),
                   GemmConfig(tile_n=192, scalar_b_scale=True, early_scale_loads=True, run_ahead=True)]
+    if m > 128:  # 256-row tiles (64-row waves per consumer), alone and in clusters (issue 45)
+        found += [GemmConfig(tile_m=256, max_concurrent_steps=3, **cluster)
+                  for cluster in ({}, {"cluster_m": 2}, {"cluster_n": 2})]
     unique = list(dict.fromkeys(found))
     return [c for c in unique if smem_bytes(c, out_dtype, chunks) <= SMEM_BYTES]
 
@@ -137,6 +140,8 @@ def grouped_candidates(rows: int, n: int, kp: int, out_dtype, num_sms: int) -> l
         if n > base.tile_n:
             found.append(dataclasses.replace(base, cluster_n=2))
             found.append(dataclasses.replace(base, cluster_n=2, scalar_b_scale=True, early_scale_loads=True))
+    if rows > 256:  # 256-row tiles (64-row waves per consumer), alone and along N (issue 45)
+        found += [GroupedGemmConfig(tile_m=256, max_concurrent_steps=3, cluster_n=c) for c in (1, 2)]
     # By name: the rule's pick can be a clustered base whose switches repeat another base's with
     # scalar_b_scale=None instead of True, the same kernel (the tile's one weight block).
     named: dict[str, object] = {}

@@ -58,6 +58,10 @@ TABLE_M_REACH = 2.0
 # - L2 -> SMEM: about 6 KB per cycle for the whole GPU (DeepGEMM's SM90 heuristic models
 #   min(64 B x SMs, 8e6 / 1.3e3) B/cycle), at most 64 B per cycle into one SM.
 TENSOR_FLOP_PER_SM_CYCLE = 8192
+# The model's resolution: layouts whose modelled cycles are within this fraction of the fewest
+# count as equally fast, and the one with the fewest L2 bytes is picked (the model's L2 figure
+# is a rough constant, and L2 traffic is what the measured kernel was short of).
+MODEL_RESOLUTION = 0.02
 L2_BYTES_PER_CYCLE = 6144
 L2_BYTES_PER_SM_CYCLE = 64
 
@@ -77,17 +81,20 @@ class Layout:
 
 
 # The layouts the rule picks among (warp-specialized forms, M > 64): each compiled for sm_90a
-# with no spills (`benchmarks/hopper_build.py` RULE_FORMS, held by tests/test_hopper_build.py).
-# Not here: 256-wide and 256-row tiles, which spill (hopper_build.KNOWN_DEFECTS), and 192-wide
-# tiles with a per-column b scale (a tile-scaled b), whose three 64 x 192 f32 register tiles
-# would not fit a consumer's 232 registers; the grouped kernels have no clusters along M and
-# no scalar b scale over two weight blocks, so no 192-wide tiles either.
+# with no spills (`benchmarks/hopper_build.py` RULE_FORMS, held by tests/test_hopper_build.py);
+# 256-row tiles promote in 64-row waves (`_mainloop._promote_waves`) and fit SMEM beside a bf16
+# output tile only (`_fits`). Not here: 256-wide tiles, which spill (hopper_build.KNOWN_DEFECTS),
+# and 192-wide tiles with a per-column b scale (a tile-scaled b), whose three 64 x 192 f32
+# register tiles would not fit a consumer's 232 registers; the grouped kernels have no clusters
+# along M and no scalar b scale over two weight blocks, so no 192-wide tiles either.
 DENSE_LAYOUTS = (
     Layout(128, 128), Layout(128, 128, cluster_m=2), Layout(128, 128, cluster_n=2),
     Layout(128, 192), Layout(128, 192, cluster_m=2), Layout(128, 192, cluster_n=2),
     Layout(128, 64),
+    Layout(256, 128), Layout(256, 128, cluster_m=2), Layout(256, 128, cluster_n=2),
 )
-GROUPED_LAYOUTS = (Layout(128, 128), Layout(128, 128, cluster_n=2), Layout(128, 64))
+GROUPED_LAYOUTS = (Layout(128, 128), Layout(128, 128, cluster_n=2), Layout(128, 64),
+                   Layout(256, 128), Layout(256, 128, cluster_n=2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,23 +162,34 @@ def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int, *,
                               cluster_n=best.cluster_n), kp, out_dtype)
 
 
-def grouped_rule_config(rows: int, n: int, kp: int, out_dtype, num_sms: int):
-    """The `GroupedGemmConfig` predicted to be fastest for `rows` token rows (all groups) against
-    weights of `n` x `kp` (not measured): the dense rule's scoring over `GROUPED_LAYOUTS`. Group
-    boundaries only add row tiles, so cdiv(rows, tile_m), the fewest there can be, is what the
-    model counts (exact for groups of whole row tiles, as at the benchmark shapes)."""
-    best = _best_layout(GROUPED_LAYOUTS, rows, n, kp, out_dtype, num_sms, scalar_b=True)
+def grouped_rule_config(rows: int, n: int, kp: int, out_dtype, num_sms: int, *, groups: int = 1):
+    """The `GroupedGemmConfig` predicted to be fastest for `rows` token rows in `groups` groups
+    against weights of `n` x `kp` (not measured): the dense rule's scoring over
+    `GROUPED_LAYOUTS`. A group boundary inside a row tile splits it into two work items, each
+    with the whole K loop, so the model counts cdiv(rows, tile_m) + groups - 1 row tiles: what
+    groups of token counts not known when the kernel is built (an MoE step's) make at most,
+    and about as many as they make (a boundary falls on a tile edge once in tile_m). Taller
+    tiles lose more to the split ones, which is why many small groups keep 128-row tiles. A tile
+    taller than 128 rows is a candidate only where the groups average at least its height: the
+    model prices a tile's MMA whatever its rows, and cannot see that a short group's tile is
+    mostly other groups' rows computed for nothing."""
+    layouts = [lay for lay in GROUPED_LAYOUTS if lay.tile_m <= TILE or rows >= groups * lay.tile_m]
+    best = _best_layout(layouts, rows, n, kp, out_dtype, num_sms, scalar_b=True,
+                        config_class=GroupedGemmConfig, groups=groups)
     return _staged(GroupedGemmConfig(tile_m=best.tile_m, tile_n=best.tile_n,
                                      cluster_n=best.cluster_n), kp, out_dtype)
 
 
 def modelled(config, m: int, n: int, kp: int, num_sms: int, *, out_dtype=jnp.bfloat16,
-             scalar_b: bool = True) -> Modelled:
+             scalar_b: bool = True, groups: int = 1) -> Modelled:
     """The cost model's numbers for `config` (a GemmConfig, GroupedGemmConfig or `Layout`) on
-    an M x N x Kp problem (grouped: M = all groups' rows) on `num_sms` SMs; pure Python.
+    an M x N x Kp problem (grouped: M = all `groups` groups' rows, counted as cdiv(M, tile_m) +
+    groups - 1 row tiles, `grouped_rule_config`) on `num_sms` SMs; pure Python.
     `scalar_b`: b's scale arrives as one 128-byte box per K step (else a tile_n-wide vector)."""
     lay = config if isinstance(config, Layout) else Layout.of(config)
     rows, cols = -(-m // lay.tile_m), -(-n // lay.tile_n)
+    if rows:
+        rows += groups - 1
     cluster = lay.cluster_m * lay.cluster_n
     slots = max(num_sms // cluster, 1)  # clusters resident at once, one CTA per SM
     launched = -(-rows // lay.cluster_m) * -(-cols // lay.cluster_n)  # cluster tiles
@@ -200,17 +218,28 @@ def modelled(config, m: int, n: int, kp: int, num_sms: int, *, out_dtype=jnp.bfl
     )
 
 
-def _best_layout(layouts, m, n, kp, out_dtype, num_sms, *, scalar_b: bool) -> Layout:
-    """The layout with the fewest modelled cycles; clusters only over more than one wave."""
-    def key(item):
-        index, lay = item
-        got = modelled(lay, m, n, kp, num_sms, out_dtype=out_dtype, scalar_b=scalar_b)
-        return got.cycles, got.l2_bytes, lay.cluster_m * lay.cluster_n, index
-
-    one_wave = {lay: -(-m // lay.tile_m) * -(-n // lay.tile_n) <= num_sms for lay in layouts}
+def _best_layout(layouts, m, n, kp, out_dtype, num_sms, *, scalar_b: bool, config_class=GemmConfig,
+                 groups: int = 1) -> Layout:
+    """The layout with the fewest modelled cycles, where cycles within `MODEL_RESOLUTION` of the
+    fewest count as a tie, which goes to fewer L2 bytes, then to no cluster, then to the earlier
+    layout; clusters only over more than one wave; only layouts whose staged config fits SMEM."""
     allowed = [(i, lay) for i, lay in enumerate(layouts)
-               if lay.cluster_m * lay.cluster_n == 1 or not one_wave[lay]]
-    return min(allowed, key=key)[1]
+               if (lay.cluster_m * lay.cluster_n == 1 or -(-m // lay.tile_m) * -(-n // lay.tile_n) > num_sms)
+               and _fits(lay, kp, out_dtype, config_class)]
+    got = {lay: modelled(lay, m, n, kp, num_sms, out_dtype=out_dtype, scalar_b=scalar_b, groups=groups)
+           for _, lay in allowed}
+    fewest = min(got[lay].cycles for _, lay in allowed)
+    ties = [(i, lay) for i, lay in allowed if got[lay].cycles <= fewest * (1 + MODEL_RESOLUTION)]
+    return min(ties, key=lambda item: (got[item[1]].l2_bytes, item[1].cluster_m * item[1].cluster_n, item[0]))[1]
+
+
+def _fits(lay: Layout, kp: int, out_dtype, config_class) -> bool:
+    """Whether `lay`'s config, staged as the rule stages it, fits a block's SMEM (a 256 x 128
+    tile beside an f32 output tile does not, even at 2 stages)."""
+    fields = {"cluster_m": lay.cluster_m} if config_class is GemmConfig else {}
+    config = _staged(config_class(tile_m=lay.tile_m, tile_n=lay.tile_n, cluster_n=lay.cluster_n, **fields),
+                     kp, out_dtype)
+    return smem_bytes(config, out_dtype, max(kp // TILE_K, 1), scalar_b=False) <= SMEM_BYTES
 
 
 def _staged(config, kp: int, out_dtype):
@@ -250,7 +279,7 @@ def grouped_config(rows: int, n: int, kp: int, out_dtype, *, groups: int,
     device_kind = _mgpu.device_kind() if device_kind is None else device_kind
     num_sms = _mgpu.num_sms() if num_sms is None else num_sms
     tuned = table_config(rows, n, kp, out_dtype, device_kind, kind="grouped", groups=groups)
-    return tuned if tuned is not None else grouped_rule_config(rows, n, kp, out_dtype, num_sms)
+    return tuned if tuned is not None else grouped_rule_config(rows, n, kp, out_dtype, num_sms, groups=groups)
 
 
 def _check_kind(kind: str) -> None:

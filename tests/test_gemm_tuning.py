@@ -7,6 +7,7 @@ lower for Hopper, and compute the reference's bits (the interpreter runs the sma
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
@@ -45,22 +46,22 @@ def _no_table(monkeypatch, tmp_path):
 
 
 # The rule's picks at the benchmark shapes (bf16 output, block-scaled b): tile_m, tile_n,
-# cluster_m, cluster_n. At 4096 x 2112 x 7168 it is DeepGEMM's choice; elsewhere DeepGEMM runs
-# 256 x 128 tiles in clusters along N, which spill here (hopper_build.KNOWN_DEFECTS).
+# cluster_m, cluster_n: DeepGEMM's choice at every dense shape (128 x 192 along M at
+# 4096 x 2112 x 7168, 256 x 128 along N elsewhere); for the grouped kernels, which have no
+# clusters along M, 256 x 128 along N (DeepGEMM: 128 x 192 along M).
 DENSE_PICKS = {
     (4096, 2112, 7168): (128, 192, 2, 1),
-    (4096, 24576, 1536): (128, 192, 2, 1),
-    (4096, 7168, 16384): (128, 128, 1, 2),
-    (4096, 4096, 7168): (128, 128, 1, 2),
-    (4096, 7168, 2048): (128, 128, 1, 2),
-    (8192, 8192, 8192): (128, 192, 2, 1),
+    (4096, 24576, 1536): (256, 128, 1, 2),
+    (4096, 7168, 16384): (256, 128, 1, 2),
+    (4096, 4096, 7168): (256, 128, 1, 2),
+    (4096, 7168, 2048): (256, 128, 1, 2),
+    (8192, 8192, 8192): (256, 128, 1, 2),
 }
-GROUPED_PICKS = {shape: (128, 128, 1, 2) for shape in GROUPED_SHAPES}
+GROUPED_PICKS = {shape: (256, 128, 1, 2) for shape in GROUPED_SHAPES}
 # The benchmark shapes where the pick's modelled L2 bytes per FLOP are no more than those of
-# DeepGEMM's choice, modelled the same way (issue 45's target; docs/gpu.md lists the others
-# with their numbers). A shape that starts or stops meeting it fails here until this and the
-# docs are updated.
-L2_TARGET_MET = {(4096, 2112, 7168)}
+# DeepGEMM's choice, modelled the same way (issue 45's target): all of them. A shape that stops
+# meeting it fails here until this and the docs are updated.
+L2_TARGET_MET = {tuple(s) for s in DENSE_SHAPES}
 WAVE_EFFICIENCY_TARGET = 0.88
 
 
@@ -164,12 +165,22 @@ def test_rule_is_valid_fits_smem_and_models_fastest(m, n, chunks, out_dtype, num
     assert lay in tuning.DENSE_LAYOUTS and (scalar_b or lay.tile_n <= TILE)
     assert lay.cluster_m * lay.cluster_n == 1 or tiles > num_sms  # clusters over > 1 wave only
     assert config.max_concurrent_steps >= 2
-    cycles = lambda c: tuning.modelled(c, m, n, kp, num_sms, out_dtype=out_dtype,  # noqa: E731
-                                       scalar_b=scalar_b).cycles
-    rivals = [r for r in tuning.DENSE_LAYOUTS if (scalar_b or r.tile_n <= TILE)
+    model = lambda c: tuning.modelled(c, m, n, kp, num_sms, out_dtype=out_dtype,  # noqa: E731
+                                      scalar_b=scalar_b)
+
+    def fits(r):  # the rival's config as the rule would stage it fits SMEM
+        rival = tuning._staged(gemm.GemmConfig(tile_m=r.tile_m, tile_n=r.tile_n, cluster_m=r.cluster_m,
+                                               cluster_n=r.cluster_n), kp, out_dtype)
+        return gemm.smem_bytes(rival, out_dtype, chunks, scalar_b=False) <= SMEM_BYTES
+
+    rivals = [r for r in tuning.DENSE_LAYOUTS if (scalar_b or r.tile_n <= TILE) and fits(r)
               and (r.cluster_m * r.cluster_n == 1
                    or -(-m // r.tile_m) * -(-n // r.tile_n) > num_sms)]
-    assert cycles(lay) == min(cycles(r) for r in rivals)
+    # fastest in the model within its resolution, and the fewest L2 bytes among those as fast
+    fewest = min(model(r).cycles for r in rivals)
+    assert model(lay).cycles <= fewest * (1 + tuning.MODEL_RESOLUTION)
+    as_fast = [r for r in rivals if model(r).cycles <= fewest * (1 + tuning.MODEL_RESOLUTION)]
+    assert model(lay).l2_bytes == min(model(r).l2_bytes for r in as_fast)
 
 
 @pytest.mark.parametrize("shape", SMALL_M_SHAPES, ids=str)
@@ -490,25 +501,28 @@ def test_grouped_tuner_end_to_end_in_the_interpreter(tune, monkeypatch, tmp_path
 
 @pytest.mark.parametrize("shape", GROUPED_SHAPES, ids=str)
 def test_grouped_rule_picks_at_the_moe_shapes(shape):
-    """128 x 128 tiles in clusters along N (a's chunk multicast): 8192 tiles (4096 clusters) in
-    62.06 waves. DeepGEMM's 128 x 192 in clusters along M moves fewer L2 bytes per FLOP; the
-    grouped kernels build neither (docs/gpu.md)."""
+    """256 x 128 tiles in clusters along N (a's 256-row chunk multicast), counted with a row
+    tile more per group boundary (`grouped_rule_config`): fewer L2 bytes per FLOP than
+    DeepGEMM's 128 x 192 along M, modelled the same way, and as fast in the model."""
     rows = shape.groups * shape.rows_per_group
-    config = tuning.grouped_rule_config(rows, shape.n, shape.k, jnp.bfloat16, H100_NUM_SMS)
+    config = tuning.grouped_config(rows, shape.n, shape.k, jnp.bfloat16, groups=shape.groups)
     assert _layout(config) == GROUPED_PICKS[shape]
-    got = tuning.modelled(config, rows, shape.n, shape.k, H100_NUM_SMS)
+    model = functools.partial(tuning.modelled, m=rows, n=shape.n, kp=shape.k, num_sms=H100_NUM_SMS,
+                              groups=shape.groups)
+    got = model(config)
     assert got.wave_efficiency >= WAVE_EFFICIENCY_TARGET
-    assert got.cycles <= tuning.modelled(GroupedGemmConfig(), rows, shape.n, shape.k, H100_NUM_SMS).cycles
-    deepgemm = tuning.modelled(_deepgemm(rows, shape.n, shape.k, shape.groups), rows, shape.n,
-                               shape.k, H100_NUM_SMS)
-    assert got.l2_bytes_per_flop > deepgemm.l2_bytes_per_flop  # not met: see L2_TARGET_MET
+    assert got.cycles <= model(GroupedGemmConfig()).cycles
+    deepgemm = model(_deepgemm(rows, shape.n, shape.k, shape.groups))
+    # as fast within the model's resolution (N 7168, K 2048: 1.8 % more cycles, its wave count)
+    assert got.l2_bytes_per_flop <= deepgemm.l2_bytes_per_flop
+    assert got.cycles <= deepgemm.cycles * (1 + tuning.MODEL_RESOLUTION)
 
 
 @settings(max_examples=100, deadline=None)
 @given(rows=st.integers(1, 50000), n=st.integers(1, 20000), chunks=st.integers(1, 120),
        out_dtype=st.sampled_from([jnp.bfloat16, jnp.float32]))
 def test_grouped_rule_is_valid_and_fits_smem(rows, n, chunks, out_dtype):
-    config = tuning.grouped_rule_config(rows, n, chunks * TILE, out_dtype, H100_NUM_SMS)
+    config = tuning.grouped_rule_config(rows, n, chunks * TILE, out_dtype, H100_NUM_SMS, groups=1 + rows % 9)
     assert config.warp_specialized and tuning.Layout.of(config) in tuning.GROUPED_LAYOUTS
     assert config.cluster_n == 1 or -(-rows // config.tile_m) * -(-n // config.tile_n) > H100_NUM_SMS
     assert gemm.smem_bytes(config, out_dtype, chunks) <= SMEM_BYTES
@@ -532,7 +546,9 @@ def test_grouped_small_problem_choice_lowers_and_matches_the_reference():
     the interpreter equal to the grouped reference with empty and ragged groups."""
     from test_grouped_kernel import _lower_matmul
 
-    assert tuning.grouped_config(256, 2048, 7168, jnp.bfloat16, groups=8).tile_n == 64
+    # 2 groups of 256 rows: at most 3 row tiles of 128, 48 tiles of 128 columns or 96 of 64,
+    # one wave either way, and the narrower tile moves fewer bytes per step
+    assert tuning.grouped_config(256, 2048, 7168, jnp.bfloat16, groups=2).tile_n == 64
     assert "mosaic_gpu" in _lower_matmul(8, 256, 2048, 7168)
 
     import jfp8

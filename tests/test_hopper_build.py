@@ -133,6 +133,10 @@ def test_mainloop_targets_name_each_unmet_one():
     assert hb.mainloop_problems({"mainloop": dict(loop, membar_per_k128=1, ldl_stl_per_k128=2)}, "gemm") == [
         "MEMBAR in the main loop", "local memory in the main loop"]
     assert hb.mainloop_problems({"mainloop": None}, "gemm") == ["no main loop found in the SASS"]
+    # a chain of QGMMAs accumulating onto registers it did not zero (a 64-row wave whose
+    # accumulator kept the last wave's partial sum) is a wrong promotion, whatever its count
+    assert hb.mainloop_problems({"mainloop": dict(loop, carried_accumulators=["R24"])}, "gemm") == [
+        "a QGMMA chain in the main loop does not start from a zeroed accumulator"]
     assert set(hb.MAINLOOP_UNMET) <= set(hb.MAINLOOP_FORMS) <= set(hb.CI_FORMS)
     assert {f for f in hb.CI_FORMS if not f.startswith("quantize")} == set(hb.MAINLOOP_FORMS)
     for target in hb.TARGETS:
