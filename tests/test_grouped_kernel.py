@@ -358,18 +358,18 @@ def test_persistent_ctas_walk_every_tile_without_races():
     _assert_bitwise_equal(out, _wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32), seed)
 
 
-def _walk_330_columns_without_races(config, wgrad_config):
+def _walk_without_races(config, wgrad_config, *, rows=200, n=330, row_sizes=(100, 0, 90), wgrad_k=200):
     """Forward at N = 330 (3 column tiles: with clusters along N the last cluster's second CTA
     computes a tile past N) and Wgrad at N = 72, both on 2 "SMs" with ragged and empty groups:
-    every output written, bit-identical, no race."""
+    every output written, bit-identical, no race. (Other sizes for taller tiles.)"""
     seed = _seed()
-    lhs, rhs, sizes = _row_operands(seed, 200, 384, 330, [100, 0, 90], exact=True)
-    call = functools.partial(_grouped_matmul_call, n=330, out_dtype=jnp.float32, config=config, num_sms=2)
+    lhs, rhs, sizes = _row_operands(seed, rows, 384, n, list(row_sizes), exact=True)
+    call = functools.partial(_grouped_matmul_call, n=n, out_dtype=jnp.float32, config=config, num_sms=2)
     out, races = _interpret_detecting_races(call, lhs.data, lhs.scale, rhs.data, rhs.scale, sizes)
     assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
     _assert_bitwise_equal(out, _matmul_reference(lhs, rhs, sizes, jnp.float32), seed)
 
-    lhs_t, rhs_t, sizes = _token_operands(seed, 300, 200, 72, [150, 0, 130], exact=True)
+    lhs_t, rhs_t, sizes = _token_operands(seed, 300, wgrad_k, 72, [150, 0, 130], exact=True)
     call = functools.partial(_grouped_wgrad_call, out_dtype=jnp.float32, config=wgrad_config, num_sms=2)
     out, races = _interpret_detecting_races(call, lhs_t.data, lhs_t.scale, rhs_t.data, rhs_t.scale, sizes)
     assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
@@ -384,7 +384,7 @@ def test_clusters_along_n_walk_every_tile_without_races():
     loads. Every output written, bit-identical, no race."""
     config = dataclasses.replace(FAST, cluster_n=2, max_concurrent_steps=2, grid_tile_group=2,
                                  scalar_b_scale=True, early_scale_loads=True)
-    _walk_330_columns_without_races(config, dataclasses.replace(config, tile_n=32, scalar_b_scale=False))
+    _walk_without_races(config, dataclasses.replace(config, tile_n=32, scalar_b_scale=False))
 
 
 def test_tall_tiles_walk_every_tile_without_races():
@@ -392,20 +392,9 @@ def test_tall_tiles_walk_every_tile_without_races():
     accumulator across K steps, tiles and work items (groups straddling a row tile: two items);
     64-wide for the f32 output tile. Then the Wgrad with 256 K rows a tile (dynamic K loops,
     masked shared chunks). Every output written, bit-identical, no race."""
-    seed = _seed()
     config = dataclasses.replace(TALL, tile_n=64, max_concurrent_steps=2, early_scale_loads=True,
                                  lean_release=True)
-    lhs, rhs, sizes = _row_operands(seed, 600, 384, 200, [300, 0, 250], exact=True)
-    call = functools.partial(_grouped_matmul_call, n=200, out_dtype=jnp.float32, config=config, num_sms=2)
-    out, races = _interpret_detecting_races(call, lhs.data, lhs.scale, rhs.data, rhs.scale, sizes)
-    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
-    _assert_bitwise_equal(out, _matmul_reference(lhs, rhs, sizes, jnp.float32), seed)
-
-    lhs_t, rhs_t, sizes = _token_operands(seed, 300, 300, 72, [150, 0, 130], exact=True)
-    call = functools.partial(_grouped_wgrad_call, out_dtype=jnp.float32, config=config, num_sms=2)
-    out, races = _interpret_detecting_races(call, lhs_t.data, lhs_t.scale, rhs_t.data, rhs_t.scale, sizes)
-    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
-    _assert_bitwise_equal(out, _wgrad_reference(lhs_t, rhs_t, sizes, jnp.float32), seed)
+    _walk_without_races(config, config, rows=600, n=200, row_sizes=(300, 0, 250), wgrad_k=300)
 
 
 @pytest.mark.parametrize("cluster_n", [1, 2], ids=["persistent", "clusters-along-n"])
@@ -415,7 +404,7 @@ def test_lean_release_walks_every_tile_without_races(cluster_n):
     the other tests' ragged groups: bit-identical, no race. The Wgrad's consumers also write a
     shared chunk's stage (the other groups' tokens masked) before its wgmma."""
     config = dataclasses.replace(VARIANTS["lean"], cluster_n=cluster_n, max_concurrent_steps=2, grid_tile_group=2)
-    _walk_330_columns_without_races(config, dataclasses.replace(config, tile_n=32))
+    _walk_without_races(config, dataclasses.replace(config, tile_n=32))
 
 
 # ------------------------------------------------------------------------------------------------
