@@ -11,6 +11,8 @@ Implementations (rows), per shape MxNxK (x (M, K) times w (N, K), output bf16):
   torch-bf16            torch.mm on bf16 (GPU with torch only): cuBLAS seen from torch
   torch-fp8-blockwise   torch scaled_mm with 1x128 (x) and 128x128 (w) FP32 scales: cuBLAS >= 12.9
                         on sm_90 (GPU with torch only; a failure is recorded, not raised)
+  deepgemm-1d2d         DeepGEMM's SM90 FP8 GEMM (Hopper, with its harness built: `--deepgemm`), on the
+                        same operands, in a process of its own timed by CUDA events per launch
   jfp8-<impl>           jfp8.scaled_matmul, the front door (impl "mosaic" on Hopper, else "xla")
   jfp8-mosaic-kernel    with --config (Hopper only): the kernel `jfp8-mosaic` runs, timed alone on
                         operands already in the kernel's TMA layouts (`gemm.split_scaled_matmul`):
@@ -32,6 +34,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
+import pathlib
+import statistics
 import sys
 import time
 from typing import Callable
@@ -47,7 +52,10 @@ from _bench import (
     PEAK_SOURCE,
     TIMING_METHOD,
     Case,
+    CheckFailed,
+    Measurement,
     Skip,
+    Timing,
     add_common_args,
     add_ratios,
     check_configs,
@@ -74,8 +82,11 @@ from jfp8.reference import chunk_operand
 from pallas_kernels.shapes import CPU_DENSE_SHAPES, DENSE_SHAPES, SMALL_M_SHAPES, GemmShape
 
 BASELINE = "xla-bf16"
+# DeepGEMM's SM90 FP8 GEMM through jfp8's host program (`hopper/deepgemm_harness.py`): a process of
+# its own, timed by CUDA events there, on the same operands and checked against the same reference.
+DEEPGEMM = "deepgemm-1d2d"
 KERNEL_ONLY = "jfp8-mosaic-kernel"
-BASELINES = ("xla-bf16", "xla-fp8-per-tensor", "torch-bf16", "torch-fp8-blockwise")
+BASELINES = ("xla-bf16", "xla-fp8-per-tensor", "torch-bf16", "torch-fp8-blockwise", DEEPGEMM)
 # The issue's target for the tile x block kernel against the bf16 baseline.
 # Tolerances of a bf16 output against an f32 reference: bf16 rounding (2^-9 relative) plus, for
 # the bf16-operand rows, the rounding of the operands.
@@ -212,8 +223,11 @@ def _tiled_reference(a, b):
     return jfp8.scaled_matmul_reference(a, b, jnp.float32)
 
 
-def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], on_gpu: bool):
-    """(cases, skips, info) for one shape."""
+def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], on_gpu: bool,
+           deepgemm: pathlib.Path | None = None):
+    """(cases, skips, info, harnessed) for one shape; `harnessed`: (name, run(timing) -> the
+    harness's result, check(result) -> error) for implementations timed in a process of their own
+    (DeepGEMM, when `deepgemm` is its usable harness)."""
     m, n, k = shape
     ops = _operands(random_normal(seed, (m, k)), random_normal(seed + 1, (n, k)) / np.sqrt(k))
     x, w, xb, wb, pa, pb, a, b = (ops[key] for key in ("x", "w", "xb", "wb", "pa", "pb", "a", "b"))
@@ -234,6 +248,14 @@ def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], o
         info.update(t_info)
     else:
         skips += [Skip(n_, "no GPU") for n_ in ("torch-bf16", "torch-fp8-blockwise")]
+
+    harnessed = []
+    if deepgemm is not None:
+        deepgemm_harness = _harness_module()
+
+        harnessed.append((DEEPGEMM, lambda timing: deepgemm_harness.run(
+            a, b, n, warmup=timing.warmup, repeats=timing.repeats * timing.inner, binary=deepgemm),
+            lambda got: device_rel_error(jnp.asarray(got["out"]), ref())))
 
     impl = "mosaic" if use_kernels else "xla"
     tiled = jax.jit(lambda a, b: jfp8.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl=impl))
@@ -267,7 +289,57 @@ def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], o
             cases.append(Case(name, lambda kernel=kernel: kernel(a_data, a_scale, b.data, b.scale),
                               _jax_check(ref), TOL_FP8_OUTPUT, "fp8",
                               info=kernel_info(config, m, n, kp, source="given", out_dtype=jnp.bfloat16)))
-    return cases, skips, info
+    return cases, skips, info, harnessed
+
+
+def _run_harnessed(harnessed, label: str, timing: Timing, row_fn, rows: list, failed: list, m: int, n: int,
+                   k: int) -> None:
+    """Each harnessed implementation: run (its own warm-up and timed launches), check its output
+    like `measure` checks a case's (over the tolerance: a failure, no row), then a row with the
+    median of its launches."""
+    deepgemm_harness = _harness_module()
+
+    for name, run, check in harnessed:
+        try:
+            got = run(timing)
+            err = float(check(got))
+            if not err <= TOL_FP8_OUTPUT:
+                raise CheckFailed(f"error {err:.3e} > tolerance {TOL_FP8_OUTPUT:.1e} against its reference")
+        except Exception as e:  # noqa: BLE001 - the harness's failure is its row's, not the run's
+            failed.append(error_entry(name, label, e))
+            print(f"  {name} at {label}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        ms = got["ms"]
+        meas = Measurement(statistics.median(ms) / 1e3, min(ms) / 1e3, max(ms) / 1e3, len(ms), 1, err)
+        inst = deepgemm_harness.instantiation(m, n, k)
+        info = {"config": inst["template"], "config_source": "DeepGEMM's SM90 heuristics (anchors.deepgemm_config)",
+                "timer": "CUDA events around each launch, in the harness's process"}
+        row = row_fn(Case(name, None, None, TOL_FP8_OUTPUT, "fp8", info=info), meas)
+        rows.append(row)
+        print(f"  {name:34s} {label:>20s} {meas.seconds * 1e3:9.3f} ms {row['tflops']:8.4g} TFLOP/s  "
+              f"err {err:.1e}", flush=True)
+
+
+def _harness_module():
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "hopper"))
+    import deepgemm_harness
+
+    return deepgemm_harness
+
+
+def _deepgemm_harness(path: pathlib.Path | None, hopper: bool) -> tuple[pathlib.Path | None, dict]:
+    """(the harness to run, what its check said): None with the reason off a Hopper GPU, without
+    the built program, or when its own device check fails (it checks the driver at start)."""
+    deepgemm_harness = _harness_module()
+
+    path = path or deepgemm_harness.BINARY
+    if not hopper:
+        return None, {"ok": False, "error": "needs a Hopper GPU"}
+    got = deepgemm_harness.check(path)
+    if got.get("ok"):
+        built = path.with_suffix(".json")
+        got = {**got, "binary": str(path), "build": json.loads(built.read_text()) if built.is_file() else None}
+    return (path if got.get("ok") else None), got
 
 
 def _chosen(m: int, n: int, kp: int) -> dict:
@@ -293,6 +365,9 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=None)
     p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE,...",
                    help="a GemmConfig for the Mosaic kernel, benched as its own row (repeatable)")
+    p.add_argument("--deepgemm", type=pathlib.Path, default=None,
+                   help="DeepGEMM's harness (default: benchmarks/hopper/bin/deepgemm_harness, built by "
+                        "benchmarks/hopper/deepgemm_harness.py --build): a row per shape on a Hopper GPU")
     add_common_args(p)
     args = p.parse_args(argv)
     if args.config:
@@ -312,6 +387,8 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     rows, failed, skipped, info = [], [], [], {}
+    deepgemm, why = _deepgemm_harness(args.deepgemm, use_kernels)
+    info["deepgemm"] = why
 
     def save():
         add_ratios(rows, BASELINE, BASELINES)
@@ -324,7 +401,8 @@ def main(argv=None) -> int:
     for shape, label in within_budget(shapes, shape_label, args.budget_s, start, skipped):
         m, n, k = shape
         try:
-            cases, skips, case_info = _cases(shape, use_kernels, args.seed, args.config, on_gpu)
+            cases, skips, case_info, harnessed = _cases(shape, use_kernels, args.seed, args.config, on_gpu,
+                                                        deepgemm)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
             failed.append(error_entry("(operands)", label, e))
             continue
@@ -333,6 +411,10 @@ def main(argv=None) -> int:
         row = functools.partial(gemm_row, device_kind=device.device_kind, flops=2.0 * m * n * k,
                                 m=m, n=n, k=k)
         run_cases(cases, label, timing, row, rows, failed, args.only)
+        if deepgemm is None:
+            skipped.append(dict(impl=DEEPGEMM, problem=label, reason=why["error"]))
+        elif not args.only or DEEPGEMM.startswith(tuple(args.only)):
+            _run_harnessed(harnessed, label, timing, row, rows, failed, m, n, k)
         save()
     path = save()
     print_rows(rows)
