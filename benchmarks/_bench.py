@@ -9,6 +9,7 @@ import functools
 import json
 import pathlib
 import platform
+import sys
 import statistics
 import time
 from typing import Any, Callable, NamedTuple
@@ -368,6 +369,37 @@ def run_cases(cases, label: str, timing: Timing, row_fn, rows: list, failed: lis
         rate = f"{row['tflops']:8.4g} TFLOP/s" if "tflops" in row else f"{row['gbps']:8.4g} GB/s"
         print(f"  {case.name:34s} {label:>20s} {meas.seconds * 1e3:9.3f} ms {rate}  "
               f"err {meas.check:.1e}", flush=True)
+
+
+def harness_module():
+    """`benchmarks/hopper/deepgemm_harness.py`: DeepGEMM's kernels in a program of their own."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "hopper"))
+    import deepgemm_harness
+
+    return deepgemm_harness
+
+
+def run_harnessed(harnessed, label: str, timing: Timing, row_fn, rows: list, failed: list, tol: float) -> None:
+    """Implementations timed in a process of their own (DeepGEMM's harness), each
+    (name, run(timing) -> {"ms": [each timed launch], ...}, check(result) -> error, info): run it
+    (its own warm-up and `repeats x inner` timed launches), check its output as `measure` checks a
+    case's (over `tol`: a failure and no row), then `row_fn` on the median of its launches."""
+    for name, run, check, info in harnessed:
+        try:
+            got = run(timing)
+            err = float(check(got))
+            if not err <= tol:  # also catches NaN
+                raise CheckFailed(f"error {err:.3e} > tolerance {tol:.1e} against its reference")
+        except Exception as e:  # noqa: BLE001 - the harness's failure is its row's, not the run's
+            failed.append(error_entry(name, label, e))
+            print(f"  {name} at {label}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        ms = got["ms"]
+        meas = Measurement(statistics.median(ms) / 1e3, min(ms) / 1e3, max(ms) / 1e3, len(ms), 1, err)
+        row = row_fn(Case(name, None, None, tol, "fp8", info=info), meas)
+        rows.append(row)
+        print(f"  {name:34s} {label:>20s} {meas.seconds * 1e3:9.3f} ms {row['tflops']:8.4g} TFLOP/s  "
+              f"err {err:.1e}", flush=True)
 
 
 def gemm_row(case: Case, meas: Measurement, device_kind: str, flops: float, **problem) -> dict:

@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import pathlib
-import statistics
 import sys
 import time
 from typing import Callable
@@ -52,10 +50,7 @@ from _bench import (
     PEAK_SOURCE,
     TIMING_METHOD,
     Case,
-    CheckFailed,
-    Measurement,
     Skip,
-    Timing,
     add_common_args,
     add_ratios,
     check_configs,
@@ -63,12 +58,14 @@ from _bench import (
     device_rel_error,
     error_entry,
     gemm_row,
+    harness_module,
     kernel_info,
     parse_config,
     parse_shape,
     random_normal,
     report_end,
     run_cases,
+    run_harnessed,
     shape_label,
     timing_from_args,
     to_torch,
@@ -225,9 +222,8 @@ def _tiled_reference(a, b):
 
 def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], on_gpu: bool,
            deepgemm: pathlib.Path | None = None):
-    """(cases, skips, info, harnessed) for one shape; `harnessed`: (name, run(timing) -> the
-    harness's result, check(result) -> error) for implementations timed in a process of their own
-    (DeepGEMM, when `deepgemm` is its usable harness)."""
+    """(cases, skips, info, harnessed) for one shape; `harnessed`: implementations timed in a
+    process of their own (`_bench.run_harnessed`; DeepGEMM, when `deepgemm` is its usable harness)."""
     m, n, k = shape
     ops = _operands(random_normal(seed, (m, k)), random_normal(seed + 1, (n, k)) / np.sqrt(k))
     x, w, xb, wb, pa, pb, a, b = (ops[key] for key in ("x", "w", "xb", "wb", "pa", "pb", "a", "b"))
@@ -251,11 +247,11 @@ def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], o
 
     harnessed = []
     if deepgemm is not None:
-        deepgemm_harness = _harness_module()
+        deepgemm_harness = harness_module()
 
         harnessed.append((DEEPGEMM, lambda timing: deepgemm_harness.run(
             a, b, n, warmup=timing.warmup, repeats=timing.repeats * timing.inner, binary=deepgemm),
-            lambda got: device_rel_error(jnp.asarray(got["out"]), ref())))
+            lambda got: device_rel_error(jnp.asarray(got["out"]), ref()), deepgemm_harness.row_info(m, n, k)))
 
     impl = "mosaic" if use_kernels else "xla"
     tiled = jax.jit(lambda a, b: jfp8.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl=impl))
@@ -290,56 +286,6 @@ def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], o
                               _jax_check(ref), TOL_FP8_OUTPUT, "fp8",
                               info=kernel_info(config, m, n, kp, source="given", out_dtype=jnp.bfloat16)))
     return cases, skips, info, harnessed
-
-
-def _run_harnessed(harnessed, label: str, timing: Timing, row_fn, rows: list, failed: list, m: int, n: int,
-                   k: int) -> None:
-    """Each harnessed implementation: run (its own warm-up and timed launches), check its output
-    like `measure` checks a case's (over the tolerance: a failure, no row), then a row with the
-    median of its launches."""
-    deepgemm_harness = _harness_module()
-
-    for name, run, check in harnessed:
-        try:
-            got = run(timing)
-            err = float(check(got))
-            if not err <= TOL_FP8_OUTPUT:
-                raise CheckFailed(f"error {err:.3e} > tolerance {TOL_FP8_OUTPUT:.1e} against its reference")
-        except Exception as e:  # noqa: BLE001 - the harness's failure is its row's, not the run's
-            failed.append(error_entry(name, label, e))
-            print(f"  {name} at {label}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        ms = got["ms"]
-        meas = Measurement(statistics.median(ms) / 1e3, min(ms) / 1e3, max(ms) / 1e3, len(ms), 1, err)
-        inst = deepgemm_harness.instantiation(m, n, k)
-        info = {"config": inst["template"], "config_source": "DeepGEMM's SM90 heuristics (anchors.deepgemm_config)",
-                "timer": "CUDA events around each launch, in the harness's process"}
-        row = row_fn(Case(name, None, None, TOL_FP8_OUTPUT, "fp8", info=info), meas)
-        rows.append(row)
-        print(f"  {name:34s} {label:>20s} {meas.seconds * 1e3:9.3f} ms {row['tflops']:8.4g} TFLOP/s  "
-              f"err {err:.1e}", flush=True)
-
-
-def _harness_module():
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "hopper"))
-    import deepgemm_harness
-
-    return deepgemm_harness
-
-
-def _deepgemm_harness(path: pathlib.Path | None, hopper: bool) -> tuple[pathlib.Path | None, dict]:
-    """(the harness to run, what its check said): None with the reason off a Hopper GPU, without
-    the built program, or when its own device check fails (it checks the driver at start)."""
-    deepgemm_harness = _harness_module()
-
-    path = path or deepgemm_harness.BINARY
-    if not hopper:
-        return None, {"ok": False, "error": "needs a Hopper GPU"}
-    got = deepgemm_harness.check(path)
-    if got.get("ok"):
-        built = path.with_suffix(".json")
-        got = {**got, "binary": str(path), "build": json.loads(built.read_text()) if built.is_file() else None}
-    return (path if got.get("ok") else None), got
 
 
 def _chosen(m: int, n: int, kp: int) -> dict:
@@ -387,7 +333,7 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     rows, failed, skipped, info = [], [], [], {}
-    deepgemm, why = _deepgemm_harness(args.deepgemm, use_kernels)
+    deepgemm, why = harness_module().usable(args.deepgemm, use_kernels)
     info["deepgemm"] = why
 
     def save():
@@ -414,7 +360,7 @@ def main(argv=None) -> int:
         if deepgemm is None:
             skipped.append(dict(impl=DEEPGEMM, problem=label, reason=why["error"]))
         elif not args.only or DEEPGEMM.startswith(tuple(args.only)):
-            _run_harnessed(harnessed, label, timing, row, rows, failed, m, n, k)
+            run_harnessed(harnessed, label, timing, row, rows, failed, TOL_FP8_OUTPUT)
         save()
     path = save()
     print_rows(rows)

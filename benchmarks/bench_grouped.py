@@ -12,6 +12,8 @@ x (T, K) times one weight per expert, N outputs. Implementations (rows), output 
                       baseline the issue's ratio is taken against
   xla-ragged-dot-bf16 jax.lax.ragged_dot on bf16 (on GPU XLA makes it a dense masked dot)
   mgpu-ragged-dot-bf16  jax's Pallas Mosaic GPU ragged_dot_mgpu on bf16 (Hopper only)
+  deepgemm-m-grouped  DeepGEMM's m-grouped contiguous FP8 GEMM (Hopper, with its harness built:
+                      `--deepgemm`), same operands, in its own process timed by CUDA events
   jfp8-<impl>         jfp8.grouped_scaled_matmul: 1x128 tiles x 128x128 blocks, FP32 promotion
                       (impl "mosaic" on Hopper, else the XLA reference path)
   jfp8-mosaic[<config>]  pallas_kernels.grouped_gemm.grouped_scaled_matmul with
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import pathlib
 import sys
 import time
 
@@ -59,12 +62,14 @@ from _bench import (
     device_rel_error,
     error_entry,
     gemm_row,
+    harness_module,
     kernel_info,
     parse_config,
     parse_grouped_shape,
     random_normal,
     report_end,
     run_cases,
+    run_harnessed,
     shape_label,
     timing_from_args,
     within_budget,
@@ -74,7 +79,10 @@ from jfp8.reference import chunk_operand
 from pallas_kernels.shapes import GROUPED_SHAPES, GroupedShape
 
 BASELINE = "xla-bf16-einsum"
-BASELINES = ("xla-bf16-einsum", "xla-ragged-dot-bf16", "mgpu-ragged-dot-bf16")
+# DeepGEMM's m-grouped contiguous FP8 GEMM through jfp8's host program (`hopper/deepgemm_harness.py`),
+# Fprop only, timed by CUDA events in its own process (as bench_gemm's `deepgemm-1d2d`).
+DEEPGEMM = "deepgemm-m-grouped"
+BASELINES = ("xla-bf16-einsum", "xla-ragged-dot-bf16", "mgpu-ragged-dot-bf16", DEEPGEMM)
 TOL_BF16_OPERANDS = 2e-2
 TOL_FP8_OUTPUT = 1e-2
 CPU_GROUPED_SHAPES = (GroupedShape(2, 128, 256, 256), GroupedShape(4, 64, 128, 512))
@@ -143,7 +151,10 @@ def _mgpu_case(xb, wb_kn, sizes, mgpu_config: dict, ref):
                 _check(ref), TOL_BF16_OPERANDS, "bf16")
 
 
-def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict, configs: list[str]):
+def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict, configs: list[str],
+           deepgemm=None):
+    """(cases, skips, harnessed) for one shape; `harnessed`: DeepGEMM's m-grouped contiguous
+    kernel in its harness's process (`_bench.run_harnessed`), when `deepgemm` is the usable program."""
     g, r, n, k = shape
     ops = _operands(random_normal(seed, (g * r, k)), random_normal(seed + 1, (g, n, k)) / np.sqrt(k), r)
     x, w, xb, wb_kn, a, b, sizes = (ops[key] for key in ("x", "w", "xb", "wb_kn", "a", "b", "sizes"))
@@ -160,6 +171,13 @@ def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict,
         skips.append(Skip("mgpu-ragged-dot-bf16", "needs a Hopper GPU"))
 
     ref = functools.cache(lambda: _fp8_reference(a, b, sizes))
+    harnessed = []
+    if deepgemm is not None:
+        deepgemm_harness = harness_module()
+        harnessed.append((DEEPGEMM, lambda timing: deepgemm_harness.run(
+            a, b, n, warmup=timing.warmup, repeats=timing.repeats * timing.inner, sizes=np.asarray(sizes),
+            binary=deepgemm), lambda got: _check(ref)(jnp.asarray(got["out"])),
+            deepgemm_harness.row_info(g * r, n, k, g)))
     impl = "mosaic" if use_kernels else "xla"
     grouped = jax.jit(lambda a, b, s: jfp8.grouped_scaled_matmul(a, b, s, out_dtype=jnp.bfloat16, impl=impl))
     kp = a.data.shape[1]
@@ -183,7 +201,7 @@ def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict,
             cases.append(Case(name, lambda kernel=kernel: kernel(a_data, a_scale, b.data, b.scale, sizes),
                               _check(ref), TOL_FP8_OUTPUT, "fp8",
                               info=kernel_info(config, g * r, n, kp, source="given", out_dtype=jnp.bfloat16)))
-    return cases, skips
+    return cases, skips, harnessed
 
 
 def _chosen(groups: int, rows: int, n: int, kp: int) -> dict:
@@ -315,6 +333,8 @@ def main(argv=None) -> int:
                    help="a GroupedGemmConfig for jfp8's grouped kernel, benched as its own row (repeatable)")
     p.add_argument("--op", choices=tuple(OPS), default="fprop",
                    help="fprop: y = x W_g^T per group (default); wgrad: dW_g = dy_g^T x_g, grouped along tokens")
+    p.add_argument("--deepgemm", type=pathlib.Path, default=None,
+                   help="DeepGEMM's harness for the fprop rows (default: benchmarks/hopper/bin/deepgemm_harness)")
     add_common_args(p)
     args = p.parse_args(argv)
     if args.config:
@@ -336,6 +356,9 @@ def main(argv=None) -> int:
     key = lambda r: (r["groups"], r["m"], r["n"], r["k"])  # noqa: E731
 
     record_name, make_cases, baselines = OPS[args.op]
+    deepgemm, why = harness_module().usable(args.deepgemm, use_kernels)
+    if args.op != "fprop":
+        deepgemm, why = None, {"ok": False, "error": "DeepGEMM's rows are for the fprop op"}
 
     def save():
         add_ratios(rows, BASELINE, baselines, key=key)
@@ -343,12 +366,17 @@ def main(argv=None) -> int:
             record_name, rows, args.out, op=args.op, timing=dict(dataclasses.asdict(timing), method=TIMING_METHOD),
             peak_source=PEAK_SOURCE, target_vs_bf16=TARGET_GROUPED_VS_BF16,
             mgpu_config={**MGPU_DEFAULTS, **args.mgpu_config}, configs=args.config, failed=failed,
-            skipped=skipped,
+            skipped=skipped, deepgemm=why,
         )
 
     for shape, label in within_budget(shapes, shape_label, args.budget_s, start, skipped):
         try:
-            cases, skips = make_cases(shape, use_kernels, args.seed, args.mgpu_config, args.config)
+            if args.op == "fprop":
+                cases, skips, harnessed = make_cases(shape, use_kernels, args.seed, args.mgpu_config, args.config,
+                                                     deepgemm)
+            else:
+                (cases, skips), harnessed = make_cases(shape, use_kernels, args.seed, args.mgpu_config,
+                                                       args.config), []
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
             failed.append(error_entry("(operands)", label, e))
             continue
@@ -357,6 +385,10 @@ def main(argv=None) -> int:
         row = functools.partial(gemm_row, device_kind=device.device_kind, flops=2.0 * g * r * n * k,
                                 groups=g, m=g * r, n=n, k=k)
         run_cases(cases, label, timing, row, rows, failed, args.only)
+        if deepgemm is None and args.op == "fprop":
+            skipped.append(dict(impl=DEEPGEMM, problem=label, reason=why["error"]))
+        elif not args.only or DEEPGEMM.startswith(tuple(args.only)):
+            run_harnessed(harnessed, label, timing, row, rows, failed, TOL_FP8_OUTPUT)
         save()
     path = save()
     print_rows(rows)

@@ -34,33 +34,52 @@ def test_layouts_are_deepgemms():
     data as bytes; b's block scales as stored."""
     seed = int(np.random.default_rng().integers(2**31))
     a, b = _operands(seed, 37, 200, 384)
-    got = dh.layouts(a, b)
+    got = dh.layouts(a, b, 200)
     assert got["sfa"].shape == (3, 40) and got["sfa"].dtype == np.float32
     np.testing.assert_array_equal(got["sfa"][:, :37], np.asarray(a.scale).T)
     assert not got["sfa"][:, 37:].any()
     assert got["a"].dtype == np.uint8 and got["a"].shape == (37, 384)
     np.testing.assert_array_equal(got["a"], np.asarray(a.data).view(np.uint8))
     np.testing.assert_array_equal(got["sfb"], np.asarray(b.scale))
+    assert "layout" not in got
+
+
+def test_grouped_layout_marks_each_rows_group():
+    """The m-grouped contiguous layout: each row's group, -1 past the groups; groups must come
+    in whole 128-row blocks (DeepGEMM's alignment), else a ValueError that says so."""
+    rng = np.random.default_rng()
+    a = jfp8.quantize(jnp.asarray(rng.standard_normal((640, 128)), jnp.float32), (1, 128))
+    b = jfp8.quantize(jnp.asarray(rng.standard_normal((3, 64, 128)), jnp.float32), (128, 128))
+    got = dh.layouts(a, b, 64, [256, 0, 128])
+    want = np.r_[np.zeros(256), np.full(128, 2), np.full(256, -1)].astype(np.int32)
+    np.testing.assert_array_equal(got["layout"], want)
+    assert got["b"].shape == (3, 64, 128) and got["sfb"].shape == (3, 1, 1)
+    with pytest.raises(ValueError, match="whole 128-row blocks"):
+        dh.layouts(a, b, 64, [200, 56, 0])
 
 
 def test_instantiation_table_follows_deepgemms_argument_order():
     """One entry per problem, each pointing at `sm90_fp8_gemm_1d2d_impl` with the template
     arguments in the order DeepGEMM's own generate_impl writes them (`anchors`), and the launch
     numbers the host needs."""
-    insts = [dh.instantiation(4096, 2112, 7168), dh.instantiation(8192, 8192, 8192)]
+    insts = [dh.instantiation(4096, 2112, 7168), dh.instantiation(8192, 8192, 8192),
+             dh.instantiation(8 * 4096, 4096, 7168, 8)]
     text = dh.kernels_inc(insts)
-    assert text.count("reinterpret_cast<const void*>(&sm90_fp8_gemm_1d2d_impl<") == 2
+    assert text.count("reinterpret_cast<const void*>(&sm90_fp8_gemm_1d2d_impl<") == 3
     for inst in insts:
         generated = anchors.deepgemm_instantiation(inst["template"])
         args = generated.split("sm90_fp8_gemm_1d2d_impl<", 1)[1].split(">);", 1)[0]
         args = ", ".join(a.strip() for a in args.replace("\n", " ").split(","))
         assert f"sm90_fp8_gemm_1d2d_impl<{args}>" in text
         t = inst["template"]
-        assert (f"{{{inst['m']}, {inst['n']}, {inst['k']}, {t['BLOCK_M']}, {t['BLOCK_N']}, {t['kNumStages']}, "
+        assert (f"{{{inst['m']}, {inst['n']}, {inst['k']}, {inst['groups']}, {t['BLOCK_M']}, {t['BLOCK_N']}, "
+                f"{t['kNumStages']}, "
                 f"{inst['threads']}, {t['kNumTMAMulticast']}, {t['kSwizzleDMode']}, {inst['smem_bytes']}, 132,") in text
     # DeepGEMM's own choices at these shapes (its heuristics, re-derived)
     assert (insts[0]["template"]["BLOCK_M"], insts[0]["template"]["BLOCK_N"]) == (128, 192)
     assert (insts[1]["template"]["BLOCK_M"], insts[1]["template"]["kNumTMAMulticast"]) == (256, 2)
+    assert insts[2]["template"]["kGemmType"] == "GemmType::MGroupedContiguous"
+    assert insts[2]["template"]["kNumGroups"] == 8
 
 
 def _stand_in(tmp_path, *, scale=1.0, fail=None):
@@ -75,14 +94,19 @@ def _stand_in(tmp_path, *, scale=1.0, fail=None):
             print(json.dumps({{"ok": False, "error": {fail!r}}})); sys.exit(3)
         if sys.argv[1] == "--check":
             print(json.dumps({{"ok": True, "device": "stand-in", "sms": 132}})); sys.exit(0)
-        m, n, k = (int(v) for v in sys.argv[1:4]); d = sys.argv[4]; reps = int(sys.argv[6])
+        m, n, k = (int(v) for v in sys.argv[1:4]); d = sys.argv[4]; reps = int(sys.argv[6]); g = int(sys.argv[7])
         e4m3 = ml_dtypes.float8_e4m3fn
         a = np.fromfile(d + "/a.bin", np.uint8).view(e4m3).reshape(m, k).astype(np.float32)
-        b = np.fromfile(d + "/b.bin", np.uint8).view(e4m3).reshape(n, k).astype(np.float32)
+        b = np.fromfile(d + "/b.bin", np.uint8).view(e4m3).reshape(g, n, k).astype(np.float32)
         sfa = np.fromfile(d + "/sfa.bin", np.float32).reshape(k // 128, -1)[:, :m].T
-        sfb = np.fromfile(d + "/sfb.bin", np.float32).reshape(-(-n // 128), k // 128)
-        sa = np.repeat(sfa, 128, axis=1); sb = np.repeat(np.repeat(sfb, 128, axis=0)[:n], 128, axis=1)
-        out = ((a * sa) @ (b * sb).T * {scale}).astype(ml_dtypes.bfloat16)
+        sfb = np.fromfile(d + "/sfb.bin", np.float32).reshape(g, -(-n // 128), k // 128)
+        sa = np.repeat(sfa, 128, axis=1); sb = np.repeat(np.repeat(sfb, 128, axis=1)[:, :n], 128, axis=2)
+        rows = np.fromfile(d + "/layout.bin", np.int32) if g > 1 else np.zeros(m, np.int32)
+        out = np.zeros((m, n), np.float32)
+        for i in range(g):
+            sel = rows == i
+            out[sel] = (a[sel] * sa[sel]) @ (b[i] * sb[i]).T * {scale}
+        out = out.astype(ml_dtypes.bfloat16)
         out.view(np.uint16).tofile(d + "/d.bin")
         print(json.dumps({{"ok": True, "m": m, "n": n, "k": k, "ms": [0.5 + i for i in range(reps)]}}))
     """
@@ -111,11 +135,27 @@ def test_a_failing_or_missing_program_says_why(tmp_path):
         dh.run(a, b, 128, warmup=0, repeats=1, binary=broken)
 
 
+def test_grouped_run_hands_over_the_groups(tmp_path):
+    """The m-grouped problem: the groups' weights stacked, each row's group in layout.bin; rows
+    past the groups come back as the stand-in leaves them (zeros)."""
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((384, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 136, 256)) / 16, jnp.float32)
+    a, b = jfp8.quantize(x, (1, 128)), jfp8.quantize(w, (128, 128))
+    sizes = jnp.asarray([128, 128], jnp.int32)
+    got = dh.run(a, b, 136, warmup=0, repeats=2, sizes=np.asarray(sizes), binary=_stand_in(tmp_path))
+    want = np.asarray(jfp8.grouped_scaled_matmul_reference(a, b, sizes, jnp.float32))
+    err = np.linalg.norm(got["out"].astype(np.float32) - want) / np.linalg.norm(want)
+    assert got["out"].shape == (384, 136) and err < 2**-8, f"seed={seed}: {err}"
+    assert not got["out"][256:].astype(np.float32).any()
+
+
 def test_bench_rows_for_the_harness(tmp_path):
     """bench_gemm's row for a harnessed implementation: the median of its launches, its check
     against the same reference (a wrong product fails and leaves no row), DeepGEMM's config."""
     bench = load_benchmark("bench_gemm")
-    from _bench import Timing
+    from _bench import Timing, run_harnessed
 
     m, n, k = 40, 136, 256
     a, b = _operands(1, m, n, k)
@@ -129,7 +169,8 @@ def test_bench_rows_for_the_harness(tmp_path):
                                                 binary=harness)
         check = lambda got: bench.device_rel_error(jnp.asarray(got["out"]), ref())  # noqa: E731
         rows, failed = [], []
-        bench._run_harnessed([(bench.DEEPGEMM, run, check)], "x", timing, row_fn, rows, failed, m, n, k)
+        run_harnessed([(bench.DEEPGEMM, run, check, dh.row_info(m, n, k))], "x", timing, row_fn, rows, failed,
+                      bench.TOL_FP8_OUTPUT)
         if ok:
             assert not failed and len(rows) == 1
             row = rows[0]
@@ -140,7 +181,9 @@ def test_bench_rows_for_the_harness(tmp_path):
             assert not rows and len(failed) == 1 and "tolerance" in failed[0]["error"], failed
 
 
-def test_off_a_hopper_the_harness_is_skipped_with_its_reason():
-    bench = load_benchmark("bench_gemm")
-    harness, why = bench._deepgemm_harness(None, hopper=False)
-    assert harness is None and why == {"ok": False, "error": "needs a Hopper GPU"}
+def test_off_a_hopper_the_harness_is_skipped_with_its_reason(tmp_path):
+    assert dh.usable(None, hopper=False) == (None, {"ok": False, "error": "needs a Hopper GPU"})
+    assert dh.usable(_stand_in(tmp_path, fail="no CUDA driver"), hopper=True) == (
+        None, {"ok": False, "error": "no CUDA driver"})
+    harness, why = dh.usable(_stand_in(tmp_path), hopper=True)
+    assert harness is not None and why["ok"] and why["binary"] == str(harness)

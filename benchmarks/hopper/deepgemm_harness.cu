@@ -7,11 +7,13 @@
 // the generated `deepgemm_kernels.inc` (`benchmarks/hopper/deepgemm_harness.py --build`).
 //
 //   deepgemm_harness --check                       device and driver, as one JSON line
-//   deepgemm_harness M N K DIR WARMUP REPEATS      DIR/{a,sfa,b,sfb}.bin in, DIR/d.bin out
+//   deepgemm_harness M N K DIR WARMUP REPEATS [G]  DIR/{a,sfa,b,sfb}.bin in, DIR/d.bin out
 //
 // Inputs (raw little-endian bytes): a [M, K] e4m3, sfa [ceil(K/128), align(M, 4)] f32 (K-chunk
-// major, rows padded to 16 bytes: DeepGEMM's TMA layout), b [N, K] e4m3 (K-major), sfb
-// [ceil(N/128), ceil(K/128)] f32. Output: d [M, N] bf16 of the last launch. Each timed launch
+// major, rows padded to 16 bytes: DeepGEMM's TMA layout), b [G, N, K] e4m3 (K-major), sfb
+// [G, ceil(N/128), ceil(K/128)] f32; with G > 1 (the MoE kernel, DeepGEMM's m-grouped contiguous
+// layout) also layout [M] int32, each row's group (-1: a padding row), groups in whole BLOCK_M
+// row blocks. Output: d [M, N] bf16 of the last launch. Each timed launch
 // is bracketed by its own pair of CUDA events on the default stream; the JSON line on stdout
 // holds every launch's milliseconds. Exit status: 0 done, 2 bad arguments or no instantiation for
 // (N, K), 3 no usable GPU or driver, 4 a CUDA error (the line says which call).
@@ -33,7 +35,7 @@ using namespace deep_gemm;
 namespace {
 
 struct Instantiation {
-    uint32_t m, n, k;
+    uint32_t m, n, k, groups;
     uint32_t block_m, block_n, stages, threads, multicast, swizzle_d, smem_bytes, num_sms;
     const void* kernel;
 };
@@ -44,7 +46,8 @@ using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, 
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-[[noreturn]] void fail(int status, const std::string& what) {
+[[noreturn]] void fail(int status, std::string what) {
+    std::replace(what.begin(), what.end(), '"', '\'');  // the line stays JSON
     std::printf("{\"ok\": false, \"error\": \"%s\"}\n", what.c_str());
     std::exit(status);
 }
@@ -132,18 +135,20 @@ int main(int argc, char** argv) {
         device_check(true);
         return 0;
     }
-    if (argc != 7) fail(2, "usage: deepgemm_harness --check | M N K DIR WARMUP REPEATS");
+    if (argc != 7 and argc != 8) fail(2, "usage: deepgemm_harness --check | M N K DIR WARMUP REPEATS [G]");
     const uint32_t m = std::atoi(argv[1]), n = std::atoi(argv[2]), k = std::atoi(argv[3]);
+    const uint32_t groups = argc == 8 ? std::atoi(argv[7]) : 1;
     const std::string dir = argv[4];
     const int warmup = std::atoi(argv[5]), repeats = std::atoi(argv[6]);
-    if (m == 0 or n == 0 or k == 0 or n % 8 or k % 128 or repeats < 1 or warmup < 0)
-        fail(2, "M, N, K must be positive, N a multiple of 8, K of 128; REPEATS >= 1, WARMUP >= 0");
+    if (m == 0 or n == 0 or k == 0 or groups == 0 or n % 8 or k % 128 or repeats < 1 or warmup < 0)
+        fail(2, "M, N, K, G must be positive, N a multiple of 8, K of 128; REPEATS >= 1, WARMUP >= 0");
 
     const Instantiation* inst = nullptr;
     for (const auto& i : kInstantiations)
-        if (i.m == m and i.n == n and i.k == k) inst = &i;
+        if (i.m == m and i.n == n and i.k == k and i.groups == groups) inst = &i;
     if (!inst) fail(2, "no DeepGEMM instantiation for " + std::to_string(m) + "x" + std::to_string(n) + "x" +
-                       std::to_string(k) + ": rebuild with benchmarks/hopper/deepgemm_harness.py --build --shapes ...");
+                       std::to_string(k) + " in " + std::to_string(groups) + " group(s): rebuild with "
+                       "benchmarks/hopper/deepgemm_harness.py --build");
     const int sms = device_check(false);
     if (static_cast<uint32_t>(sms) != inst->num_sms)
         fail(3, "the kernel was built for " + std::to_string(inst->num_sms) + " SMs, this GPU has " + std::to_string(sms));
@@ -151,8 +156,9 @@ int main(int argc, char** argv) {
     const uint32_t k_chunks = k / 128, m_aligned = (m + 3) / 4 * 4, n_blocks = (n + 127) / 128;
     void* a = to_device(read_file(dir + "/a.bin", size_t(m) * k), "a");
     void* sfa = to_device(read_file(dir + "/sfa.bin", size_t(k_chunks) * m_aligned * 4), "sfa");
-    void* b = to_device(read_file(dir + "/b.bin", size_t(n) * k), "b");
-    void* sfb = to_device(read_file(dir + "/sfb.bin", size_t(n_blocks) * k_chunks * 4), "sfb");
+    void* b = to_device(read_file(dir + "/b.bin", size_t(groups) * n * k), "b");
+    void* sfb = to_device(read_file(dir + "/sfb.bin", size_t(groups) * n_blocks * k_chunks * 4), "sfb");
+    void* layout = groups > 1 ? to_device(read_file(dir + "/layout.bin", size_t(m) * 4), "layout") : nullptr;
     void* d = nullptr;
     check(cudaMalloc(&d, size_t(m) * n * 2), "cudaMalloc(d)");
     check(cudaMemset(d, 0xff, size_t(m) * n * 2), "cudaMemset(d)");  // NaN until written
@@ -162,7 +168,8 @@ int main(int argc, char** argv) {
     // boxes of BLOCK x 128 in the 128-byte swizzle, the output in BLOCK_M x (swizzle width) boxes,
     // a's scales as BLOCK_M x 1 boxes of the K-chunk-major f32 array.
     CUtensorMap map_a = tensor_map(encode, CU_TENSOR_MAP_DATA_TYPE_UINT8, a, k, m, k, 128, inst->block_m, 128, 1, "a");
-    CUtensorMap map_b = tensor_map(encode, CU_TENSOR_MAP_DATA_TYPE_UINT8, b, k, n, k, 128, inst->block_n, 128, 1, "b");
+    CUtensorMap map_b = tensor_map(encode, CU_TENSOR_MAP_DATA_TYPE_UINT8, b, k, uint64_t(n) * groups, k, 128,
+                                   inst->block_n, 128, 1, "b");  // the groups' weights stacked along N
     CUtensorMap map_d = tensor_map(encode, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, d, n, m, uint64_t(n) * 2, inst->block_n,
                                    inst->block_m, inst->swizzle_d, 2, "d");
     CUtensorMap map_sfa = tensor_map(encode, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sfa, m_aligned, k_chunks,
@@ -183,7 +190,7 @@ int main(int argc, char** argv) {
     config.attrs = &cluster;
     config.numAttrs = 1;
     float* sfb_f = static_cast<float*>(sfb);
-    int* grouped_layout = nullptr;
+    int* grouped_layout = static_cast<int*>(layout);
     uint32_t shape_m = m, shape_n = n, shape_k = k;
     void* args[] = {&sfb_f, &grouped_layout, &shape_m, &shape_n, &shape_k, &map_a, &map_b, &map_d, &map_sfa};
 
@@ -208,9 +215,9 @@ int main(int argc, char** argv) {
     if (!f or std::fwrite(out.data(), 1, out.size(), f) != out.size()) fail(2, "cannot write " + dir + "/d.bin");
     std::fclose(f);
 
-    std::printf("{\"ok\": true, \"m\": %u, \"n\": %u, \"k\": %u, \"block_m\": %u, \"block_n\": %u, \"stages\": %u, "
-                "\"multicast\": %u, \"smem_bytes\": %u, \"ms\": [", m, n, k, inst->block_m, inst->block_n,
-                inst->stages, inst->multicast, inst->smem_bytes);
+    std::printf("{\"ok\": true, \"m\": %u, \"n\": %u, \"k\": %u, \"groups\": %u, \"block_m\": %u, \"block_n\": %u, "
+                "\"stages\": %u, \"multicast\": %u, \"smem_bytes\": %u, \"ms\": [", m, n, k, groups, inst->block_m,
+                inst->block_n, inst->stages, inst->multicast, inst->smem_bytes);
     for (int i = 0; i < repeats; ++i) std::printf("%s%.6f", i ? ", " : "", ms[i]);
     std::printf("]}\n");
     return 0;

@@ -49,13 +49,15 @@ def _anchors():
     return anchors
 
 
-def instantiation(m: int, n: int, k: int, num_sms: int = NUM_SMS) -> dict:
-    """DeepGEMM's choice for an M x N x K dense problem (bf16 output): its template arguments and
-    what the host needs to launch it."""
-    cfg = _anchors().deepgemm_config(m, n, k, 1, "Normal", num_sms=num_sms)
+def instantiation(m: int, n: int, k: int, groups: int = 1, num_sms: int = NUM_SMS) -> dict:
+    """DeepGEMM's choice for an M x N x K problem with a bf16 output (`groups` > 1: the MoE kernel,
+    M rows of all groups in its m-grouped contiguous layout): its template arguments and what the
+    host needs to launch it."""
+    kind = "Normal" if groups == 1 else "MGroupedContiguous"
+    cfg = _anchors().deepgemm_config(m, n, k, groups, kind, num_sms=num_sms)
     t = cfg["template"]
-    return {"m": m, "n": n, "k": k, "template": t, "smem_bytes": cfg["smem_size"], "threads": cfg["threads"],
-            "num_sms": num_sms}
+    return {"m": m, "n": n, "k": k, "groups": groups, "template": t, "smem_bytes": cfg["smem_size"],
+            "threads": cfg["threads"], "num_sms": num_sms}
 
 
 def kernels_inc(insts: list[dict]) -> str:
@@ -71,7 +73,7 @@ def kernels_inc(insts: list[dict]) -> str:
                 str(t["kIsTMAMulticastOnA"]).lower(), t["kNumSMs"], t["kGemmType"], t["cd_dtype_t"],
                 t["epilogue_type_t"]]
         kernel = "sm90_fp8_gemm_1d2d_impl<" + ", ".join(str(a) for a in args) + ">"
-        lines.append(f"    {{{i['m']}, {i['n']}, {i['k']}, {t['BLOCK_M']}, {t['BLOCK_N']}, {t['kNumStages']}, "
+        lines.append(f"    {{{i['m']}, {i['n']}, {i['k']}, {i['groups']}, {t['BLOCK_M']}, {t['BLOCK_N']}, {t['kNumStages']}, "
                      f"{i['threads']}, {t['kNumTMAMulticast']}, {t['kSwizzleDMode']}, {i['smem_bytes']}, "
                      f"{i['num_sms']},\n     reinterpret_cast<const void*>(&{kernel})}},")
     lines.append("};")
@@ -80,8 +82,9 @@ def kernels_inc(insts: list[dict]) -> str:
 
 def build(deepgemm: pathlib.Path, cutlass: pathlib.Path, shapes, out: pathlib.Path = BINARY,
           nvcc: str | None = None, timeout: int = 3600) -> dict:
-    """Compile the program for `shapes` ((m, n, k) each) into `out`; returns what was built and
-    how (the command, nvcc's version, the instantiations), also written next to it as JSON."""
+    """Compile the program for `shapes` ((m, n, k) or (m, n, k, groups) each, m all groups' rows)
+    into `out`; returns what was built and how (the command, nvcc's version, the instantiations),
+    also written next to it as JSON."""
     anchors = _anchors()
     nvcc = anchors.find_tool("nvcc", nvcc)
     dg_include = deepgemm / "deep_gemm" / "include"
@@ -116,40 +119,74 @@ def check(binary: pathlib.Path = BINARY, timeout: float = 60) -> dict:
     return _last_json(r)
 
 
-def layouts(a, b) -> dict[str, np.ndarray]:
-    """jfp8's operands (`Fp8Tensor`s: a tile-scaled (1, 128), b block-scaled (128, 128), K
-    padded to whole chunks) as the raw arrays the program reads: a's data, its scales K-chunk
-    major with rows padded to 4 floats (16 bytes; DeepGEMM's TMA layout), b's data and its block
-    scales as stored."""
+def layouts(a, b, n: int, sizes=None) -> dict[str, np.ndarray]:
+    """jfp8's operands (`Fp8Tensor`s: a tile-scaled (1, 128), b block-scaled (128, 128) with `n`
+    rows used, (G, N, K) with `sizes` rows of a per group; K padded to whole chunks) as the raw
+    arrays the program reads: a's data, its scales K-chunk major with rows padded to 4 floats
+    (16 bytes; DeepGEMM's TMA layout), b's data and its block scales as stored, and with `sizes`
+    each row's group (-1 past the groups). DeepGEMM's contiguous layout needs every group in
+    whole 128-row blocks (`CONTIGUOUS_M_ALIGNMENT`): a ValueError otherwise."""
     m, k = a.data.shape
     sa = np.asarray(a.scale, np.float32)  # (M, K/128)
     sfa = np.zeros((k // 128, -(-m // 4) * 4), np.float32)
     sfa[:, :m] = sa.T
-    return {"a": np.asarray(a.data).view(np.uint8), "sfa": sfa,
-            "b": np.asarray(b.data).view(np.uint8), "sfb": np.asarray(b.scale, np.float32)}
+    b_data, b_scale = np.asarray(b.data).view(np.uint8), np.asarray(b.scale, np.float32)
+    if sizes is None:
+        b_data, b_scale = b_data[:n], b_scale[:-(-n // 128)]
+    else:  # each group's n rows, the groups stacked (jfp8 pads a group's rows to whole blocks)
+        b_data, b_scale = np.ascontiguousarray(b_data[:, :n]), b_scale[:, :-(-n // 128)]
+    out = {"a": np.asarray(a.data).view(np.uint8), "sfa": sfa, "b": b_data, "sfb": b_scale}
+    if sizes is not None:
+        sizes = np.asarray(sizes, np.int64)
+        align = _anchors().CONTIGUOUS_M_ALIGNMENT
+        if (sizes % align).any() or sizes.sum() > m:
+            raise ValueError(f"DeepGEMM's contiguous layout needs groups of whole {align}-row blocks within "
+                             f"the {m} rows, got {sizes.tolist()}")
+        rows = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+        out["layout"] = np.concatenate([rows, np.full(m - len(rows), -1, np.int32)])
+    return out
 
 
-def run(a, b, n: int, *, warmup: int, repeats: int, binary: pathlib.Path = BINARY,
+def run(a, b, n: int, *, warmup: int, repeats: int, sizes=None, binary: pathlib.Path = BINARY,
         timeout: float = 300) -> dict:
-    """DeepGEMM on jfp8's operands a (M x Kp) and b (>= n rows): {"out": bf16 [M, n] numpy array,
-    "ms": [each timed launch], plus the program's own fields}; raises RuntimeError with the
-    program's message when it fails."""
+    """DeepGEMM on jfp8's operands a (M x Kp) and b (>= n rows, or (G, n, Kp) with `sizes`, the
+    rows of a per group): {"out": bf16 [M, n] numpy array, "ms": [each timed launch], plus the
+    program's own fields}; raises RuntimeError with the program's message when it fails."""
     import ml_dtypes
 
     m, k = a.data.shape
-    arrays = layouts(a, b)
-    if arrays["b"].shape[0] != n:
-        arrays["b"] = np.ascontiguousarray(arrays["b"][:n])
+    arrays = layouts(a, b, n, sizes)
+    groups = 1 if sizes is None else len(sizes)
     with tempfile.TemporaryDirectory() as work:
         for name, arr in arrays.items():
             np.ascontiguousarray(arr).tofile(pathlib.Path(work) / f"{name}.bin")
-        r = subprocess.run([str(binary), str(m), str(n), str(k), work, str(warmup), str(repeats)],
+        r = subprocess.run([str(binary), str(m), str(n), str(k), work, str(warmup), str(repeats), str(groups)],
                            capture_output=True, text=True, timeout=timeout)
         got = _last_json(r)
         if not got.get("ok"):
             raise RuntimeError(f"deepgemm_harness: {got.get('error')}")
         out = np.fromfile(pathlib.Path(work) / "d.bin", np.uint16).view(ml_dtypes.bfloat16).reshape(m, n)
     return {**got, "out": out}
+
+
+def usable(path: pathlib.Path | None, hopper: bool) -> tuple[pathlib.Path | None, dict]:
+    """(the program to run, what its check said): None with the reason off a Hopper GPU, without
+    the built program, or when its own device check fails (it checks the driver at start)."""
+    path = path or BINARY
+    if not hopper:
+        return None, {"ok": False, "error": "needs a Hopper GPU"}
+    got = check(path)
+    if got.get("ok"):
+        built = path.with_suffix(".json")
+        got = {**got, "binary": str(path), "build": json.loads(built.read_text()) if built.is_file() else None}
+    return (path if got.get("ok") else None), got
+
+
+def row_info(m: int, n: int, k: int, groups: int = 1) -> dict:
+    """What a DeepGEMM row records beside its time: the template arguments that ran and how it was timed."""
+    return {"config": instantiation(m, n, k, groups)["template"],
+            "config_source": "DeepGEMM's SM90 heuristics (anchors.deepgemm_config)",
+            "timer": "CUDA events around each launch, in the harness's process"}
 
 
 def _last_json(r: subprocess.CompletedProcess) -> dict:
@@ -168,7 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="run the program's device and driver check")
     p.add_argument("--deepgemm", type=pathlib.Path, help="DeepGEMM sources (holding deep_gemm/include)")
     p.add_argument("--cutlass", type=pathlib.Path, help="the CUTLASS sources DeepGEMM pins (holding include/)")
-    p.add_argument("--shapes", nargs="+", default=None, help="MxNxK problems (default: the dense benchmark shapes)")
+    p.add_argument("--shapes", nargs="+", default=None,
+                   help="MxNxK[xG] problems, M all groups' rows (default: the dense and grouped benchmark shapes)")
     p.add_argument("--binary", type=pathlib.Path, default=BINARY)
     p.add_argument("--nvcc", default=None)
     args = p.parse_args(argv)
@@ -176,10 +214,11 @@ def main(argv=None) -> int:
         if not (args.deepgemm and args.cutlass):
             p.error("--build needs --deepgemm and --cutlass")
         sys.path.insert(0, str(REPO))
-        from pallas_kernels.shapes import DENSE_SHAPES
+        from pallas_kernels.shapes import DENSE_SHAPES, GROUPED_SHAPES
 
         shapes = ([tuple(int(v) for v in s.lower().split("x")) for s in args.shapes] if args.shapes
-                  else [tuple(s) for s in DENSE_SHAPES])
+                  else [tuple(s) for s in DENSE_SHAPES]
+                  + [(s.groups * s.rows_per_group, s.n, s.k, s.groups) for s in GROUPED_SHAPES])
         info = build(args.deepgemm, args.cutlass, shapes, args.binary, args.nvcc)
         print(f"built {info['binary']} ({len(info['instantiations'])} instantiations) with {info['nvcc']}")
     if args.check or not args.build:
