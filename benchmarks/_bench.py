@@ -381,9 +381,11 @@ def harness_module():
 
 def run_harnessed(harnessed, label: str, timing: Timing, row_fn, rows: list, failed: list, tol: float) -> None:
     """Implementations timed in a process of their own (DeepGEMM's harness), each
-    (name, run(timing) -> {"ms": [each timed launch], ...}, check(result) -> error, info): run it
-    (its own warm-up and `repeats x inner` timed launches), check its output as `measure` checks a
-    case's (over `tol`: a failure and no row), then `row_fn` on the median of its launches."""
+    (name, run(timing) -> {"ms": [each sample's time per call], "inner", ...}, check(result) ->
+    error, info): run it (its own warm-up, then `repeats` samples of `inner` back-to-back calls,
+    timed on the device by CUDA events where `measure` times the host's wall clock around the
+    calls and one synchronisation), check its output as `measure` checks a case's (over `tol`: a
+    failure and no row), then `row_fn` on the median sample."""
     for name, run, check, info in harnessed:
         try:
             got = run(timing)
@@ -395,7 +397,7 @@ def run_harnessed(harnessed, label: str, timing: Timing, row_fn, rows: list, fai
             print(f"  {name} at {label}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         ms = got["ms"]
-        meas = Measurement(statistics.median(ms) / 1e3, min(ms) / 1e3, max(ms) / 1e3, len(ms), 1, err)
+        meas = Measurement(statistics.median(ms) / 1e3, min(ms) / 1e3, max(ms) / 1e3, len(ms), got.get("inner", 1), err)
         row = row_fn(Case(name, None, None, tol, "fp8", info=info), meas)
         rows.append(row)
         print(f"  {name:34s} {label:>20s} {meas.seconds * 1e3:9.3f} ms {row['tflops']:8.4g} TFLOP/s  "
@@ -416,13 +418,15 @@ def gemm_row(case: Case, meas: Measurement, device_kind: str, flops: float, **pr
     )
 
 
-def kernel_info(config, m: int, n: int, kp: int, *, source: str, out_dtype, scalar_b: bool = True) -> dict:
+def kernel_info(config, m: int, n: int, kp: int, *, source: str, out_dtype, scalar_b: bool = True,
+                groups: int = 1) -> dict:
     """What a kernel's row records beside its time: the config that ran, where it came from
     ("table", "rule" or "given"), and the cost model's numbers for it on this GPU's SMs
-    (`pallas_kernels.tuning.modelled`: L2 bytes per FLOP, waves, wave efficiency, cycles)."""
+    (`pallas_kernels.tuning.modelled`: L2 bytes per FLOP, waves, wave efficiency, cycles; a
+    grouped problem's `groups` counted as the grouped rule counts them)."""
     from pallas_kernels import _mgpu, tuning
 
-    got = tuning.modelled(config, m, n, kp, _mgpu.num_sms(), out_dtype=out_dtype, scalar_b=scalar_b)
+    got = tuning.modelled(config, m, n, kp, _mgpu.num_sms(), out_dtype=out_dtype, scalar_b=scalar_b, groups=groups)
     return {"config": dataclasses.asdict(config), "config_source": source, "modelled": got.as_dict()}
 
 

@@ -246,11 +246,12 @@ def _cases(shape: GemmShape, use_kernels: bool, seed: int, configs: list[str], o
         skips += [Skip(n_, "no GPU") for n_ in ("torch-bf16", "torch-fp8-blockwise")]
 
     harnessed = []
-    if deepgemm is not None:
+    if deepgemm is not None and (m, n, k, 1) not in harness_module().built_for(deepgemm):
+        skips.append(Skip(DEEPGEMM, "DeepGEMM's harness was not built for this shape (deepgemm_harness.py --build --shapes)"))
+    elif deepgemm is not None:
         deepgemm_harness = harness_module()
-
         harnessed.append((DEEPGEMM, lambda timing: deepgemm_harness.run(
-            a, b, n, warmup=timing.warmup, repeats=timing.repeats * timing.inner, binary=deepgemm),
+            a, b, n, warmup=timing.warmup, repeats=timing.repeats, inner=timing.inner, binary=deepgemm),
             lambda got: device_rel_error(jnp.asarray(got["out"]), ref()), deepgemm_harness.row_info(m, n, k)))
 
     impl = "mosaic" if use_kernels else "xla"

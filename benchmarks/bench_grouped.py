@@ -172,10 +172,12 @@ def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict,
 
     ref = functools.cache(lambda: _fp8_reference(a, b, sizes))
     harnessed = []
-    if deepgemm is not None:
+    if deepgemm is not None and (g * r, n, k, g) not in harness_module().built_for(deepgemm):
+        skips.append(Skip(DEEPGEMM, "DeepGEMM's harness was not built for this shape (deepgemm_harness.py --build --shapes)"))
+    elif deepgemm is not None:
         deepgemm_harness = harness_module()
         harnessed.append((DEEPGEMM, lambda timing: deepgemm_harness.run(
-            a, b, n, warmup=timing.warmup, repeats=timing.repeats * timing.inner, sizes=np.asarray(sizes),
+            a, b, n, warmup=timing.warmup, repeats=timing.repeats, inner=timing.inner, sizes=np.asarray(sizes),
             binary=deepgemm), lambda got: _check(ref)(jnp.asarray(got["out"])),
             deepgemm_harness.row_info(g * r, n, k, g)))
     impl = "mosaic" if use_kernels else "xla"
@@ -200,7 +202,8 @@ def _cases(shape: GroupedShape, use_kernels: bool, seed: int, mgpu_config: dict,
                 ad, sa, bd, sb, s, n=n, out_dtype=jnp.bfloat16, config=config))
             cases.append(Case(name, lambda kernel=kernel: kernel(a_data, a_scale, b.data, b.scale, sizes),
                               _check(ref), TOL_FP8_OUTPUT, "fp8",
-                              info=kernel_info(config, g * r, n, kp, source="given", out_dtype=jnp.bfloat16)))
+                              info=kernel_info(config, g * r, n, kp, source="given", out_dtype=jnp.bfloat16,
+                                               groups=g)))
     return cases, skips, harnessed
 
 
@@ -211,7 +214,8 @@ def _chosen(groups: int, rows: int, n: int, kp: int) -> dict:
 
     tabled = tuning.table_config(rows, n, kp, jnp.bfloat16, _mgpu.device_kind(), kind="grouped", groups=groups)
     config = tuning.grouped_config(rows, n, kp, jnp.bfloat16, groups=groups)
-    return kernel_info(config, rows, n, kp, source="rule" if tabled is None else "table", out_dtype=jnp.bfloat16)
+    return kernel_info(config, rows, n, kp, source="rule" if tabled is None else "table", out_dtype=jnp.bfloat16,
+                       groups=groups)
 
 
 def _wgrad_info(config, groups: int, rows: int, n: int, k: int, source: str) -> dict:

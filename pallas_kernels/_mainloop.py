@@ -50,7 +50,7 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
     if release is not None and not early_scales:
         raise ValueError("release needs early_scales: the scales live in the stage it releases")
     rows, cols = out.shape
-    if rows > WGMMA_M:  # a 256-row tile's consumer: 64-row waves through one accumulator
+    if rows > WGMMA_M:  # a 256-row tile's consumer (or one warpgroup's tile of over 64 rows)
         return _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out, scalar_b=scalar_b,
                               early_scales=early_scales, release=release)
     wgmma_layout = plgpu.Layout.WGMMA
@@ -124,11 +124,17 @@ def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b
     waves, wave_rows = rows // WGMMA_M, WGMMA_M
     width, pieces = block_pieces(cols)
 
-    def load_scales(w):
+    def load_scales(w, b_scalars):
+        """Wave w's row scales, times each slice's block scale with `scalar_b` (`b_scalars`, read
+        once for all waves, as DeepGEMM reads its b scale once per K block); else with the
+        per-column vector, read again per wave rather than held across the next wave's wgmma."""
         sa = plgpu.load(sa_smem.at[pl.ds(w * wave_rows, wave_rows)], layout=plgpu.Layout.WGMMA.reduce(1))
         if scalar_b:
-            return [sa * sb_smem[p] for p in range(pieces)], None
+            return [sa * s for s in b_scalars], None
         return sa, plgpu.load(sb_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+
+    def read_b_scalars():
+        return [sb_smem[p] for p in range(pieces)] if scalar_b else None
 
     def add(out, partial, sa, sb):  # `promote`'s arithmetic on one wave
         if sb is None and pieces == 1:
@@ -149,9 +155,11 @@ def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b
         """The waves through `acc_ref`, or, with None, each through a fresh accumulator of its
         own: in the GPU interpreter, which models no registers and cannot store into an
         accumulator (the values are the same: zeros, then the chunk product)."""
+        b_scalars = None
         if early_scales:
             with jax.named_scope("scales"):
-                scales = [load_scales(w) for w in range(waves)]
+                b_scalars = read_b_scalars()
+                scales = [load_scales(w, b_scalars) for w in range(waves)]
         promoted, partial = [], None
         for w in range(waves):
             with jax.named_scope("wgmma"):
@@ -164,7 +172,9 @@ def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b
             if release is not None and w == waves - 1:
                 release()  # the scales are in registers and the stage is read
             with jax.named_scope("promote"):
-                sa, sb = scales[w] if early_scales else load_scales(w)
+                if not early_scales and w == 0:
+                    b_scalars = read_b_scalars()
+                sa, sb = scales[w] if early_scales else load_scales(w, b_scalars)
                 promoted.append(add(out[w * wave_rows:(w + 1) * wave_rows], partial, sa, sb))
         return jnp.concatenate(promoted, axis=0)
 

@@ -251,11 +251,14 @@ def zeros_in_registers_of(x: jax.Array) -> jax.Array:
     call, held in `x`'s own registers: each is overwritten by an inline `mov.b32 r, 0` whose
     output is tied to its input (PTX register `r` of `x`).
 
-    For a wgmma accumulator (`acc_ref[...] = zeros_in_registers_of(partial)`): the wgmma that
-    then writes those registers depends on every earlier read of `x`, so ptxas cannot issue it
-    before they are done and give it registers of its own (`_mainloop._promote_waves`); it
+    For a wgmma accumulator (`acc_ref[...] = zeros_in_registers_of(partial)`): the PTX then
+    writes the next wgmma's accumulator into the registers that hold `x`, after the reads of
+    `x`, and ptxas 13.5 keeps that order and those registers instead of issuing the wgmma
+    early into registers of its own (`_mainloop._promote_waves`; observed, not promised: CI's
+    deviceless build holds it through the 256-row forms' spills and accumulator chains); it
     still sees the zeros and issues the wgmma without reading its accumulator (`RZ, !UPT`).
-    Lowering only (the GPU interpreter has no registers to reuse)."""
+    Lowering only (the GPU interpreter has no registers to reuse). Uses Mosaic GPU's
+    `FragmentedArray._pointwise` and `_lift_fast_instr`, as `ieee_reciprocal` does."""
     if x.dtype != jnp.float32:
         raise TypeError(f"zeros_in_registers_of takes float32, got {x.dtype}")
     layout = plgpu.Layout.WGMMA

@@ -82,7 +82,7 @@ def test_instantiation_table_follows_deepgemms_argument_order():
     assert insts[2]["template"]["kNumGroups"] == 8
 
 
-def _stand_in(tmp_path, *, scale=1.0, fail=None):
+def _stand_in(tmp_path, *, scale=1.0, fail=None, sms=132):
     """An executable that reads the harness's files and writes the dequantized product (times
     `scale`), as the real program would on a GPU; or prints `fail` as its error."""
     path = tmp_path / "stand_in"
@@ -93,8 +93,8 @@ def _stand_in(tmp_path, *, scale=1.0, fail=None):
         if {fail!r} is not None:
             print(json.dumps({{"ok": False, "error": {fail!r}}})); sys.exit(3)
         if sys.argv[1] == "--check":
-            print(json.dumps({{"ok": True, "device": "stand-in", "sms": 132}})); sys.exit(0)
-        m, n, k = (int(v) for v in sys.argv[1:4]); d = sys.argv[4]; reps = int(sys.argv[6]); g = int(sys.argv[7])
+            print(json.dumps({{"ok": True, "device": "stand-in", "sms": {sms}}})); sys.exit(0)
+        m, n, k, g = (int(v) for v in sys.argv[1:5]); d = sys.argv[5]; reps = int(sys.argv[7]); inner = int(sys.argv[8])
         e4m3 = ml_dtypes.float8_e4m3fn
         a = np.fromfile(d + "/a.bin", np.uint8).view(e4m3).reshape(m, k).astype(np.float32)
         b = np.fromfile(d + "/b.bin", np.uint8).view(e4m3).reshape(g, n, k).astype(np.float32)
@@ -108,7 +108,7 @@ def _stand_in(tmp_path, *, scale=1.0, fail=None):
             out[sel] = (a[sel] * sa[sel]) @ (b[i] * sb[i]).T * {scale}
         out = out.astype(ml_dtypes.bfloat16)
         out.view(np.uint16).tofile(d + "/d.bin")
-        print(json.dumps({{"ok": True, "m": m, "n": n, "k": k, "ms": [0.5 + i for i in range(reps)]}}))
+        print(json.dumps({{"ok": True, "m": m, "n": n, "k": k, "inner": inner, "ms": [0.5 + i for i in range(reps)]}}))
     """
     path.write_text(textwrap.dedent(body))
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
@@ -165,8 +165,8 @@ def test_bench_rows_for_the_harness(tmp_path):
                                                 m=m, n=n, k=k)
     for scale, ok in ((1.0, True), (1.5, False)):
         harness = _stand_in(tmp_path, scale=scale)
-        run = lambda t, harness=harness: dh.run(a, b, n, warmup=t.warmup, repeats=t.repeats * t.inner,  # noqa: E731
-                                                binary=harness)
+        run = lambda t, harness=harness: dh.run(a, b, n, warmup=t.warmup, repeats=t.repeats,  # noqa: E731
+                                                inner=t.inner, binary=harness)
         check = lambda got: bench.device_rel_error(jnp.asarray(got["out"]), ref())  # noqa: E731
         rows, failed = [], []
         run_harnessed([(bench.DEEPGEMM, run, check, dh.row_info(m, n, k))], "x", timing, row_fn, rows, failed,
@@ -174,7 +174,7 @@ def test_bench_rows_for_the_harness(tmp_path):
         if ok:
             assert not failed and len(rows) == 1
             row = rows[0]
-            assert row["impl"] == bench.DEEPGEMM and row["ms"] == 2.0 and row["repeats"] == 4
+            assert row["impl"] == bench.DEEPGEMM and row["ms"] == 1.0 and (row["repeats"], row["inner"]) == (2, 2)
             assert row["config"]["BLOCK_K"] == 128 and "CUDA events" in row["timer"]
             json.dumps(row)
         else:
@@ -187,3 +187,26 @@ def test_off_a_hopper_the_harness_is_skipped_with_its_reason(tmp_path):
         None, {"ok": False, "error": "no CUDA driver"})
     harness, why = dh.usable(_stand_in(tmp_path), hopper=True)
     assert harness is not None and why["ok"] and why["binary"] == str(harness)
+    assert dh.built_for(harness) == set()  # no build record beside it: no shape is run
+    (tmp_path / "other").mkdir()
+    other = dh.usable(_stand_in(tmp_path / "other", sms=114), hopper=True)
+    assert other[0] is None and "this GPU has 114" in other[1]["error"]
+
+
+def test_bench_runs_the_harness_only_on_the_shapes_it_was_built_for(tmp_path):
+    """bench_gemm's and bench_grouped's cases: a harnessed DeepGEMM entry where the program's
+    build record lists the problem, a skip that says so where it does not."""
+    from pallas_kernels.shapes import GemmShape, GroupedShape
+
+    gemm, grouped = load_benchmark("bench_gemm"), load_benchmark("bench_grouped")
+    harness = _stand_in(tmp_path)
+    harness.with_suffix(".json").write_text(json.dumps({"instantiations": [
+        {"m": 64, "n": 128, "k": 256, "groups": 1}, {"m": 256, "n": 128, "k": 256, "groups": 2}]}))
+    *_, skips, _info, harnessed = gemm._cases(GemmShape(64, 128, 256), False, 0, [], False, harness)
+    assert [h[0] for h in harnessed] == [gemm.DEEPGEMM] and gemm.DEEPGEMM not in [s.impl for s in skips]
+    *_, skips, _info, harnessed = gemm._cases(GemmShape(128, 128, 256), False, 0, [], False, harness)
+    assert not harnessed and any(s.impl == gemm.DEEPGEMM and "not built" in s.reason for s in skips)
+    _cases, skips, harnessed = grouped._cases(GroupedShape(2, 128, 128, 256), False, 0, {}, [], harness)
+    assert [h[0] for h in harnessed] == [grouped.DEEPGEMM]
+    _cases, skips, harnessed = grouped._cases(GroupedShape(2, 64, 128, 256), False, 0, {}, [], harness)
+    assert not harnessed and any(s.impl == grouped.DEEPGEMM and "not built" in s.reason for s in skips)

@@ -351,8 +351,9 @@ def test_interpreter_poisons_unwritten_output():
         (dataclasses.replace(FAST, tile_n=192, cluster_m=2, max_concurrent_steps=2,
                              scalar_b_scale=True), 330, 500, 4),
         # 256-row tiles in clusters along N (DeepGEMM's layout; 64 wide here, for the f32 output
-        # tile): 3 row tiles x 4 column tiles on 2 persistent clusters, the waves' accumulator
-        # reused across K steps and tiles.
+        # tile): 3 row tiles x 4 column tiles on 2 persistent clusters, two 64-row waves per
+        # consumer (the interpreter gives each wave an accumulator of its own; the lowered
+        # kernel's shared one is checked by the deviceless build and on hardware).
         (dataclasses.replace(FAST, tile_m=256, tile_n=64, cluster_n=2, max_concurrent_steps=2),
          600, 200, 4),
     ],

@@ -522,9 +522,14 @@ def test_grouped_rule_picks_at_the_moe_shapes(shape):
 @given(rows=st.integers(1, 50000), n=st.integers(1, 20000), chunks=st.integers(1, 120),
        out_dtype=st.sampled_from([jnp.bfloat16, jnp.float32]))
 def test_grouped_rule_is_valid_and_fits_smem(rows, n, chunks, out_dtype):
-    config = tuning.grouped_rule_config(rows, n, chunks * TILE, out_dtype, H100_NUM_SMS, groups=1 + rows % 9)
+    groups = 1 + rows % 9
+    config = tuning.grouped_rule_config(rows, n, chunks * TILE, out_dtype, H100_NUM_SMS, groups=groups)
     assert config.warp_specialized and tuning.Layout.of(config) in tuning.GROUPED_LAYOUTS
-    assert config.cluster_n == 1 or -(-rows // config.tile_m) * -(-n // config.tile_n) > H100_NUM_SMS
+    # clusters only over more than one wave of the tiles the model counts (a row tile more per
+    # group boundary); tiles taller than 128 rows only for groups averaging their height
+    tiles = (-(-rows // config.tile_m) + groups - 1) * -(-n // config.tile_n)
+    assert config.cluster_n == 1 or tiles > H100_NUM_SMS
+    assert config.tile_m <= TILE or rows >= groups * config.tile_m
     assert gemm.smem_bytes(config, out_dtype, chunks) <= SMEM_BYTES
 
 
@@ -546,10 +551,15 @@ def test_grouped_small_problem_choice_lowers_and_matches_the_reference():
     the interpreter equal to the grouped reference with empty and ragged groups."""
     from test_grouped_kernel import _lower_matmul
 
-    # 2 groups of 256 rows: at most 3 row tiles of 128, 48 tiles of 128 columns or 96 of 64,
+    # 256 rows in 2 groups: at most 3 row tiles of 128, 48 tiles of 128 columns or 96 of 64,
     # one wave either way, and the narrower tile moves fewer bytes per step
     assert tuning.grouped_config(256, 2048, 7168, jnp.bfloat16, groups=2).tile_n == 64
-    assert "mosaic_gpu" in _lower_matmul(8, 256, 2048, 7168)
+    assert "mosaic_gpu" in _lower_matmul(2, 256, 2048, 7168)
+    # in 8 groups: up to 9 row tiles, 144 tiles of 128 columns, more than one wave, so 2-CTA
+    # clusters along N are allowed and model fastest (the tiles the model counts, groups included)
+    eight = tuning.grouped_config(256, 2048, 7168, jnp.bfloat16, groups=8)
+    assert (eight.tile_m, eight.tile_n, eight.cluster_n) == (128, 128, 2)
+    assert "mosaic_gpu" in _lower_matmul(8, 256, 2048, 7168, config=eight)
 
     import jfp8
 

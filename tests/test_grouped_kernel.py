@@ -388,9 +388,10 @@ def test_clusters_along_n_walk_every_tile_without_races():
 
 
 def test_tall_tiles_walk_every_tile_without_races():
-    """256-row tiles, lean, on 1 cluster of 2 along N: each consumer's two waves share one
-    accumulator across K steps, tiles and work items (groups straddling a row tile: two items);
-    64-wide for the f32 output tile. Then the Wgrad with 256 K rows a tile (dynamic K loops,
+    """256-row tiles, lean, on 1 cluster of 2 along N: each consumer's two 64-row waves across K
+    steps, tiles and work items (groups straddling a row tile: two items; the interpreter gives
+    each wave an accumulator of its own, the lowered kernel shares one); 64-wide for the f32
+    output tile. Then the Wgrad with 256 K rows a tile (dynamic K loops,
     masked shared chunks). Every output written, bit-identical, no race."""
     config = dataclasses.replace(TALL, tile_n=64, max_concurrent_steps=2, early_scale_loads=True,
                                  lean_release=True)

@@ -6,17 +6,18 @@
 // its own SM90 heuristics pick (`benchmarks/hopper/anchors.py`), one instantiation per problem, in
 // the generated `deepgemm_kernels.inc` (`benchmarks/hopper/deepgemm_harness.py --build`).
 //
-//   deepgemm_harness --check                       device and driver, as one JSON line
-//   deepgemm_harness M N K DIR WARMUP REPEATS [G]  DIR/{a,sfa,b,sfb}.bin in, DIR/d.bin out
+//   deepgemm_harness --check                           device and driver, as one JSON line
+//   deepgemm_harness M N K G DIR WARMUP REPEATS INNER  DIR/{a,sfa,b,sfb}.bin in, DIR/d.bin out
 //
 // Inputs (raw little-endian bytes): a [M, K] e4m3, sfa [ceil(K/128), align(M, 4)] f32 (K-chunk
 // major, rows padded to 16 bytes: DeepGEMM's TMA layout), b [G, N, K] e4m3 (K-major), sfb
 // [G, ceil(N/128), ceil(K/128)] f32; with G > 1 (the MoE kernel, DeepGEMM's m-grouped contiguous
 // layout) also layout [M] int32, each row's group (-1: a padding row), groups in whole BLOCK_M
-// row blocks. Output: d [M, N] bf16 of the last launch. Each timed launch
-// is bracketed by its own pair of CUDA events on the default stream; the JSON line on stdout
-// holds every launch's milliseconds. Exit status: 0 done, 2 bad arguments or no instantiation for
-// (N, K), 3 no usable GPU or driver, 4 a CUDA error (the line says which call).
+// row blocks. Output: d [M, N] bf16 of the last launch. After WARMUP launches, REPEATS samples,
+// each INNER back-to-back launches on the default stream between one pair of CUDA events (the
+// benchmarks' own timing: inner calls, one synchronisation); the JSON line on stdout holds each
+// sample's milliseconds per launch. Exit status: 0 done, 2 bad arguments or no instantiation for
+// (M, N, K, G), 3 no usable GPU or driver, 4 a CUDA error (the line says which call).
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -135,13 +136,12 @@ int main(int argc, char** argv) {
         device_check(true);
         return 0;
     }
-    if (argc != 7 and argc != 8) fail(2, "usage: deepgemm_harness --check | M N K DIR WARMUP REPEATS [G]");
-    const uint32_t m = std::atoi(argv[1]), n = std::atoi(argv[2]), k = std::atoi(argv[3]);
-    const uint32_t groups = argc == 8 ? std::atoi(argv[7]) : 1;
-    const std::string dir = argv[4];
-    const int warmup = std::atoi(argv[5]), repeats = std::atoi(argv[6]);
-    if (m == 0 or n == 0 or k == 0 or groups == 0 or n % 8 or k % 128 or repeats < 1 or warmup < 0)
-        fail(2, "M, N, K, G must be positive, N a multiple of 8, K of 128; REPEATS >= 1, WARMUP >= 0");
+    if (argc != 9) fail(2, "usage: deepgemm_harness --check | M N K G DIR WARMUP REPEATS INNER");
+    const uint32_t m = std::atoi(argv[1]), n = std::atoi(argv[2]), k = std::atoi(argv[3]), groups = std::atoi(argv[4]);
+    const std::string dir = argv[5];
+    const int warmup = std::atoi(argv[6]), repeats = std::atoi(argv[7]), inner = std::atoi(argv[8]);
+    if (m == 0 or n == 0 or k == 0 or groups == 0 or n % 8 or k % 128 or repeats < 1 or inner < 1 or warmup < 0)
+        fail(2, "M, N, K, G must be positive, N a multiple of 8, K of 128; REPEATS, INNER >= 1, WARMUP >= 0");
 
     const Instantiation* inst = nullptr;
     for (const auto& i : kInstantiations)
@@ -202,12 +202,15 @@ int main(int argc, char** argv) {
     for (auto& e : events) check(cudaEventCreate(&e), "cudaEventCreate");
     for (int i = 0; i < repeats; ++i) {
         check(cudaEventRecord(events[2 * i], nullptr), "cudaEventRecord");
-        launch();
+        for (int j = 0; j < inner; ++j) launch();
         check(cudaEventRecord(events[2 * i + 1], nullptr), "cudaEventRecord");
     }
     check(cudaDeviceSynchronize(), "timed launches");
     std::vector<float> ms(repeats);
-    for (int i = 0; i < repeats; ++i) check(cudaEventElapsedTime(&ms[i], events[2 * i], events[2 * i + 1]), "cudaEventElapsedTime");
+    for (int i = 0; i < repeats; ++i) {
+        check(cudaEventElapsedTime(&ms[i], events[2 * i], events[2 * i + 1]), "cudaEventElapsedTime");
+        ms[i] /= inner;
+    }
 
     std::vector<char> out(size_t(m) * n * 2);
     check(cudaMemcpy(out.data(), d, out.size(), cudaMemcpyDeviceToHost), "cudaMemcpy(d)");
@@ -216,8 +219,8 @@ int main(int argc, char** argv) {
     std::fclose(f);
 
     std::printf("{\"ok\": true, \"m\": %u, \"n\": %u, \"k\": %u, \"groups\": %u, \"block_m\": %u, \"block_n\": %u, "
-                "\"stages\": %u, \"multicast\": %u, \"smem_bytes\": %u, \"ms\": [", m, n, k, groups, inst->block_m,
-                inst->block_n, inst->stages, inst->multicast, inst->smem_bytes);
+                "\"stages\": %u, \"multicast\": %u, \"smem_bytes\": %u, \"inner\": %d, \"ms\": [", m, n, k, groups,
+                inst->block_m, inst->block_n, inst->stages, inst->multicast, inst->smem_bytes, inner);
     for (int i = 0; i < repeats; ++i) std::printf("%s%.6f", i ? ", " : "", ms[i]);
     std::printf("]}\n");
     return 0;

@@ -147,11 +147,12 @@ def layouts(a, b, n: int, sizes=None) -> dict[str, np.ndarray]:
     return out
 
 
-def run(a, b, n: int, *, warmup: int, repeats: int, sizes=None, binary: pathlib.Path = BINARY,
+def run(a, b, n: int, *, warmup: int, repeats: int, inner: int = 1, sizes=None, binary: pathlib.Path = BINARY,
         timeout: float = 300) -> dict:
     """DeepGEMM on jfp8's operands a (M x Kp) and b (>= n rows, or (G, n, Kp) with `sizes`, the
-    rows of a per group): {"out": bf16 [M, n] numpy array, "ms": [each timed launch], plus the
-    program's own fields}; raises RuntimeError with the program's message when it fails."""
+    rows of a per group): {"out": bf16 [M, n] numpy array, "ms": [each sample's milliseconds per
+    launch: `inner` back-to-back launches between two CUDA events], plus the program's own
+    fields}; raises RuntimeError with the program's message when it fails."""
     import ml_dtypes
 
     m, k = a.data.shape
@@ -160,8 +161,8 @@ def run(a, b, n: int, *, warmup: int, repeats: int, sizes=None, binary: pathlib.
     with tempfile.TemporaryDirectory() as work:
         for name, arr in arrays.items():
             np.ascontiguousarray(arr).tofile(pathlib.Path(work) / f"{name}.bin")
-        r = subprocess.run([str(binary), str(m), str(n), str(k), work, str(warmup), str(repeats), str(groups)],
-                           capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run([str(binary), str(m), str(n), str(k), str(groups), work, str(warmup), str(repeats),
+                            str(inner)], capture_output=True, text=True, timeout=timeout)
         got = _last_json(r)
         if not got.get("ok"):
             raise RuntimeError(f"deepgemm_harness: {got.get('error')}")
@@ -176,17 +177,28 @@ def usable(path: pathlib.Path | None, hopper: bool) -> tuple[pathlib.Path | None
     if not hopper:
         return None, {"ok": False, "error": "needs a Hopper GPU"}
     got = check(path)
+    if got.get("ok") and got.get("sms") != NUM_SMS:
+        got = {"ok": False, "error": f"DeepGEMM's kernels were built for {NUM_SMS} SMs (a template argument), "
+                                     f"this GPU has {got.get('sms')}"}
     if got.get("ok"):
         built = path.with_suffix(".json")
         got = {**got, "binary": str(path), "build": json.loads(built.read_text()) if built.is_file() else None}
     return (path if got.get("ok") else None), got
 
 
+def built_for(path: pathlib.Path | None) -> set[tuple[int, int, int, int]]:
+    """The (m, n, k, groups) problems the program at `path` was built for (its build record)."""
+    record = (path or BINARY).with_suffix(".json")
+    if not record.is_file():
+        return set()
+    return {(i["m"], i["n"], i["k"], i.get("groups", 1)) for i in json.loads(record.read_text())["instantiations"]}
+
+
 def row_info(m: int, n: int, k: int, groups: int = 1) -> dict:
     """What a DeepGEMM row records beside its time: the template arguments that ran and how it was timed."""
     return {"config": instantiation(m, n, k, groups)["template"],
             "config_source": "DeepGEMM's SM90 heuristics (anchors.deepgemm_config)",
-            "timer": "CUDA events around each launch, in the harness's process"}
+            "timer": "CUDA events around each sample's inner launches, in the harness's process"}
 
 
 def _last_json(r: subprocess.CompletedProcess) -> dict:
@@ -206,7 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--deepgemm", type=pathlib.Path, help="DeepGEMM sources (holding deep_gemm/include)")
     p.add_argument("--cutlass", type=pathlib.Path, help="the CUTLASS sources DeepGEMM pins (holding include/)")
     p.add_argument("--shapes", nargs="+", default=None,
-                   help="MxNxK[xG] problems, M all groups' rows (default: the dense and grouped benchmark shapes)")
+                   help="MxNxK[xG] problems, M all groups' rows (default: bench_gemm's and bench_grouped's GPU shapes)")
     p.add_argument("--binary", type=pathlib.Path, default=BINARY)
     p.add_argument("--nvcc", default=None)
     args = p.parse_args(argv)
@@ -214,10 +226,10 @@ def main(argv=None) -> int:
         if not (args.deepgemm and args.cutlass):
             p.error("--build needs --deepgemm and --cutlass")
         sys.path.insert(0, str(REPO))
-        from pallas_kernels.shapes import DENSE_SHAPES, GROUPED_SHAPES
+        from pallas_kernels.shapes import DENSE_SHAPES, GROUPED_SHAPES, SMALL_M_SHAPES
 
         shapes = ([tuple(int(v) for v in s.lower().split("x")) for s in args.shapes] if args.shapes
-                  else [tuple(s) for s in DENSE_SHAPES]
+                  else [tuple(s) for s in (*DENSE_SHAPES, *SMALL_M_SHAPES)]
                   + [(s.groups * s.rows_per_group, s.n, s.k, s.groups) for s in GROUPED_SHAPES])
         info = build(args.deepgemm, args.cutlass, shapes, args.binary, args.nvcc)
         print(f"built {info['binary']} ({len(info['instantiations'])} instantiations) with {info['nvcc']}")
