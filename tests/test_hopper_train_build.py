@@ -32,7 +32,10 @@ def test_committed_table_covers_every_preset_step_and_precision():
     for (preset, step, precision), r in rows.items():
         assert r["ok"], r
         if precision == "bf16":
-            assert r["mosaic_custom_calls"] == 0
+            # No FP8 kernel: BF16's Mosaic calls, where there are any, are its experts' ragged
+            # dots (jax's kernels, issue 43), far fewer kernels than the FP8 step builds.
+            assert r["distinct_mosaic_kernels"] < rows[(preset, step, "fp8")]["distinct_mosaic_kernels"]
+            assert r["mosaic_custom_calls"] == 0 or r["precompile"]["failed"] == 0
             continue
         # One kernel per (op, shapes, static arguments), never one per call site.
         assert r["distinct_mosaic_kernels"] <= r["distinct_op_shape_config"] < r["mosaic_custom_calls"]
