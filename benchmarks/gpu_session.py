@@ -173,7 +173,8 @@ MUTANT, MUTANT_TWIN = "mutant_early_release", "mutant_clean_release"
 # Issue 45's lean main loop (no per-block fence on the consumers) becomes a default only after
 # racecheck is clean on it, in clusters too (a multicast refill lands in the other CTA's stage).
 LEAN_FORMS = ("gemm_lean_release", "grouped_fprop_lean_release", "gemm_lean_release_128x192_cluster_m",
-              "gemm_lean_release_256x128_cluster_n")  # the last: released after the second wave
+              "gemm_lean_release_256x128_cluster_n",  # these two: released after the second wave
+              "grouped_fprop_lean_release_256x128_cluster_n")
 SANITIZED = {"racecheck": ("racecheck", (MUTANT, MUTANT_TWIN, *SANITIZER_KERNELS, *LEAN_FORMS)),
              "memcheck": ("memcheck", SANITIZER_KERNELS),
              "synccheck": ("synccheck", SANITIZER_KERNELS)}

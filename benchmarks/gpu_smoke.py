@@ -370,6 +370,12 @@ KERNELS = {
         lambda rng, i: _dense(rng, i, gemm.GemmConfig(tile_m=256, cluster_n=2, max_concurrent_steps=3,
                                                       early_scale_loads=True, lean_release=True),
                               out_dtype=jnp.bfloat16)),
+    "grouped_fprop_lean_release_256x128_cluster_n": (
+        "grouped Fprop/Dgrad, GroupedGemmConfig(tile_m=256, cluster_n=2, max_concurrent_steps=3, "
+        "early_scale_loads=True, lean_release=True), bf16 out (issue 45: the rule's grouped pick, lean)",
+        lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig(tile_m=256, cluster_n=2, max_concurrent_steps=3,
+                                                                    early_scale_loads=True, lean_release=True),
+                                out_dtype=jnp.bfloat16)),
 }
 
 
