@@ -53,14 +53,9 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
     if rows > WGMMA_M:  # a 256-row tile's consumer (or one warpgroup's tile of over 64 rows)
         return _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out, scalar_b=scalar_b,
                               early_scales=early_scales, release=release)
-    wgmma_layout = plgpu.Layout.WGMMA
-    width, pieces = block_pieces(cols)
 
     def load_scales():
-        sa = plgpu.load(sa_smem, layout=wgmma_layout.reduce(1))  # [rows] per output row
-        if scalar_b:  # scale the row vector by each slice's block scale (broadcast later)
-            return [sa * sb_smem[p] for p in range(pieces)], None
-        return sa, plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [cols] per output column
+        return _load_scales(sa_smem, sb_smem, cols, scalar_b)
 
     def chunk_product(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))  # b is K-major: pass b.T
@@ -84,16 +79,7 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
     with jax.named_scope("promote"):
         if not early_scales:
             sa, sb = load_scales()
-        if sb is None and pieces == 1:
-            out = out + partial * lax.broadcast_in_dim(sa[0], out.shape, [0])
-        elif sb is None:  # a tile over two weight blocks: each slice with its own scalar
-            part = [slice(p * width, (p + 1) * width) for p in range(pieces)]
-            out = jnp.concatenate(
-                [out[:, c] + partial[:, c] * lax.broadcast_in_dim(s, (rows, width), [0])
-                 for c, s in zip(part, sa)], axis=1)
-        else:
-            sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
-            out = out + partial * (sa * sb)
+        out = _promoted(out, partial, sa, sb)
         if release is None:
             # The pipeline hands this stage back to TMA next. The scale loads above are
             # generic-proxy reads and TMA writes through the async proxy, which PTX orders only
@@ -122,30 +108,16 @@ def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b
     element."""
     rows, cols = out.shape
     waves, wave_rows = rows // WGMMA_M, WGMMA_M
-    width, pieces = block_pieces(cols)
+    _, pieces = block_pieces(cols)
 
     def load_scales(w, b_scalars):
-        """Wave w's row scales, times each slice's block scale with `scalar_b` (`b_scalars`, read
-        once for all waves, as DeepGEMM reads its b scale once per K block); else with the
-        per-column vector, read again per wave rather than held across the next wave's wgmma."""
-        sa = plgpu.load(sa_smem.at[pl.ds(w * wave_rows, wave_rows)], layout=plgpu.Layout.WGMMA.reduce(1))
-        if scalar_b:
-            return [sa * s for s in b_scalars], None
-        return sa, plgpu.load(sb_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+        """Wave w's scales, with the weight blocks' scalars read once for all waves (as DeepGEMM
+        reads its b scale once per K block); a per-column vector is read again per wave rather
+        than held across the next wave's wgmma."""
+        return _load_scales(sa_smem.at[pl.ds(w * wave_rows, wave_rows)], sb_smem, cols, scalar_b, b_scalars)
 
     def read_b_scalars():
         return [sb_smem[p] for p in range(pieces)] if scalar_b else None
-
-    def add(out, partial, sa, sb):  # `promote`'s arithmetic on one wave
-        if sb is None and pieces == 1:
-            return out + partial * lax.broadcast_in_dim(sa[0], out.shape, [0])
-        if sb is None:
-            part = [slice(p * width, (p + 1) * width) for p in range(pieces)]
-            return jnp.concatenate(
-                [out[:, c] + partial[:, c] * lax.broadcast_in_dim(s, (wave_rows, width), [0])
-                 for c, s in zip(part, sa)], axis=1)
-        sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
-        return out + partial * (sa * sb)
 
     def product(acc_ref, w):  # wave w's chunk product; reading it waits for the wgmma
         plgpu.wgmma(acc_ref, a_smem.at[pl.ds(w * wave_rows, wave_rows)], b_smem.transpose((1, 0)))
@@ -175,7 +147,7 @@ def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b
                 if not early_scales and w == 0:
                     b_scalars = read_b_scalars()
                 sa, sb = scales[w] if early_scales else load_scales(w, b_scalars)
-                promoted.append(add(out[w * wave_rows:(w + 1) * wave_rows], partial, sa, sb))
+                promoted.append(_promoted(out[w * wave_rows:(w + 1) * wave_rows], partial, sa, sb))
         return jnp.concatenate(promoted, axis=0)
 
     if _mgpu.interpreting():
@@ -185,6 +157,34 @@ def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b
     if release is None:
         plgpu.commit_smem()  # as `promote`'s
     return out
+
+
+def _load_scales(sa_rows, sb_smem, cols: int, scalar_b: bool, b_scalars=None):
+    """A promotion's scales from the stage: (row scales times each column slice's weight-block
+    scalar, one array per `block_pieces` slice; None) with `scalar_b` (the scalars read here
+    unless given as `b_scalars`), else (row scales [rows], column scales [cols])."""
+    wgmma_layout = plgpu.Layout.WGMMA
+    sa = plgpu.load(sa_rows, layout=wgmma_layout.reduce(1))  # [rows] per output row
+    if scalar_b:  # scale the row vector by each slice's block scale (broadcast later)
+        _, pieces = block_pieces(cols)
+        return [sa * (sb_smem[p] if b_scalars is None else b_scalars[p]) for p in range(pieces)], None
+    return sa, plgpu.load(sb_smem, layout=wgmma_layout.reduce(0))  # [cols] per output column
+
+
+def _promoted(out, partial, sa, sb):
+    """`out + partial * (sa * sb)` from `_load_scales`' scales: per column slice with its own
+    scalar for a tile over two weight blocks, else broadcast row (and column) scales."""
+    rows, cols = out.shape
+    width, pieces = block_pieces(cols)
+    if sb is None and pieces == 1:
+        return out + partial * lax.broadcast_in_dim(sa[0], out.shape, [0])
+    if sb is None:  # a tile over two weight blocks: each slice with its own scalar
+        part = [slice(p * width, (p + 1) * width) for p in range(pieces)]
+        return jnp.concatenate(
+            [out[:, c] + partial[:, c] * lax.broadcast_in_dim(s, (rows, width), [0])
+             for c, s in zip(part, sa)], axis=1)
+    sa, sb = lax.broadcast_in_dim(sa, out.shape, [0]), lax.broadcast_in_dim(sb, out.shape, [1])
+    return out + partial * (sa * sb)
 
 
 def cluster_shape(config) -> tuple[int, int]:
