@@ -40,6 +40,7 @@ SWIZZLE_ROWS = 8
 
 # A warpgroup's wgmma covers 64 rows; one TMA box dimension spans at most 256 elements.
 WGMMA_M = 64
+WARPGROUP_THREADS = 128
 
 MAX_TMA_BOX = 256
 

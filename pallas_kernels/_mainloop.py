@@ -18,6 +18,7 @@ from pallas_kernels import _mgpu
 from pallas_kernels._hopper import (
     SCALE_BOX,
     TILE_K,
+    WARPGROUP_THREADS,
     WGMMA_M,
     WS_CONSUMER_WGS,
     WS_PRODUCER_REGISTERS,
@@ -29,8 +30,31 @@ from pallas_kernels.configs import GemmConfig, block_pieces
 from pallas_kernels.fp8_math import FP8_DTYPE
 
 
+class AccChain:
+    """One wgmma accumulator (64 rows) that consecutive chunk products of a warpgroup go through:
+    each product after the first gets its zeros written into the last one's partial-sum
+    registers (`_mgpu.zeros_in_registers_of`), so that ptxas neither issues it before the last
+    promotion has read them nor gives it registers of its own (`_promote_waves` explains why
+    that spills). Lowering only; in the interpreter each product takes a fresh accumulator."""
+
+    def __init__(self, acc_ref, zeroed: bool = False):
+        """`zeroed`: the accumulator holds zeros (fresh from `run_scoped`, nothing between it
+        and the first product), which the first wgmma then reads as none."""
+        self.acc_ref, self.last, self.zeroed = acc_ref, None, zeroed
+
+    def product(self, a_smem, b_t) -> jax.Array:
+        """a_smem @ b_t into the accumulator from zero; reading it waits for the wgmma."""
+        if self.last is not None:  # the last partial sum is dead: its registers take the zeros
+            self.acc_ref[...] = _mgpu.zeros_in_registers_of(self.last)
+        elif not self.zeroed:  # zeros next to the wgmma, which then reads none (`RZ, !UPT`)
+            self.acc_ref[...] = zeros(self.acc_ref.shape)
+        plgpu.wgmma(self.acc_ref, a_smem, b_t)
+        self.last = self.acc_ref[...]
+        return self.last
+
+
 def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool = False,
-            early_scales: bool = False, release=None) -> jax.Array:
+            early_scales: bool = False, release=None, chain: AccChain | None = None) -> jax.Array:
     """One K chunk for one warpgroup: fresh FP32 wgmma, then `out + partial * (sa * sb)`.
 
     a_smem [rows, TILE_K], b_smem [tile_n, TILE_K] (K-major), sa_smem [rows], sb_smem [tile_n]
@@ -45,14 +69,16 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
     `release()` (`GemmConfig.lean_release`; needs `early_scales`), when given, hands the stage
     back right after the wgmma's wait, before the promotion, and this function then issues no
     proxy fence: its caller's producer fences before refilling the stage. Otherwise the caller
-    releases the stage after this returns, and the fence is issued here.
+    releases the stage after this returns, and the fence is issued here. With `chain` the
+    products go through its accumulator (a static round of chunks, `_static_slot_chunks`)
+    instead of a fresh one.
     """
     if release is not None and not early_scales:
         raise ValueError("release needs early_scales: the scales live in the stage it releases")
     rows, cols = out.shape
     if rows > WGMMA_M:  # a 256-row tile's consumer (or one warpgroup's tile of over 64 rows)
         return _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out, scalar_b=scalar_b,
-                              early_scales=early_scales, release=release)
+                              early_scales=early_scales, release=release, chain=chain)
 
     def load_scales():
         return _load_scales(sa_smem, sb_smem, cols, scalar_b)
@@ -70,7 +96,10 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
             sa, sb = load_scales()
     # The named scopes are the regions `_mgpu.profile` times per warpgroup (nothing otherwise).
     with jax.named_scope("wgmma"):
-        partial = pl.run_scoped(chunk_product, plgpu.ACC((rows, cols), jnp.float32))  # zeroed
+        if chain is not None:
+            partial = chain.product(a_smem, b_smem.transpose((1, 0)))
+        else:
+            partial = pl.run_scoped(chunk_product, plgpu.ACC((rows, cols), jnp.float32))  # zeroed
     if release is not None:
         # The wgmma has read the stage (its wait ended `run_scoped`) and the scales are in
         # registers: each thread's mbarrier arrive (release semantics) orders its own reads of
@@ -91,7 +120,7 @@ def promote(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool 
     return out
 
 def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b: bool,
-                   early_scales: bool, release) -> jax.Array:
+                   early_scales: bool, release, chain: AccChain | None = None) -> jax.Array:
     """`promote` of rows = 64 w in w waves of 64 rows, DeepGEMM's schedule for a 256-row tile:
     wave i's wgmma into the accumulator, its wait, its promotion into rows [64 i, 64 i + 64) of
     `out`, then wave i + 1's wgmma into the same accumulator registers. One wave's partial sum
@@ -102,10 +131,11 @@ def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b
     wgmma registers of its own and issues it before the last wave's promotion has read its
     partial sum, both partial sums live (196 bytes of spills at 256 x 128, ptxas 13.5). So the
     next wave's zeros are written into the last wave's partial-sum registers
-    (`_mgpu.zeros_in_registers_of`): the wgmma that overwrites them must wait for the promotion
-    that reads them, and both waves' QGMMAs use the same registers (0 spills). The stage is
-    released (`release`) after the last wave's wait; the bits are `promote`'s, element by
-    element."""
+    (`_mgpu.zeros_in_registers_of`, through an `AccChain`: the caller's, which then also links
+    this chunk's first wave to the last chunk's last one): the wgmma that overwrites them must
+    wait for the promotion that reads them, and both waves' QGMMAs use the same registers
+    (0 spills). The stage is released (`release`) after the last wave's wait; the bits are
+    `promote`'s, element by element."""
     rows, cols = out.shape
     waves, wave_rows = rows // WGMMA_M, WGMMA_M
     _, pieces = block_pieces(cols)
@@ -123,8 +153,8 @@ def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b
         plgpu.wgmma(acc_ref, a_smem.at[pl.ds(w * wave_rows, wave_rows)], b_smem.transpose((1, 0)))
         return acc_ref[...]
 
-    def waves_of(acc_ref):
-        """The waves through `acc_ref`, or, with None, each through a fresh accumulator of its
+    def waves_of(chain):
+        """The waves through `chain`, or, with None, each through a fresh accumulator of its
         own: in the GPU interpreter, which models no registers and cannot store into an
         accumulator (the values are the same: zeros, then the chunk product)."""
         b_scalars = None
@@ -135,12 +165,10 @@ def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b
         promoted, partial = [], None
         for w in range(waves):
             with jax.named_scope("wgmma"):
-                if acc_ref is None:
+                if chain is None:
                     partial = pl.run_scoped(functools.partial(product, w=w), plgpu.ACC((wave_rows, cols), jnp.float32))
                 else:
-                    if w:  # the last wave's partial sum is dead: its registers take the zeros
-                        acc_ref[...] = _mgpu.zeros_in_registers_of(partial)
-                    partial = product(acc_ref, w)
+                    partial = chain.product(a_smem.at[pl.ds(w * wave_rows, wave_rows)], b_smem.transpose((1, 0)))
             if release is not None and w == waves - 1:
                 release()  # the scales are in registers and the stage is read
             with jax.named_scope("promote"):
@@ -150,10 +178,10 @@ def _promote_waves(a_smem, b_smem, sa_smem, sb_smem, out: jax.Array, *, scalar_b
                 promoted.append(_promoted(out[w * wave_rows:(w + 1) * wave_rows], partial, sa, sb))
         return jnp.concatenate(promoted, axis=0)
 
-    if _mgpu.interpreting():
-        out = waves_of(None)
-    else:
-        out = pl.run_scoped(waves_of, plgpu.ACC((wave_rows, cols), jnp.float32))  # zeroed for wave 0
+    if chain is not None or _mgpu.interpreting():
+        out = waves_of(chain)
+    else:  # zeroed for wave 0
+        out = pl.run_scoped(lambda acc_ref: waves_of(AccChain(acc_ref, zeroed=True)), plgpu.ACC((wave_rows, cols), jnp.float32))
     if release is None:
         plgpu.commit_smem()  # as `promote`'s
     return out
@@ -325,6 +353,8 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
     steps, the consumers raise theirs once and run every tile's K loop and epilogue. The roles
     meet only at the stages' barriers ("produced": the stage's four TMA loads landed; "consumed":
     both consumers finished with it), numbered by a step counter that runs on over the tiles.
+    The consumers walk a tile's K steps in rounds of the stages with constant slots, as
+    DeepGEMM does (`_static_slot_chunks`; `_round_form` says which form a tile gets).
 
     The producer refills a stage as soon as both consumers release it, whichever tile the next
     step belongs to, so it runs ahead across tile boundaries. The SMEM stages and the output tile
@@ -355,6 +385,7 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
     tm, tn = config.tile_m, config.tile_n
     wm = tm // WS_CONSUMER_WGS
     lean = getattr(config, "lean_release", False)
+    rounds = _round_form(wm, tn, scalar_b)  # the consumers' K loop (`_static_slot_chunks`)
     chunks = operands[0].shape[1] // TILE_K
     # A static K loop shorter than the pipeline needs fewer stages; a dynamic one may use all.
     stages = config.max_concurrent_steps if dynamic_k else min(config.max_concurrent_steps, chunks)
@@ -409,22 +440,28 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
             def k_tile(mi, ni, views, epilogue, step, *, k_first=0, k_steps=chunks, edge_chunk=None):
                 del mi, ni, views, k_first  # the producer's part
 
-                def chunk(k, carry, edge=False):
+                def chunk(k, carry, edge=False, slot=None, chain=None, buf_slot=None, waited=False):
                     step, out = carry
-                    slot = lax.rem(step, stages)
-                    plgpu.barrier_wait(produced.at[slot])
+                    if slot is None:
+                        slot = lax.rem(step, stages)
+                    if not waited:
+                        plgpu.barrier_wait(produced.at[slot])
+                    bslot = slot if buf_slot is None else buf_slot
                     if edge:
-                        edge_chunk(k, bufs[0].at[slot].at[rows])
+                        edge_chunk(k, bufs[0].at[bslot].at[rows])
                     release = functools.partial(plgpu.barrier_arrive, consumed.at[slot])
-                    out = _promote_rows(config, rows, *(buf.at[slot] for buf in bufs), out, scalar_b,
-                                        release=release if lean else None)
+                    out = _promote_rows(config, rows, *(buf.at[bslot] for buf in bufs), out, scalar_b,
+                                        release=release if lean else None, chain=chain)
                     if not lean:
                         release()
                     return step + 1, out
 
                 carry = (step, zeros((wm, tn)))
-                if edge_chunk is None:
+                if edge_chunk is None and rounds is None:
                     carry = lax.fori_loop(0, k_steps, chunk, carry)
+                elif edge_chunk is None:
+                    carry = _static_slot_chunks(chunk, lambda s: plgpu.barrier_wait(produced.at[s]), carry,
+                                                k_steps, stages, (WGMMA_M, tn), static_buffers=rounds == "static")
                 else:  # the first and last chunks peeled off: the loop's body has no edge work
                     edge = functools.partial(chunk, edge=True)
                     carry = lax.fori_loop(1, k_steps - 1, chunk, edge(0, carry))
@@ -449,6 +486,67 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
         collective_axes="wg",
     )
     plgpu.wait_smem_to_gmem(0)
+
+
+def _round_form(wm: int, tn: int, scalar_b: bool) -> str | None:
+    """How a consumer of `wm` x `tn` rows runs its K loop, by the registers a thread holds for
+    its result and the 64-row accumulator beside it (ptxas 13.5, measured by the deviceless
+    build, each choice the one without spills):
+
+    - up to 128 (128 x 128 tiles and narrower): "static", rounds of the stages with every SMEM
+      offset a constant (`_static_slot_chunks`); ptxas hoists each stage's wgmma descriptors
+      out of the loop, and they fit beside;
+    - up to 192 with a weight block's scalar scale (256 x 128, 128 x 192): "computed", rounds
+      whose SMEM offsets are computed per chunk (hoisted, the descriptors spilled 208 and 108
+      bytes);
+    - else (a tile-scaled b's per-column scale vector beside 192, a 256-wide tile): None, one
+      chunk per iteration, its slot computed (rounds spilled 8 bytes at 256 x 128 with a
+      tile-scaled b)."""
+    regs = (wm + WGMMA_M) * tn // WARPGROUP_THREADS
+    if regs <= 128:
+        return "static"
+    if regs <= 192 and scalar_b:
+        return "computed"
+    return None
+
+
+def _static_slot_chunks(chunk, wait, carry, k_steps, stages: int, acc_shape, *, static_buffers: bool = True):
+    """`k_steps` calls of `chunk(k, carry, slot=..., ...)` from step `carry[0]` (the step counter
+    runs on across a CTA's tiles), DeepGEMM's loop over its stages: a first loop (slots computed)
+    up to the next step whose slot is 0, a loop over whole rounds of the stages whose body is one
+    chunk per stage with the slot a constant, then the steps left over (slots computed).
+
+    In a round each chunk's barrier, phase bit and (with `static_buffers`) SMEM offsets are
+    constants, instead of a `rem` by the stage count, a phase bit taken by a computed shift and
+    descriptors built from a computed address per chunk (the per-K-block arithmetic that kept
+    the main loop over issue 45's 100 instructions per 64 x 128 x 128); without
+    `static_buffers` the round's SMEM offsets come from its first step's slot (0, which the
+    compiler cannot see), so that ptxas does not hoist every stage's descriptors into registers.
+    A round's wgmmas share one accumulator (`AccChain`), its zeros right after the first
+    stage's wait (`wait(0)`). `k` is unused."""
+    step = carry[0]
+    head = lax.min(lax.rem(stages - lax.rem(step, stages), stages), k_steps)
+    carry = lax.fori_loop(0, head, chunk, carry)
+    rest = k_steps - head
+
+    def round_(r, carry):
+        base = None if static_buffers else lax.rem(carry[0], stages)  # 0, computed
+
+        def run(chain):
+            c = carry
+            for s in range(stages):
+                c = chunk(r, c, slot=s, chain=chain, buf_slot=None if base is None else base + s, waited=s == 0)
+            return c
+
+        # The first stage's wait comes before the accumulator's zeros, so that nothing lies
+        # between those and the first wgmma (which then reads none: `RZ, !UPT`).
+        wait(0)
+        if _mgpu.interpreting():
+            return run(None)
+        return pl.run_scoped(lambda acc_ref: run(AccChain(acc_ref, zeroed=True)), plgpu.ACC(acc_shape, jnp.float32))
+
+    carry = lax.fori_loop(0, rest // stages, round_, carry)
+    return lax.fori_loop(0, rest % stages, chunk, carry)
 
 
 def _producer_fence() -> None:
@@ -529,10 +627,10 @@ def run_ahead_tiles(config, operands, out_dtype, tiles: tuple[int, int], units: 
     _with_ws_scratch(config, operands, out_dtype, out_transforms, alloc_steps, scalar_b, scoped)
 
 
-def _promote_rows(config, rows, a_smem, b_smem, sa_smem, sb_smem, out, scalar_b, release=None):
+def _promote_rows(config, rows, a_smem, b_smem, sa_smem, sb_smem, out, scalar_b, release=None, chain=None):
     """`promote` on one consumer's rows of a K step's SMEM tiles."""
     return promote(a_smem.at[rows], b_smem, sa_smem.at[rows], sb_smem, out, scalar_b=scalar_b,
-                   early_scales=getattr(config, "early_scale_loads", False), release=release)
+                   early_scales=getattr(config, "early_scale_loads", False), release=release, chain=chain)
 
 
 def _ws_pipeline(config, specs, steps, body=None, compute_context=None):

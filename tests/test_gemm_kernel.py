@@ -377,6 +377,71 @@ def test_persistent_ctas_walk_every_tile_without_races(config, m, n, num_sms):
     _assert_bitwise_equal(np.asarray(out)[:m, :n], _reference(a, b, jnp.float32), seed)
 
 
+@pytest.mark.parametrize("static_buffers", [True, False])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_static_slot_rounds_visit_each_step_once_in_its_slot(monkeypatch, stages, static_buffers):
+    """`_static_slot_chunks` (the consumers' K loop: a first loop to the next round of the
+    stages, rounds with static slots, the steps left over) calls its chunk once per step, in
+    order, each in slot step % stages with that stage's barrier, from any starting step (the
+    step counter runs on across a CTA's tiles) and for any K loop length, 1 to 3 rounds."""
+    from pallas_kernels import _mainloop, _mgpu
+
+    monkeypatch.setattr(_mgpu, "interpreting", lambda: True)  # no accumulator outside a kernel
+    span = 4 * stages + 2
+
+    def chunk(k, carry, slot=None, chain=None, buf_slot=None, waited=False):
+        del k, chain, waited
+        step, (seen, start) = carry
+        barrier = lax.rem(step, stages) if slot is None else slot
+        buf = barrier if buf_slot is None else buf_slot
+        seen = seen.at[step - start].set(jnp.stack([step, jnp.int32(barrier), jnp.int32(buf)]))
+        return step + 1, (seen, start)
+
+    @jax.jit
+    def visit(start, k_steps):
+        seen = jnp.full((span, 3), -1, jnp.int32)
+        step, (seen, _) = _mainloop._static_slot_chunks(chunk, lambda s: None, (start, (seen, start)),
+                                                        k_steps, stages, (64, 128), static_buffers=static_buffers)
+        return step, seen
+
+    from jax import lax
+
+    for start in range(0, 2 * stages + 1):
+        for k_steps in range(1, 3 * stages + 2):
+            step, seen = map(np.asarray, visit(jnp.int32(start), jnp.int32(k_steps)))
+            assert step == start + k_steps
+            want = np.array([[s, s % stages, s % stages] for s in range(start, start + k_steps)])
+            np.testing.assert_array_equal(seen[:k_steps], want, err_msg=f"start={start} k_steps={k_steps}")
+            assert (seen[k_steps:] == -1).all()
+
+
+@pytest.mark.parametrize(
+    "config,m,n,chunks,num_sms",
+    [
+        # 3 stages, 7 K chunks a tile, 3 tiles on one CTA: tiles start at steps 0, 7 and 14
+        # (slots 0, 1, 2), so the rounds of static slots start after 0, 2 and 1 steps and
+        # leave 1, 2 and 0 over.
+        (dataclasses.replace(FAST, max_concurrent_steps=3, tile_n=64), 100, 150, 7, 1),
+        # The lean release, 256-row tiles (two waves through one accumulator across a round).
+        (dataclasses.replace(LEAN, max_concurrent_steps=3, tile_m=256, tile_n=64), 300, 100, 5, 1),
+    ],
+    ids=["3-stages-7-chunks", "lean-256-rows-5-chunks"],
+)
+def test_k_loops_of_any_length_from_any_slot(config, m, n, chunks, num_sms):
+    """The consumers' K loop from every slot a tile can start at, over more chunks than stages:
+    bit-identical to the reference, no races."""
+    seed = _seed()
+    a, b = _operands(seed, m, n, chunks * TILE, TILE, exact=True)
+    scalar_b = config.scalar_b
+    operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, TILE, scalar_b, config.tile_n)
+    shape = out_shape(m, n, jnp.float32, config)
+    tiles = (-(-m // config.tile_m), -(-n // config.tile_n))
+    call = gemm._gemm_call(shape, jnp.float32, config, tiles, num_sms=num_sms, scalar_b=scalar_b)
+    out, races = _interpret_detecting_races(call, *operands)
+    assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
+    _assert_bitwise_equal(np.asarray(out)[:m, :n], _reference(a, b, jnp.float32), seed)
+
+
 @pytest.mark.parametrize(
     "tiles,group", [((1, 1), 8), ((5, 7), 2), ((16, 2), 8), ((3, 9), 8)]
 )
