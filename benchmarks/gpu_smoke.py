@@ -47,7 +47,7 @@ import numpy as np
 import jfp8
 from jfp8 import accumulation
 from jfp8.reference import rel_error
-from pallas_kernels import _mgpu, gemm, grouped_gemm, grouped_wgrad, quantize as qk
+from pallas_kernels import _mgpu, configs, gemm, grouped_gemm, grouped_wgrad, quantize as qk
 
 import gpu_mutants
 
@@ -126,6 +126,28 @@ def _dense(rng, interpret: bool, config: gemm.GemmConfig | None, *, m=M, n=N, b_
     return Check("rel_fro", rel_error(jnp.asarray(out, jnp.float32), ref),
                  accumulation.hardware_error_bound(a, b) + rounding,
                  shape=f"{m}x{n}x{K}, b block {b_block}, {jnp.dtype(out_dtype).name} out")
+
+
+def _dense_one_cta(rng, interpret: bool, config: gemm.GemmConfig, out_dtype=jnp.float32) -> Check:
+    """The dense kernel on one persistent CTA that walks every tile of the smoke problem: its
+    step counter runs on across the tiles, so with K's 3 chunks over 2 stages the tiles start at
+    either slot, and the consumers' K loop runs its first loop, its rounds of static slots and
+    its leftover steps (`_mainloop._static_slot_chunks`), which one tile per CTA never does."""
+    x, w = _gaussian(rng, (M, K)), _gaussian(rng, (N, K))
+    a = _on_cpu(jfp8.quantize, x, (1, TILE))
+    b = _on_cpu(jfp8.quantize, w, (TILE, TILE))
+    da, db = _to_device(a), _to_device(b)
+    scalar_b = config.scalar_b
+    operands = gemm._kernel_operands(da.data, da.scale, db.data, db.scale, N, TILE, scalar_b, config.tile_n)
+    tiles = (-(-M // config.tile_m), -(-N // config.tile_n))
+    call = gemm._gemm_call(configs.out_shape(M, N, out_dtype, config), out_dtype, config, tiles, num_sms=1,
+                           scalar_b=scalar_b)
+    out = call(*operands)[:M, :N]
+    ref = _on_cpu(jfp8.scaled_matmul_reference, a, b, jnp.float32)
+    rounding = BF16_ROUNDING if jnp.dtype(out_dtype) == jnp.bfloat16 else 0.0
+    return Check("rel_fro", rel_error(jnp.asarray(out, jnp.float32), ref),
+                 accumulation.hardware_error_bound(a, b) + rounding,
+                 shape=f"{M}x{N}x{K} on 1 CTA ({tiles[0] * tiles[1]} tiles), {jnp.dtype(out_dtype).name} out")
 
 
 def _grouped(rng, config: grouped_gemm.GroupedGemmConfig | None, out_dtype=jnp.float32) -> Check:
@@ -285,6 +307,16 @@ KERNELS = {
         "rule's pick at the MoE shapes (issue 45)",
         lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig(tile_m=256, cluster_n=2, max_concurrent_steps=3),
                                 out_dtype=jnp.bfloat16)),
+    # The consumers' K loop from every slot a tile can start at (issue 45's rounds of static
+    # slots: a 128 x 128 tile's SMEM offsets constant, a 256-row tile's computed).
+    "gemm_k_rounds_one_cta": ("dense tile x block, GemmConfig(max_concurrent_steps=2) on one CTA: 4 tiles of 3 K "
+                              "chunks over 2 stages",
+                              lambda rng, i: _dense_one_cta(rng, i, gemm.GemmConfig(max_concurrent_steps=2))),
+    "gemm_k_rounds_256x128_one_cta": (
+        "dense tile x block, GemmConfig(tile_m=256, max_concurrent_steps=2) on one CTA, bf16 out: 2 tiles of 3 K "
+        "chunks over 2 stages, two waves a chunk",
+        lambda rng, i: _dense_one_cta(rng, i, gemm.GemmConfig(tile_m=256, max_concurrent_steps=2),
+                                      out_dtype=jnp.bfloat16)),
     "grouped_fprop_cluster_n": ("grouped Fprop/Dgrad, GroupedGemmConfig(cluster_n=2): a rule layout (the pick "
                                 "for many small groups)",
                                 lambda rng, i: _grouped(rng, grouped_gemm.GroupedGemmConfig(cluster_n=2))),
