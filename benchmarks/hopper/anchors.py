@@ -600,6 +600,14 @@ def main(argv=None) -> int:
         "jfp8": previous.get("jfp8", {}),
         "notes": previous.get("notes", {}),
     }
+    # A partial rebuild (--only) keeps the recorded sources of the parts it does not rebuild:
+    # the rows it keeps were compiled from those, not from the paths given this time.
+    rebuilds = {"deepgemm": any(want(s[0]) for s in SHAPES),
+                "cutlass": want("cutlass") or any(want(n) for n in CUTLASS_EXAMPLES)}
+    rebuilds["deepgemm_cutlass"] = rebuilds["deepgemm"]
+    for part, rebuilt in rebuilds.items():
+        if args.only and not rebuilt and part in previous.get("sources", {}):
+            result["sources"][part] = previous["sources"][part]
     for name, m, n, k, groups, gemm_type in SHAPES:
         if want(name):
             print(f"DeepGEMM {name} ...", flush=True)
