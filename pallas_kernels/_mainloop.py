@@ -385,7 +385,8 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
     tm, tn = config.tile_m, config.tile_n
     wm = tm // WS_CONSUMER_WGS
     lean = getattr(config, "lean_release", False)
-    rounds = _round_form(wm, tn, scalar_b)  # the consumers' K loop (`_static_slot_chunks`)
+    # the consumers' K loop (`_static_slot_chunks`)
+    rounds = _round_form(wm, tn, scalar_b, getattr(config, "early_scale_loads", False))
     chunks = operands[0].shape[1] // TILE_K
     # A static K loop shorter than the pipeline needs fewer stages; a dynamic one may use all.
     stages = config.max_concurrent_steps if dynamic_k else min(config.max_concurrent_steps, chunks)
@@ -456,15 +457,19 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
                         release()
                     return step + 1, out
 
+                def run_chunks(carry, lo, hi):  # chunks lo, ..., hi - 1 (none if hi <= lo)
+                    if rounds is None:
+                        return lax.fori_loop(lo, hi, chunk, carry)
+                    return _static_slot_chunks(chunk, lambda s: plgpu.barrier_wait(produced.at[s]), carry,
+                                               lax.max(hi - lo, 0) if lo else hi, stages, (WGMMA_M, tn),
+                                               static_buffers=rounds == "static")
+
                 carry = (step, zeros((wm, tn)))
-                if edge_chunk is None and rounds is None:
-                    carry = lax.fori_loop(0, k_steps, chunk, carry)
-                elif edge_chunk is None:
-                    carry = _static_slot_chunks(chunk, lambda s: plgpu.barrier_wait(produced.at[s]), carry,
-                                                k_steps, stages, (WGMMA_M, tn), static_buffers=rounds == "static")
+                if edge_chunk is None:
+                    carry = run_chunks(carry, 0, k_steps)
                 else:  # the first and last chunks peeled off: the loop's body has no edge work
                     edge = functools.partial(chunk, edge=True)
-                    carry = lax.fori_loop(1, k_steps - 1, chunk, edge(0, carry))
+                    carry = run_chunks(edge(0, carry), 1, k_steps - 1)
                     carry = lax.cond(k_steps > 1, lambda c: edge(k_steps - 1, c), lambda c: c, carry)
                 step, out = carry
                 epilogue(out, out_rows)
@@ -488,7 +493,7 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _round_form(wm: int, tn: int, scalar_b: bool) -> str | None:
+def _round_form(wm: int, tn: int, scalar_b: bool, early_scales: bool = False) -> str | None:
     """How a consumer of `wm` x `tn` rows runs its K loop, by the registers a thread holds for
     its result and the 64-row accumulator beside it (ptxas 13.5, measured by the deviceless
     build, each choice the one without spills):
@@ -499,10 +504,13 @@ def _round_form(wm: int, tn: int, scalar_b: bool) -> str | None:
     - up to 192 with a weight block's scalar scale (256 x 128, 128 x 192): "computed", rounds
       whose SMEM offsets are computed per chunk (hoisted, the descriptors spilled 208 and 108
       bytes);
-    - else (a tile-scaled b's per-column scale vector beside 192, a 256-wide tile): None, one
-      chunk per iteration, its slot computed (rounds spilled 8 bytes at 256 x 128 with a
-      tile-scaled b)."""
+    - else (a tile-scaled b's per-column scale vector beside 192, or read before the wgmma
+      and so held across it, `early_scales`; a 256-wide tile): None, one chunk per iteration,
+      its slot computed (rounds spilled 8 bytes at 256 x 128 with a tile-scaled b, 24 at
+      128 x 128 with its scales read early)."""
     regs = (wm + WGMMA_M) * tn // WARPGROUP_THREADS
+    if early_scales and not scalar_b:
+        return None
     if regs <= 128:
         return "static"
     if regs <= 192 and scalar_b:
