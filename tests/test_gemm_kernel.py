@@ -390,27 +390,30 @@ def test_static_slot_rounds_visit_each_step_once_in_its_slot(monkeypatch, stages
     span = 4 * stages + 2
 
     def chunk(k, carry, slot=None, chain=None, buf_slot=None, waited=False):
-        del k, chain, waited
+        del k, chain
         step, (seen, start) = carry
-        barrier = lax.rem(step, stages) if slot is None else slot
+        barrier = jax.lax.rem(step, stages) if slot is None else slot
         buf = barrier if buf_slot is None else buf_slot
-        seen = seen.at[step - start].set(jnp.stack([step, jnp.int32(barrier), jnp.int32(buf)]))
-        return step + 1, (seen, start)
+        row = jnp.stack([step, jnp.int32(barrier), jnp.int32(buf), jnp.int32(waited)])
+        return step + 1, (seen.at[step - start].set(row), start)
 
     @jax.jit
     def visit(start, k_steps):
-        seen = jnp.full((span, 3), -1, jnp.int32)
+        seen = jnp.full((span, 4), -1, jnp.int32)
         step, (seen, _) = _mainloop._static_slot_chunks(chunk, lambda s: None, (start, (seen, start)),
                                                         k_steps, stages, (64, 128), static_buffers=static_buffers)
         return step, seen
-
-    from jax import lax
 
     for start in range(0, 2 * stages + 1):
         for k_steps in range(1, 3 * stages + 2):
             step, seen = map(np.asarray, visit(jnp.int32(start), jnp.int32(k_steps)))
             assert step == start + k_steps
-            want = np.array([[s, s % stages, s % stages] for s in range(start, start + k_steps)])
+            # A round's first chunk finds its stage waited for (before the round's accumulator);
+            # every other chunk waits itself.
+            head = min((stages - start % stages) % stages, k_steps)
+            in_rounds = range(start + head, start + head + (k_steps - head) // stages * stages)
+            want = np.array([[s, s % stages, s % stages, int(s in in_rounds and s % stages == 0)]
+                             for s in range(start, start + k_steps)])
             np.testing.assert_array_equal(seen[:k_steps], want, err_msg=f"start={start} k_steps={k_steps}")
             assert (seen[k_steps:] == -1).all()
 
@@ -422,7 +425,8 @@ def test_static_slot_rounds_visit_each_step_once_in_its_slot(monkeypatch, stages
         # (slots 0, 1, 2), so the rounds of static slots start after 0, 2 and 1 steps and
         # leave 1, 2 and 0 over.
         (dataclasses.replace(FAST, max_concurrent_steps=3, tile_n=64), 100, 150, 7, 1),
-        # The lean release, 256-row tiles (two waves through one accumulator across a round).
+        # The lean release, 256-row tiles: two 64-row waves a chunk (one accumulator for a
+        # round's waves when lowered; the interpreter gives each its own).
         (dataclasses.replace(LEAN, max_concurrent_steps=3, tile_m=256, tile_n=64), 300, 100, 5, 1),
     ],
     ids=["3-stages-7-chunks", "lean-256-rows-5-chunks"],

@@ -381,12 +381,14 @@ def test_wgrad_long_groups_run_rounds_from_any_slot(cluster_n):
     """The Wgrad's interior chunks (its first and last peeled off) in rounds of the stages
     (`_mainloop._static_slot_chunks`): groups of 4 to 9 chunks on one CTA over 3 stages, so the
     work items start in every slot and the first loop, the rounds and the leftovers all run;
-    a 1-chunk and an empty group between them; alone and in a cluster of 2 along N. (Its scales
+    a 1-chunk group (no interior, the last chunk's `cond` false) and an empty group between
+    them; alone and in a cluster of 2 along N. (Its scales
     read early, as the lean loop reads them, it keeps the one-chunk loop: `_round_form`.)
     Bit-identical, no race."""
     seed = _seed()
     config = dataclasses.replace(FAST, tile_n=32, max_concurrent_steps=3, cluster_n=cluster_n)
-    lhs_t, rhs_t, sizes = _token_operands(seed, 2400, 128, 40, [1100, 0, 90, 500, 700], exact=True)
+    # chunks per group: 9, 0, 1 (tokens 1100-1139 of chunk 8), 6, 6
+    lhs_t, rhs_t, sizes = _token_operands(seed, 2400, 128, 40, [1100, 0, 40, 560, 700], exact=True)
     call = functools.partial(_grouped_wgrad_call, out_dtype=jnp.float32, config=config, num_sms=cluster_n)
     out, races = _interpret_detecting_races(call, lhs_t.data, lhs_t.scale, rhs_t.data, rhs_t.scale, sizes)
     assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
