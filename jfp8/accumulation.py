@@ -67,7 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jfp8.fp8 import TILE, Fp8Tensor, quantize
+from jfp8.fp8 import TILE, Fp8Tensor, move_bytes, quantize
 from jfp8.reference import check_nt_operands, chunk_operand, scaled_matmul_oracle
 
 Rounding = Literal["truncate", "nearest"]
@@ -170,7 +170,7 @@ def _operand(t: Fp8Tensor, kp: int) -> tuple[jax.Array, jax.Array]:
     """
     kp128 = -(-t.logical[1] // TILE) * TILE
     data, s = chunk_operand(t, kp128)
-    data = jnp.pad(data, ((0, 0), (0, kp - kp128)))
+    data = move_bytes(lambda d: jnp.pad(d, ((0, 0), (0, kp - kp128))), data)
     s = jnp.pad(s, ((0, 0), (0, (kp - kp128) // TILE)), mode="edge")
     return data, s
 

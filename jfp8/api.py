@@ -486,7 +486,7 @@ def _k_padded_data(t: Fp8Tensor, kp: int) -> jax.Array:
     if t.data.shape[-1] == kp:
         return t.data
     k = t.logical[1]
-    return jnp.pad(t.data[..., :k], [(0, 0)] * (t.data.ndim - 1) + [(0, kp - k)])
+    return fp8.move_bytes(lambda d: jnp.pad(d[..., :k], [(0, 0)] * (d.ndim - 1) + [(0, kp - k)]), t.data)
 
 
 def scaled_matmul(

@@ -102,7 +102,7 @@ class Fp8Tensor:
         """
         block = None if self.block is None else (self.block[1], self.block[0])
         return Fp8Tensor(
-            jnp.swapaxes(self.data, -1, -2),
+            move_bytes(lambda d: jnp.swapaxes(d, -1, -2), self.data),
             jnp.swapaxes(self.scale, -1, -2),
             block,
             (self.logical[1], self.logical[0]),
@@ -186,6 +186,25 @@ def quantize(
     scale = scale_from_amax(amax, pow2_scale, amax_floor)
     data = encode(blocks, scale[..., :, None, :, None]).reshape(*batch, mp, kp)
     return Fp8Tensor(data, scale, block, (m, k))
+
+
+def as_bytes(x: jax.Array) -> jax.Array:
+    """An FP8 array's `uint8` view (other dtypes unchanged): see `move_bytes`."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint8) if jnp.dtype(x.dtype).itemsize == 1 else x
+
+
+def from_bytes(b: jax.Array, dtype) -> jax.Array:
+    """The inverse of `as_bytes` for an array of `dtype`."""
+    return jax.lax.bitcast_convert_type(b, dtype) if jnp.dtype(dtype).itemsize == 1 else b
+
+
+def move_bytes(fn, x: jax.Array) -> jax.Array:
+    """`fn(x)` for a data movement `fn` (slices, zero pads, gathers, transposes, reshapes) of an
+    FP8 array, carried out on its bytes (`uint8` views): the same bits. XLA:CPU moves f8 arrays
+    through f16, converting every element out and back in (each f16 -> E4M3 conversion a
+    software rounding), which made such moves the costliest ops of the FP8 reference's small
+    steps (issue 44). Other dtypes: `fn(x)`. `fn` must pad with zeros only (byte 0 is E4M3 +0)."""
+    return from_bytes(fn(as_bytes(x)), x.dtype)
 
 
 def quantize_weight(

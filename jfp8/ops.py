@@ -34,7 +34,7 @@ from jfp8.api import (
     retile_wgrad_operand,
     scaled_matmul,
 )
-from jfp8.fp8 import TILE, Fp8Tensor
+from jfp8.fp8 import TILE, Fp8Tensor, move_bytes
 from jfp8.recipe import Fp8Recipe
 from jfp8.reference import check_group_sizes, ragged_dot_reference as _ragged
 
@@ -342,7 +342,7 @@ def _gathered_fwd(tokens, w, rows, group_sizes, recipe: Fp8Recipe, backward: boo
     their FP8 rows (1x128 tiles are row-local: the same bits as quantizing the gathered rows)
     gathered into the grouped GEMM."""
     q, _ = _q_x(tokens, recipe, backward)  # the call the token's other GEMMs (the shared expert) make: one kernel
-    qx = Fp8Tensor(jnp.take(q.data, rows, axis=0), jnp.take(q.scale, rows, axis=0), q.block,
+    qx = Fp8Tensor(move_bytes(lambda d: jnp.take(d, rows, axis=0), q.data), jnp.take(q.scale, rows, axis=0), q.block,
                    (rows.shape[0], q.logical[1]))
     qw, qw_t = _q_weight(w, recipe)  # [G, K, N'], [G, N', K]
     y = _gmm(qx, qw_t, group_sizes, tokens.dtype, recipe)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jfp8.fp8 import TILE, Fp8Tensor
+from jfp8.fp8 import TILE, Fp8Tensor, as_bytes, from_bytes, move_bytes
 from pallas_kernels.schedule import row_tile_work  # noqa: F401  shared with the kernels (and jfp8.ops)
 
 _OUT_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -59,8 +59,7 @@ def chunk_operand(t: Fp8Tensor, kp: int) -> tuple[jax.Array, jax.Array]:
     whatever the operand's block shape (tile, block or per-tensor).
     """
     rows, k = t.logical
-    data = t.data[:rows, :k]
-    data = jnp.pad(data, ((0, 0), (0, kp - k)))
+    data = move_bytes(lambda d: jnp.pad(d[:rows, :k], ((0, 0), (0, kp - k))), t.data)
     chunks = kp // TILE
     if t.block is None:
         s = jnp.broadcast_to(t.scale.reshape(()), (rows, chunks))
@@ -132,11 +131,14 @@ def chunked_matmul(a_data, sa, b_data, sb) -> jax.Array:
             acc = jax.lax.optimization_barrier(partial * (sa[:, c, None] * sb[None, :, c]) + acc)  # [M, N]
         return acc
 
-    a_chunks = a_data.reshape(m, chunks, TILE).transpose(1, 0, 2)  # [C, M, 128]
-    b_chunks = b_data.reshape(n, chunks, TILE).transpose(1, 0, 2)  # [C, N, 128]
+    # The chunks enter the loop as bytes (`as_bytes`): a while loop over f8 arrays XLA:CPU carries
+    # in f16, converting them in and out.
+    a_chunks = as_bytes(a_data).reshape(m, chunks, TILE).transpose(1, 0, 2)  # [C, M, 128]
+    b_chunks = as_bytes(b_data).reshape(n, chunks, TILE).transpose(1, 0, 2)  # [C, N, 128]
 
     def promote(acc, xs):
         a_c, b_c, sa_c, sb_c = xs
+        a_c, b_c = from_bytes(a_c, a_data.dtype), from_bytes(b_c, b_data.dtype)
         partial = jax.lax.dot_general(a_c, b_c, _NT, preferred_element_type=jnp.float32)  # [M, N]
         return partial * (sa_c[:, None] * sb_c[None, :]) + acc, None
 
@@ -255,17 +257,17 @@ def grouped_scaled_matmul_reference(
     )  # [G, N, Kp], [G, N, C]
     tm = REF_TILE_M
     tp = -(-t // tm) * tm
-    a_data = jnp.pad(a_data, ((0, tp - t), (0, 0)))
+    a_data = move_bytes(lambda d: jnp.pad(d, ((0, tp - t), (0, 0))), a_data)
     sa = jnp.pad(sa, ((0, tp - t), (0, 0)))
     items = row_tile_work(jnp.asarray(group_sizes), t, tm)  # (group, tile, lo, hi)
 
     def item(out, it):
         gi, tile, lo, hi = it
         row0 = tile * tm
-        a_t = jax.lax.dynamic_slice_in_dim(a_data, row0, tm)
+        a_t = move_bytes(lambda d: jax.lax.dynamic_slice_in_dim(d, row0, tm), a_data)
         sa_t = jax.lax.dynamic_slice_in_dim(sa, row0, tm)
         gw = jnp.minimum(gi, g - 1)  # the pseudo-group G (rows past the total) keeps zeros
-        y = chunked_matmul(a_t, sa_t, b_data[gw], sb[gw])  # [tm, N]
+        y = chunked_matmul(a_t, sa_t, move_bytes(lambda d: d[gw], b_data), sb[gw])  # [tm, N]
         rows = row0 + jnp.arange(tm)
         keep = (rows >= lo) & (rows < hi) & (gi < g)
         cur = jax.lax.dynamic_slice_in_dim(out, row0, tm)
@@ -314,7 +316,6 @@ def grouped_wgrad_reference(
     b_data, sb = chunk_operand(rhs_t, tp)  # [N, Tp], [N, C]
     ends = jnp.cumsum(sizes.astype(jnp.int32))
     starts = ends - sizes.astype(jnp.int32)
-    zero = jnp.zeros((), a_data.dtype)
 
     def item(acc, it):
         gi, c = it
@@ -322,8 +323,9 @@ def grouped_wgrad_reference(
         gc = jnp.minimum(gi, groups - 1)
         tok = c * TILE + jnp.arange(TILE)
         in_g = (tok >= starts[gc]) & (tok < ends[gc])  # this group's tokens of chunk c
-        a_c = jnp.where(in_g[None, :], jax.lax.dynamic_slice_in_dim(a_data, c * TILE, TILE, 1), zero)
-        b_c = jax.lax.dynamic_slice_in_dim(b_data, c * TILE, TILE, 1)
+        a_c = move_bytes(lambda d: jnp.where(in_g[None, :], jax.lax.dynamic_slice_in_dim(d, c * TILE, TILE, 1),
+                                             jnp.zeros((), d.dtype)), a_data)  # other groups' tokens: +0
+        b_c = move_bytes(lambda d: jax.lax.dynamic_slice_in_dim(d, c * TILE, TILE, 1), b_data)
         partial = jax.lax.dot_general(
             a_c, b_c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [K, N]

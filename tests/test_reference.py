@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jfp8 import (
+    FP8_DTYPE,
     TILE,
     dequantize_f64,
     grouped_scaled_matmul_reference,
@@ -201,3 +202,29 @@ def test_reference_under_vmap_for_batches():
         np.testing.assert_array_equal(
             np.asarray(out[i]), np.asarray(scaled_matmul_reference(quantize(x[i]), qb, jnp.float32))
         )
+
+
+def test_fp8_data_moves_are_byte_moves():
+    """`jfp8.fp8.move_bytes` (slices, zero pads, gathers, transposes of FP8 data, on their uint8
+    views: XLA:CPU otherwise moves f8 through f16) moves every one of the 256 E4M3 bit patterns,
+    NaNs and -0 included, exactly as numpy moves the bytes, jitted or not; pads are +0 (byte 0)."""
+    from jfp8.fp8 import as_bytes, from_bytes, move_bytes
+
+    rng, seed = _rng()
+    raw = rng.permutation(256).astype(np.uint8).reshape(16, 16)
+    x = jax.lax.bitcast_convert_type(jnp.asarray(raw), FP8_DTYPE)
+    rows = jnp.asarray(rng.integers(0, 16, size=40), jnp.int32)
+    moves = {
+        "transpose": (lambda d: jnp.swapaxes(d, -1, -2), raw.T),
+        "slice-and-pad": (lambda d: jnp.pad(d[:10, :7], ((0, 0), (0, 9))), np.pad(raw[:10, :7], ((0, 0), (0, 9)))),
+        "take": (lambda d: jnp.take(d, rows, axis=0), raw[np.asarray(rows)]),
+        "chunks": (lambda d: d.reshape(16, 2, 8).transpose(1, 0, 2), raw.reshape(16, 2, 8).transpose(1, 0, 2)),
+    }
+    for name, (fn, want) in moves.items():
+        for run in (lambda: move_bytes(fn, x), jax.jit(lambda: move_bytes(fn, x))):
+            got = run()
+            assert got.dtype == FP8_DTYPE, name
+            np.testing.assert_array_equal(np.asarray(as_bytes(got)), want, err_msg=f"{name} seed={seed}")
+    np.testing.assert_array_equal(np.asarray(as_bytes(from_bytes(as_bytes(x), FP8_DTYPE))), raw)
+    y = jnp.ones((3, 3), jnp.bfloat16)  # other dtypes: the move itself
+    assert move_bytes(lambda d: d.T, y).dtype == jnp.bfloat16 and as_bytes(y) is y
