@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             "jax_version": importlib.metadata.version("jax"),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": _git("rev-parse", "HEAD"),
-            "git_dirty": bool(_git("status", "--porcelain")),
+            "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),  # tracked files only
             "settings": {"alternations": args.alternations, "steps": args.steps, "warmup": args.warmup,
                          "compilation_cache": "a fresh folder, filled by the cold rows first" if args.cache else None},
             "summary": summary,
