@@ -390,6 +390,9 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
     chunks = operands[0].shape[1] // TILE_K
     # A static K loop shorter than the pipeline needs fewer stages; a dynamic one may use all.
     stages = config.max_concurrent_steps if dynamic_k else min(config.max_concurrent_steps, chunks)
+    # Every K loop of a static length that the stages divide starts in slot 0: the consumers
+    # then run rounds only (no first loop or leftovers to compile).
+    aligned = not dynamic_k and chunks % stages == 0
     shape_specs = in_specs(config, 0, 0, scalar_b=scalar_b)
     buffers = [
         plgpu.SMEM((stages, *_block_shape(spec)), ref.dtype, transforms=getattr(spec, "transforms", ()))
@@ -457,12 +460,16 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
                         release()
                     return step + 1, out
 
+                if aligned and k_steps is not chunks:
+                    raise ValueError("a static K loop of another length than the operands' would leave "
+                                     "the next tile's first step outside slot 0")
+
                 def run_chunks(carry, lo, hi):  # chunks lo, ..., hi - 1 (none if hi <= lo)
                     if rounds is None:
                         return lax.fori_loop(lo, hi, chunk, carry)
                     return _static_slot_chunks(chunk, lambda s: plgpu.barrier_wait(produced.at[s]), carry,
                                                lax.max(hi - lo, 0) if lo else hi, stages, (WGMMA_M, tn),
-                                               static_buffers=rounds == "static")
+                                               static_buffers=rounds == "static", aligned=aligned)
 
                 carry = (step, zeros((wm, tn)))
                 if edge_chunk is None:
@@ -518,7 +525,8 @@ def _round_form(wm: int, tn: int, scalar_b: bool, early_scales: bool = False) ->
     return None
 
 
-def _static_slot_chunks(chunk, wait, carry, k_steps, stages: int, acc_shape, *, static_buffers: bool = True):
+def _static_slot_chunks(chunk, wait, carry, k_steps, stages: int, acc_shape, *, static_buffers: bool = True,
+                        aligned: bool = False):
     """`k_steps` calls of `chunk(k, carry, slot=..., ...)` from step `carry[0]` (the step counter
     runs on across a CTA's tiles), DeepGEMM's loop over its stages: a first loop (slots computed)
     up to the next step whose slot is 0, a loop over whole rounds of the stages whose body is one
@@ -531,10 +539,15 @@ def _static_slot_chunks(chunk, wait, carry, k_steps, stages: int, acc_shape, *, 
     `static_buffers` the round's SMEM offsets come from its first step's slot (0, which the
     compiler cannot see), so that ptxas does not hoist every stage's descriptors into registers.
     A round's wgmmas share one accumulator (`AccChain`), its zeros right after the first
-    stage's wait (`wait(0)`). `k` is unused."""
+    stage's wait (`wait(0)`). `k` is unused. `aligned`: the caller guarantees that `carry[0]` is
+    a multiple of `stages` and `k_steps` a static one, so that rounds alone run (and only their
+    code is compiled: the first loop and the leftovers cost a chunk's code each)."""
     step = carry[0]
-    head = lax.min(lax.rem(stages - lax.rem(step, stages), stages), k_steps)
-    carry = lax.fori_loop(0, head, chunk, carry)
+    if aligned:
+        head = 0
+    else:
+        head = lax.min(lax.rem(stages - lax.rem(step, stages), stages), k_steps)
+        carry = lax.fori_loop(0, head, chunk, carry)
     rest = k_steps - head
 
     def round_(r, carry):
@@ -554,6 +567,10 @@ def _static_slot_chunks(chunk, wait, carry, k_steps, stages: int, acc_shape, *, 
         return pl.run_scoped(lambda acc_ref: run(AccChain(acc_ref, zeroed=True)), plgpu.ACC(acc_shape, jnp.float32))
 
     carry = lax.fori_loop(0, rest // stages, round_, carry)
+    if aligned:
+        if not isinstance(k_steps, int) or k_steps % stages:
+            raise ValueError(f"aligned rounds need a static K loop that {stages} stages divide, got {k_steps}")
+        return carry
     return lax.fori_loop(0, rest % stages, chunk, carry)
 
 
