@@ -203,7 +203,7 @@ def move_bytes(fn, x: jax.Array) -> jax.Array:
     FP8 array, carried out on its bytes (`uint8` views): the same bits. XLA:CPU moves f8 arrays
     through f16, converting every element out and back in (each f16 -> E4M3 conversion a
     software rounding), which made such moves the costliest ops of the FP8 reference's small
-    steps (issue 44). Other dtypes: `fn(x)`. `fn` must pad with zeros only (byte 0 is E4M3 +0)."""
+    steps (issue 44). Other dtypes: `fn(x)`. `fn` may pad or mask with zeros only (byte 0 is E4M3 +0)."""
     return from_bytes(fn(as_bytes(x)), x.dtype)
 
 

@@ -460,16 +460,19 @@ def branch_once_tiles(config, operands, out_dtype, schedule, *, out_transforms=(
                         release()
                     return step + 1, out
 
-                if aligned and k_steps is not chunks:
+                if aligned and not (isinstance(k_steps, int) and k_steps == chunks):
                     raise ValueError("a static K loop of another length than the operands' would leave "
                                      "the next tile's first step outside slot 0")
 
                 def run_chunks(carry, lo, hi):  # chunks lo, ..., hi - 1 (none if hi <= lo)
                     if rounds is None:
                         return lax.fori_loop(lo, hi, chunk, carry)
+                    count = hi - lo
+                    if not isinstance(count, int):  # a dynamic loop of one chunk has none between its edges
+                        count = lax.max(count, 0)
                     return _static_slot_chunks(chunk, lambda s: plgpu.barrier_wait(produced.at[s]), carry,
-                                               lax.max(hi - lo, 0) if lo else hi, stages, (WGMMA_M, tn),
-                                               static_buffers=rounds == "static", aligned=aligned)
+                                               count, stages, (WGMMA_M, tn), static_buffers=rounds == "static",
+                                               aligned=aligned)
 
                 carry = (step, zeros((wm, tn)))
                 if edge_chunk is None:
@@ -542,6 +545,8 @@ def _static_slot_chunks(chunk, wait, carry, k_steps, stages: int, acc_shape, *, 
     stage's wait (`wait(0)`). `k` is unused. `aligned`: the caller guarantees that `carry[0]` is
     a multiple of `stages` and `k_steps` a static one, so that rounds alone run (and only their
     code is compiled: the first loop and the leftovers cost a chunk's code each)."""
+    if aligned and (not isinstance(k_steps, int) or k_steps % stages):
+        raise ValueError(f"aligned rounds need a static K loop that {stages} stages divide, got {k_steps}")
     step = carry[0]
     if aligned:
         head = 0
@@ -568,8 +573,6 @@ def _static_slot_chunks(chunk, wait, carry, k_steps, stages: int, acc_shape, *, 
 
     carry = lax.fori_loop(0, rest // stages, round_, carry)
     if aligned:
-        if not isinstance(k_steps, int) or k_steps % stages:
-            raise ValueError(f"aligned rounds need a static K loop that {stages} stages divide, got {k_steps}")
         return carry
     return lax.fori_loop(0, rest % stages, chunk, carry)
 

@@ -174,10 +174,10 @@ def test_split_kernel_alone_is_the_whole_matmul(config):
     _assert_bitwise_equal(out, _reference(a, b, out_dtype), seed)
 
 
-def _call_detecting_races(config, m, n, b_block_rows, num_sms, seed):
-    """The kernel on 3 K chunks of exact operands, launched on `num_sms` CTAs (None: one per
-    tile) in the interpreter with the race detector on: (output [m, n] f32, races, a, b)."""
-    a, b = _operands(seed, m, n, 3 * TILE, b_block_rows, exact=True)
+def _call_detecting_races(config, m, n, b_block_rows, num_sms, seed, chunks=3):
+    """The kernel on `chunks` K chunks of exact operands, launched on `num_sms` CTAs (None: one
+    per tile) in the interpreter with the race detector on: (output [m, n] f32, races, a, b)."""
+    a, b = _operands(seed, m, n, chunks * TILE, b_block_rows, exact=True)
     scalar_b = config.scalar_b and b_block_rows == TILE
     operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, b_block_rows, scalar_b, config.tile_n)
     shape = out_shape(m, n, jnp.float32, config)
@@ -435,15 +435,9 @@ def test_k_loops_of_any_length_from_any_slot(config, m, n, chunks, num_sms):
     """The consumers' K loop from every slot a tile can start at, over more chunks than stages:
     bit-identical to the reference, no races."""
     seed = _seed()
-    a, b = _operands(seed, m, n, chunks * TILE, TILE, exact=True)
-    scalar_b = config.scalar_b
-    operands = gemm._kernel_operands(a.data, a.scale, b.data, b.scale, n, TILE, scalar_b, config.tile_n)
-    shape = out_shape(m, n, jnp.float32, config)
-    tiles = (-(-m // config.tile_m), -(-n // config.tile_n))
-    call = gemm._gemm_call(shape, jnp.float32, config, tiles, num_sms=num_sms, scalar_b=scalar_b)
-    out, races = _interpret_detecting_races(call, *operands)
+    out, races, a, b = _call_detecting_races(config, m, n, TILE, num_sms, seed, chunks=chunks)
     assert not races, f"seed={seed}: see the RACE DETECTED report in the captured stdout"
-    _assert_bitwise_equal(np.asarray(out)[:m, :n], _reference(a, b, jnp.float32), seed)
+    _assert_bitwise_equal(out, _reference(a, b, jnp.float32), seed)
 
 
 @pytest.mark.parametrize(
