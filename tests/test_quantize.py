@@ -10,6 +10,8 @@ import pytest
 import jfp8
 from jfp8 import E4M3_MAX, TILE, Fp8Tensor, quantize
 from helpers import fresh_rng as _rng
+from helpers import load_experiment
+from pallas_kernels import fp8_math
 
 BLOCKS = [(1, TILE), (TILE, 1), (TILE, TILE), None, (4, 32)]
 # E4M3 keeps 3 mantissa bits: round-to-nearest error is at most 2^-4 relative in the normal range,
@@ -223,3 +225,65 @@ def test_empty_input():
 
 def test_public_constants_come_from_finfo():
     assert jfp8.E4M3_MAX == float(jnp.finfo(jnp.float8_e4m3fn).max) == 448.0
+
+
+# ------------------------------------------------------------------------------------------------
+# The CPU's integer E4M3 cast (`fp8_math.e4m3_bits`, what `quantize` lowers to on the CPU) against
+# XLA's own cast. All 2^32 f32 patterns: experiments/e4m3_cast_check.py.
+
+def _native_e4m3_bits(q):
+    return jax.lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), jnp.uint8)
+
+
+def _rounding_boundaries() -> np.ndarray:
+    """Every finite E4M3 magnitude, every midpoint between neighbours (the ties) and the f32 values
+    next to both, the overflow edge (464, 480) and the specials, with both signs."""
+    e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    mags = np.unique(np.abs(e4m3[np.isfinite(e4m3)]))
+    mids = np.concatenate([(mags[1:] + mags[:-1]) / 2, np.float32([464.0, 480.0, 2**-10])])
+    points = np.concatenate([mags, mids, 3 * mids])
+    points = np.concatenate([points, np.nextafter(points, np.float32(np.inf)), np.nextafter(points, np.float32(0))])
+    specials = np.float32([np.inf, np.finfo(np.float32).max, np.finfo(np.float32).tiny, 1e-45, 5e-39])
+    points = np.concatenate([points, specials]).astype(np.float32)
+    nans = np.uint32([0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0x7FA5A5A5]).view(np.float32)
+    return np.concatenate([points, -points, nans, -nans])
+
+
+def test_integer_e4m3_cast_equals_xlas_at_every_rounding_boundary():
+    q = jnp.asarray(_rounding_boundaries())
+    want = np.asarray(jax.jit(_native_e4m3_bits)(q))
+    np.testing.assert_array_equal(np.asarray(jax.jit(fp8_math.e4m3_bits)(q)), want)
+    # What quantize calls: the integer cast when lowered for the CPU, XLA's elsewhere.
+    np.testing.assert_array_equal(np.asarray(jax.jit(fp8_math.cast_e4m3)(q)).view(np.uint8), want)
+
+
+def test_integer_e4m3_cast_equals_xlas_on_every_f32_near_e4m3s_range():
+    """Every positive f32 from 2^-11 (under half the smallest subnormal) to 2^9 (past the
+    overflow to NaN): 21 binades, 176 M bit patterns, in chunks."""
+    size = 1 << 23  # one binade per call
+
+    @jax.jit
+    def mismatches(start):
+        q = jax.lax.bitcast_convert_type(start + jnp.arange(size, dtype=jnp.uint32), jnp.float32)
+        return jnp.sum(_native_e4m3_bits(q) != fp8_math.e4m3_bits(q))
+
+    bad = {e: int(mismatches(jnp.uint32(e << 23))) for e in range(127 - 11, 127 + 10)}
+    assert not any(bad.values()), {e - 127: n for e, n in bad.items() if n}
+
+
+def test_cast_e4m3_lowers_to_xlas_cast_off_the_cpu():
+    """The integer cast is the CPU's only: lowered for CUDA, `cast_e4m3` is one convert."""
+    text = jax.jit(fp8_math.cast_e4m3).trace(jnp.zeros((4,), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "f8E4M3FN" in text and "shift_right" not in text, text
+
+
+def test_the_exhaustive_check_runs_and_reports_mismatches(capsys, monkeypatch):
+    """experiments/e4m3_cast_check.py on two chunks: 0 mismatches, and a wrong cast is caught."""
+    check = load_experiment("e4m3_cast_check")
+    assert check.main(["--chunk-log2", "20", "--chunks", "2"]) == 0
+    assert "0 mismatches" in capsys.readouterr().out
+    # A cast that is wrong on one pattern of the chunk (f32 +0 -> E4M3 -0): the check must say so.
+    monkeypatch.setattr(check, "e4m3_bits", lambda q: fp8_math.e4m3_bits(jnp.where(q == 0, -0.0, q)))
+    assert check.main(["--chunk-log2", "20", "--chunks", "1"]) == 1
+    assert "mismatches" in capsys.readouterr().out
