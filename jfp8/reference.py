@@ -59,13 +59,32 @@ def chunk_operand(t: Fp8Tensor, kp: int) -> tuple[jax.Array, jax.Array]:
     whatever the operand's block shape (tile, block or per-tensor).
     """
     rows, k = t.logical
-    data = move_bytes(lambda d: jnp.pad(d[:rows, :k], ((0, 0), (0, kp - k))), t.data)
+    data = move_bytes(lambda d: zero_past_k(d[:rows], k, kp), t.data)
     chunks = kp // TILE
     if t.block is None:
         s = jnp.broadcast_to(t.scale.reshape(()), (rows, chunks))
     else:
         s = jnp.repeat(t.scale, t.block[0], axis=0)[:rows, :chunks]
     return data, s.astype(jnp.float32)
+
+
+def zero_past_k(d: jax.Array, k: int, kp: int) -> jax.Array:
+    """d [..., >= k] -> [..., kp]: its first k columns, zeros after.
+
+    Where `d` is at least `kp` wide (every blocked operand: its data is padded to whole blocks)
+    the columns past k are masked to zero in place rather than sliced off and padded back: the
+    same array, but XLA:CPU fuses a pad into its producer (the quantizer) as per-element index
+    tests that keep the whole fusion from vectorizing (measured: quantize + this + the dot's
+    f32 operand on [2048, 64] -> [2048, 128], 0.91 ms with the pad, 0.22 ms masked; issue 44).
+    Per-tensor operands are stored unpadded and are padded.
+    """
+    if d.shape[-1] < kp:
+        return jnp.pad(d[..., :k], [(0, 0)] * (d.ndim - 1) + [(0, kp - k)])
+    d = d[..., :kp]
+    if k == kp:
+        return d
+    col = jax.lax.broadcasted_iota(jnp.int32, d.shape, d.ndim - 1)
+    return jnp.where(col < k, d, jnp.zeros((), d.dtype))
 
 
 def zeros_accumulator(*rows_and_cols: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -144,6 +163,21 @@ def chunked_matmul(a_data, sa, b_data, sb) -> jax.Array:
 
     acc, _ = jax.lax.scan(promote, acc, (a_chunks, b_chunks, sa.T, sb.T))
     return acc
+
+
+def exact_f32(data: jax.Array) -> jax.Array:
+    """An FP8 operand's values in f32 (exact), for the grouped references to convert once.
+
+    Their dots then take f32 operands, which is what XLA:CPU multiplies anyway (it converts an f8
+    dot operand to f32 first; same products, same sums, same bits), but each element is converted
+    once instead of once per work item that reads it: a weight was converted again for every row
+    tile of its group (39 ms of thread time in the FP8 `small` eval step, 339 ms, on the 2-core
+    machine; grouped Fprop at 8192 x 256 -> 512, 16 groups: 16-18 -> 11-14 ms; issue 44). The
+    dense `chunked_matmul` keeps converting per chunk: there f32 operands were no faster, and its
+    scan over the transposed chunks slower (it moves 4 bytes per element instead of 1). Other
+    dtypes pass through.
+    """
+    return data.astype(jnp.float32) if jnp.dtype(data.dtype).itemsize == 1 else data
 
 
 def rel_error(x, ref) -> float:
@@ -257,17 +291,18 @@ def grouped_scaled_matmul_reference(
     )  # [G, N, Kp], [G, N, C]
     tm = REF_TILE_M
     tp = -(-t // tm) * tm
-    a_data = move_bytes(lambda d: jnp.pad(d, ((0, tp - t), (0, 0))), a_data)
+    a_data = exact_f32(move_bytes(lambda d: jnp.pad(d, ((0, tp - t), (0, 0))), a_data))
+    b_data = exact_f32(b_data)
     sa = jnp.pad(sa, ((0, tp - t), (0, 0)))
     items = row_tile_work(jnp.asarray(group_sizes), t, tm)  # (group, tile, lo, hi)
 
     def item(out, it):
         gi, tile, lo, hi = it
         row0 = tile * tm
-        a_t = move_bytes(lambda d: jax.lax.dynamic_slice_in_dim(d, row0, tm), a_data)
+        a_t = jax.lax.dynamic_slice_in_dim(a_data, row0, tm)
         sa_t = jax.lax.dynamic_slice_in_dim(sa, row0, tm)
         gw = jnp.minimum(gi, g - 1)  # the pseudo-group G (rows past the total) keeps zeros
-        y = chunked_matmul(a_t, sa_t, move_bytes(lambda d: d[gw], b_data), sb[gw])  # [tm, N]
+        y = chunked_matmul(a_t, sa_t, b_data[gw], sb[gw])  # [tm, N]
         rows = row0 + jnp.arange(tm)
         keep = (rows >= lo) & (rows < hi) & (gi < g)
         cur = jax.lax.dynamic_slice_in_dim(out, row0, tm)
@@ -314,6 +349,7 @@ def grouped_wgrad_reference(
     tp = -(-t // TILE) * TILE
     a_data, sa = chunk_operand(lhs_t, tp)  # [K, Tp], [K, C]
     b_data, sb = chunk_operand(rhs_t, tp)  # [N, Tp], [N, C]
+    a_data, b_data = exact_f32(a_data), exact_f32(b_data)
     ends = jnp.cumsum(sizes.astype(jnp.int32))
     starts = ends - sizes.astype(jnp.int32)
 
@@ -323,9 +359,9 @@ def grouped_wgrad_reference(
         gc = jnp.minimum(gi, groups - 1)
         tok = c * TILE + jnp.arange(TILE)
         in_g = (tok >= starts[gc]) & (tok < ends[gc])  # this group's tokens of chunk c
-        a_c = move_bytes(lambda d: jnp.where(in_g[None, :], jax.lax.dynamic_slice_in_dim(d, c * TILE, TILE, 1),
-                                             jnp.zeros((), d.dtype)), a_data)  # other groups' tokens: +0
-        b_c = move_bytes(lambda d: jax.lax.dynamic_slice_in_dim(d, c * TILE, TILE, 1), b_data)
+        a_c = jnp.where(in_g[None, :], jax.lax.dynamic_slice_in_dim(a_data, c * TILE, TILE, 1),
+                        jnp.float32(0))  # other groups' tokens: +0
+        b_c = jax.lax.dynamic_slice_in_dim(b_data, c * TILE, TILE, 1)
         partial = jax.lax.dot_general(
             a_c, b_c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [K, N]
