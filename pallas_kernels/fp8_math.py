@@ -139,16 +139,19 @@ def e4m3_bits(q: jax.Array) -> jax.Array:
     2^-6, E4M3's 0x08). Everything past 448's rounding range (464 and up, ±Inf, NaN) comes out
     above 0x7F and is clamped to 0x7F, E4M3's NaN; the sign is ORed back last (-0 -> 0x80).
     """
-    q = q.astype(jnp.float32)
-    mag = jax.lax.bitcast_convert_type(jnp.abs(q), jnp.uint32)
+    # lax ops and operators only: jnp.where and jnp.signbit are jitted functions, each a call in
+    # the HLO that XLA must inline, for every quantization of a step.
+    bits = jax.lax.bitcast_convert_type(q.astype(jnp.float32), jnp.uint32)
+    mag = bits & jnp.uint32(0x7FFFFFFF)
     # (mag + 0x7FFFF + lsb) >> 20, rebiased, with the rebias folded into the constant (exact: a
     # multiple of 2^20, mod 2^32; only mag >= 2^-6 keeps this value, and there nothing wraps).
     rounding = jnp.uint32((0x7FFFF - ((127 - 7) << 23)) % 2**32)
     normal = (mag + rounding + ((mag >> 20) & jnp.uint32(1))) >> 20
-    shifted = jnp.abs(q) + jnp.float32(2.0**14)
+    shifted = jax.lax.bitcast_convert_type(mag, jnp.float32) + jnp.float32(2.0**14)  # |q| + 2^14
     subnormal = jax.lax.bitcast_convert_type(shifted, jnp.uint32) - jnp.uint32(_F32_2_POW_14)
-    out = jnp.minimum(jnp.where(mag < jnp.uint32(_F32_2_POW_M6), subnormal, normal), jnp.uint32(0x7F))
-    return jnp.where(jnp.signbit(q), out | jnp.uint32(0x80), out).astype(jnp.uint8)
+    out = jax.lax.select(mag < jnp.uint32(_F32_2_POW_M6), subnormal, normal)
+    out = jax.lax.min(out, jnp.full_like(out, 0x7F))
+    return (out | ((bits >> 24) & jnp.uint32(0x80))).astype(jnp.uint8)
 
 
 def abs_for_amax(x: jax.Array) -> jax.Array:
