@@ -175,7 +175,9 @@ def exact_f32(data: jax.Array) -> jax.Array:
     machine; grouped Fprop at 8192 x 256 -> 512, 16 groups: 16-18 -> 11-14 ms; issue 44). The
     dense `chunked_matmul` keeps converting per chunk: there f32 operands were no faster, and its
     scan over the transposed chunks slower (it moves 4 bytes per element instead of 1). Other
-    dtypes pass through.
+    dtypes pass through. On every platform: where the reference runs on a GPU (`impl="xla"`, or
+    `"auto"` without the kernels) the f32 copies take 4 bytes per element beside the FP8 data
+    while the op runs (an expert weight bank of 1 GB in E4M3 needs 4 GB more).
     """
     return data.astype(jnp.float32) if jnp.dtype(data.dtype).itemsize == 1 else data
 

@@ -107,9 +107,11 @@ def encode(x: jax.Array, scale: jax.Array) -> jax.Array:
     return cast_e4m3(_scaled(x, reciprocal(scale)))
 
 
+@jax.custom_jvp
 def cast_e4m3(q: jax.Array) -> jax.Array:
     """`q.astype(float8_e4m3fn)` for f32 `q`, the same bits for every f32, computed with integer
-    arithmetic where the computation is lowered for the CPU.
+    arithmetic where the computation is lowered for the CPU. Differentiates as the cast does (the
+    tangent cast along) on every platform, not as the integer arithmetic would (zero).
 
     XLA:CPU's f32 -> E4M3 cast rounds each element in slow generic code (through f16): on the
     2-core machine it takes 3.4x as long as `e4m3_bits` on a 2048 x 1024 array, and the FP8 `tiny`
@@ -120,6 +122,12 @@ def cast_e4m3(q: jax.Array) -> jax.Array:
     return jax.lax.platform_dependent(
         q, cpu=lambda q: jax.lax.bitcast_convert_type(e4m3_bits(q), FP8_DTYPE),
         default=lambda q: q.astype(FP8_DTYPE))
+
+
+@cast_e4m3.defjvp
+def _cast_e4m3_jvp(primals, tangents):
+    (q,), (dq,) = primals, tangents
+    return cast_e4m3(q), dq.astype(FP8_DTYPE)
 
 
 # f32 bit patterns of E4M3's smallest normal (2^-6), and of 2^14, whose f32 ulp is E4M3's

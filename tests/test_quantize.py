@@ -1,5 +1,7 @@
 """jfp8.quantize: round-trip bounds, scales, zero/huge/NaN blocks, tails, batch axes, bad input."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -258,7 +260,7 @@ def test_integer_e4m3_cast_equals_xlas_at_every_rounding_boundary():
 
 
 def test_integer_e4m3_cast_equals_xlas_on_every_f32_near_e4m3s_range():
-    """Every positive f32 from 2^-11 (under half the smallest subnormal) to 2^9 (past the
+    """Every positive f32 from 2^-11 (under half the smallest subnormal) up to 2^10 (past the
     overflow to NaN): 21 binades, 176 M bit patterns, in chunks."""
     size = 1 << 23  # one binade per call
 
@@ -269,6 +271,21 @@ def test_integer_e4m3_cast_equals_xlas_on_every_f32_near_e4m3s_range():
 
     bad = {e: int(mismatches(jnp.uint32(e << 23))) for e in range(127 - 11, 127 + 10)}
     assert not any(bad.values()), {e - 127: n for e, n in bad.items() if n}
+
+
+def test_quantize_lowers_to_the_integer_cast_on_the_cpu():
+    """The CPU's quantizer really takes the integer cast (else its speed-up would silently go)."""
+    text = jax.jit(quantize).lower(jnp.zeros((4, 128), jnp.float32)).as_text()
+    assert "shift_right_logical" in text, text
+    assert not re.search(r"stablehlo\.convert [^\n]*-> tensor<[^>]*f8E4M3FN>", text), text
+
+
+def test_cast_e4m3_differentiates_as_the_cast_on_every_platform():
+    q = jnp.asarray([0.3, -2.0, 100.0], jnp.float32)
+    grad = jax.grad(lambda q: fp8_math.cast_e4m3(q).astype(jnp.float32).sum())(q)
+    want = jax.grad(lambda q: q.astype(jnp.float8_e4m3fn).astype(jnp.float32).sum())(q)
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(want))
+    assert np.all(np.asarray(want) == 1.0)
 
 
 def test_cast_e4m3_lowers_to_xlas_cast_off_the_cpu():
