@@ -485,8 +485,7 @@ def _k_padded_data(t: Fp8Tensor, kp: int) -> jax.Array:
     """`t.data` with exactly `kp` columns (per-tensor operands are stored unpadded)."""
     if t.data.shape[-1] == kp:
         return t.data
-    k = t.logical[1]
-    return fp8.move_bytes(lambda d: jnp.pad(d[..., :k], [(0, 0)] * (d.ndim - 1) + [(0, kp - k)]), t.data)
+    return fp8.move_bytes(lambda d: reference.zero_past_k(d, t.logical[1], kp), t.data)
 
 
 def scaled_matmul(

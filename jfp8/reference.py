@@ -354,6 +354,7 @@ def grouped_wgrad_reference(
     a_data, b_data = exact_f32(a_data), exact_f32(b_data)
     ends = jnp.cumsum(sizes.astype(jnp.int32))
     starts = ends - sizes.astype(jnp.int32)
+    zero = jnp.zeros((), a_data.dtype)
 
     def item(acc, it):
         gi, c = it
@@ -361,8 +362,7 @@ def grouped_wgrad_reference(
         gc = jnp.minimum(gi, groups - 1)
         tok = c * TILE + jnp.arange(TILE)
         in_g = (tok >= starts[gc]) & (tok < ends[gc])  # this group's tokens of chunk c
-        a_c = jnp.where(in_g[None, :], jax.lax.dynamic_slice_in_dim(a_data, c * TILE, TILE, 1),
-                        jnp.float32(0))  # other groups' tokens: +0
+        a_c = jnp.where(in_g[None, :], jax.lax.dynamic_slice_in_dim(a_data, c * TILE, TILE, 1), zero)
         b_c = jax.lax.dynamic_slice_in_dim(b_data, c * TILE, TILE, 1)
         partial = jax.lax.dot_general(
             a_c, b_c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32

@@ -209,6 +209,7 @@ def test_fp8_data_moves_are_byte_moves():
     views: XLA:CPU otherwise moves f8 through f16) moves every one of the 256 E4M3 bit patterns,
     NaNs and -0 included, exactly as numpy moves the bytes, jitted or not; pads are +0 (byte 0)."""
     from jfp8.fp8 import as_bytes, from_bytes, move_bytes
+    from jfp8.reference import zero_past_k
 
     rng, seed = _rng()
     raw = rng.permutation(256).astype(np.uint8).reshape(16, 16)
@@ -219,6 +220,11 @@ def test_fp8_data_moves_are_byte_moves():
         "slice-and-pad": (lambda d: jnp.pad(d[:10, :7], ((0, 0), (0, 9))), np.pad(raw[:10, :7], ((0, 0), (0, 9)))),
         "take": (lambda d: jnp.take(d, rows, axis=0), raw[np.asarray(rows)]),
         "chunks": (lambda d: d.reshape(16, 2, 8).transpose(1, 0, 2), raw.reshape(16, 2, 8).transpose(1, 0, 2)),
+        # chunk_operand's cut to K: a mask where the data is wide enough, a pad where it is not
+        "zero past k, wider": (lambda d: zero_past_k(d, 5, 12), np.pad(raw[:, :5], ((0, 0), (0, 7)))),
+        "zero past k, as wide": (lambda d: zero_past_k(d, 9, 16), np.pad(raw[:, :9], ((0, 0), (0, 7)))),
+        "zero past k, all of it": (lambda d: zero_past_k(d, 16, 16), raw),
+        "zero past k, narrower": (lambda d: zero_past_k(d[:, :11], 11, 20), np.pad(raw[:, :11], ((0, 0), (0, 9)))),
     }
     for name, (fn, want) in moves.items():
         for run in (lambda: move_bytes(fn, x), jax.jit(lambda: move_bytes(fn, x))):
