@@ -3,6 +3,7 @@
     python benchmarks/bench_step.py                          # GPU: wide and gpu; CPU: tiny, small batch
     python benchmarks/bench_step.py --presets wide --steps 25 --timed-from 6
     python benchmarks/bench_step.py --presets wide --steps 100     # H100: speedup, memory, loss gap
+    python benchmarks/bench_step.py --presets wide --profile 3     # + where each step's time goes
     python benchmarks/bench_step.py --presets tiny --model n_layers=1,n_dense_layers=0,mtp=false
 
 Per preset and precision, the jitted `jfp8.train.step.build(...).train_step` (AdamW, the router-bias
@@ -20,6 +21,11 @@ synchronised (its loss read back). Recorded per row:
                      "not measured" where the device reports none (CPU); XLA's compile-time memory
                      analysis of the step (arguments + outputs - aliased + temporaries) beside it
   losses, grad_norms every step's, both precisions on the same batches
+  profile            with --profile N: N more steps (not timed above) under jax's profiler, every
+                     kernel's time charged to the step model's category of its HLO instruction
+                     (`step_profile.py`: per category ms, launches and the rate the model's bytes or
+                     FLOPs imply; the quantizers' GB/s per tensor size; device busy time against the
+                     wall). `step_model.py --measured <record>` puts it beside the model's prediction.
 Per preset, `fp8_vs_bf16` (printed last): the speedup, both peaks, and the loss gap over the last
 fifth of the steps (81-100 with --steps 100: on an H100, the front door's 100-step comparison).
 Model FLOPs per token (`model_flops`): 6 x the matmul parameters a token passes through (the
@@ -47,6 +53,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -58,6 +65,7 @@ from jfp8.train import data
 from jfp8.train.config import PRESET_TRAINING, PRESETS, TrainConfig
 from jfp8.train.optim import OptimizerConfig
 from jfp8.train.step import build
+from step_profile import profile_lines, profile_steps
 from _bench import (
     RESULTS,
     budget_spent,
@@ -195,9 +203,13 @@ class CheckFailed(AssertionError):
 
 
 def run_precision(config: TrainConfig, batches: list, timed_from: int, max_seconds: float | None,
-                  check=None) -> dict:
+                  check=None, profile: int = 0, profile_dir: pathlib.Path | None = None,
+                  on_timed=lambda out: None) -> dict:
     """One precision's steps: the first jit timed by phase, then the steps, each synchronised.
-    `check(metrics of step 1)` raises `CheckFailed` before any further step runs."""
+    `check(metrics of step 1)` raises `CheckFailed` before any further step runs. Then `on_timed(the
+    result so far)` (the caller records it: a call cut off while profiling keeps it) and, with
+    `profile`, that many more steps (not in the median) under the profiler:
+    `step_profile.profile_steps`, its trace kept in `profile_dir` if given."""
     device = jax.devices()[0]
     setup = build(config)
     step_fn, tx = setup.train_step, setup.tx
@@ -237,7 +249,6 @@ def run_precision(config: TrainConfig, batches: list, timed_from: int, max_secon
             if max_seconds is not None and spent > max_seconds and i + 1 < len(tokens):
                 stopped = f"--max-seconds {max_seconds:g} reached after step {i + 1}"
                 break
-    del params, rest, opt_state
     # Steps are 1-based: step s took times[s - 1]. The window --timed-from..--steps, or what ran of it;
     # with none of it run, the steps after the first.
     window = list(range(timed_from, len(times) + 1)) or list(range(2, len(times) + 1)) or [1]
@@ -248,6 +259,14 @@ def run_precision(config: TrainConfig, batches: list, timed_from: int, max_secon
         step_times_ms=[t * 1e3 for t in times], losses=losses, grad_norms=norms,
         all_finite=all(map(math.isfinite, losses + norms)), **_memory(device),
     )
+    on_timed(out)
+    if profile:
+        with tempfile.TemporaryDirectory() as tmp:
+            log_dir = profile_dir or pathlib.Path(tmp)
+            try:
+                out["profile"], _ = profile_steps(compiled, (params, rest, opt_state), tokens, profile, log_dir)
+            except Exception as e:  # noqa: BLE001 - a failed profile must not lose the timed steps
+                out["profile"] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "steps": profile}
     return out
 
 
@@ -288,6 +307,11 @@ def main(argv=None) -> int:
                    help="cap on one precision's steps after its first (a slow step ends it early)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new preset or precision after this many seconds (the rest are listed as skipped)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="N more steps per precision under jax's profiler, their kernels charged to the step "
+                        "model's categories (step_profile.py); 0: none")
+    p.add_argument("--profile-dir", type=pathlib.Path, default=None,
+                   help="keep the traces here (<dir>/<preset>-<precision>); default: a temporary directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="directory for the JSON record")
     args = p.parse_args(argv)
@@ -324,6 +348,30 @@ def main(argv=None) -> int:
             flops_formula=FLOPS_FORMULA, bf16_experts=BF16_EXPERTS, configs=configs,
             failed=failed, skipped=skipped)
 
+    def add_row(result, preset, precision, name, batch, seq_len, flops, row_check, bf16) -> dict:
+        """Record one precision's timed steps (before any profile), print and save them."""
+        tokens = batch * seq_len
+        tokens_per_s = tokens / (result["step_ms"] / 1e3)
+        row = dict(impl=name, preset=preset, precision=precision, batch=batch, seq_len=seq_len,
+                   tokens_per_step=tokens, **result, tokens_per_s=tokens_per_s,
+                   model_tflops_per_s=flops["flops_per_token"] * tokens_per_s / 1e12,
+                   mfu=None if peak is None else flops["flops_per_token"] * tokens_per_s / (peak * 1e12))
+        if precision == "fp8":
+            row["check"] = row_check
+            if bf16 is not None:
+                row["same_init"] = row["init_checksum"] == bf16["init_checksum"]
+        # A later precision's process peak is its own only if it rose past the earlier ones'.
+        earlier = [r["peak_bytes_in_use"] for r in rows]
+        row["peak_is_own"] = (isinstance(row["peak_bytes_in_use"], int)
+                              and all(isinstance(v, int) and row["peak_bytes_in_use"] > v for v in earlier))
+        rows.append(row)
+        mfu = "" if row["mfu"] is None else f", MFU {row['mfu']:.3f}"
+        print(f"  {name:12s} {preset:6s} step {row['step_ms']:9.2f} ms (steps {row['timed_steps']}), "
+              f"{tokens_per_s:10.0f} tok/s{mfu}; first jit {row['first_jit_s']['total']:.1f} s; "
+              f"loss {row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}", flush=True)
+        save()
+        return row
+
     for preset, _ in within_budget(presets, str, args.budget_s, start, skipped):
         t = PRESET_TRAINING[preset]
         batch = args.batch or (t["batch_size"] if on_gpu else CPU_BATCH)
@@ -344,8 +392,13 @@ def main(argv=None) -> int:
                                               if k != "recipe"}, **flops)
                 row_check = {}
                 print(f"{preset} {name}: batch {batch} x {seq_len}, {steps} steps ...", flush=True)
-                result = run_precision(config, batches, timed_from, args.max_seconds,
-                                       check=_fp8_check(bf16, row_check) if precision == "fp8" else None)
+                recorded = []  # the row, recorded before the profile runs
+                result = run_precision(
+                    config, batches, timed_from, args.max_seconds,
+                    check=_fp8_check(bf16, row_check) if precision == "fp8" else None, profile=args.profile,
+                    profile_dir=args.profile_dir and args.profile_dir / f"{preset}-{precision}",
+                    on_timed=lambda out: recorded.append(add_row(out, preset, precision, name, batch, seq_len,
+                                                              flops, row_check, bf16)))
             except CheckFailed as e:
                 failed.append(dict(impl=name, problem=preset, error=f"check failed: {e}", check=row_check))
                 print(f"  {name} at {preset}: CHECK FAILED: {e}", flush=True)
@@ -356,26 +409,10 @@ def main(argv=None) -> int:
                 continue
             if precision == "bf16":
                 bf16 = result
-            tokens = batch * seq_len
-            tokens_per_s = tokens / (result["step_ms"] / 1e3)
-            row = dict(impl=name, preset=preset, precision=precision, batch=batch, seq_len=seq_len,
-                       tokens_per_step=tokens, **result, tokens_per_s=tokens_per_s,
-                       model_tflops_per_s=flops["flops_per_token"] * tokens_per_s / 1e12,
-                       mfu=None if peak is None else flops["flops_per_token"] * tokens_per_s / (peak * 1e12))
-            if precision == "fp8":
-                row["check"] = row_check
-                if bf16 is not None:
-                    row["same_init"] = row["init_checksum"] == bf16["init_checksum"]
-            # A later precision's process peak is its own only if it rose past the earlier ones'.
-            earlier = [r["peak_bytes_in_use"] for r in rows]
-            row["peak_is_own"] = (isinstance(row["peak_bytes_in_use"], int)
-                                  and all(isinstance(v, int) and row["peak_bytes_in_use"] > v for v in earlier))
-            rows.append(row)
-            mfu = "" if row["mfu"] is None else f", MFU {row['mfu']:.3f}"
-            print(f"  {name:12s} {preset:6s} step {row['step_ms']:9.2f} ms (steps {row['timed_steps']}), "
-                  f"{tokens_per_s:10.0f} tok/s{mfu}; first jit {row['first_jit_s']['total']:.1f} s; "
-                  f"loss {row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}", flush=True)
-            save()
+            if "profile" in result:
+                recorded[0]["profile"] = result["profile"]
+                print("\n".join(profile_lines(result["profile"])), flush=True)
+                save()
         if bf16 is not None and not bf16["all_finite"]:
             failed.append(dict(impl="bf16", problem=preset, error="non-finite loss or gradient norm"))
     path = save()

@@ -111,7 +111,7 @@ PLAN = ("smoke", "check", "e2e", "step", "bench", "bisect")
 TIMEOUTS = dict(env=45, smoke=150, pytest_gpu=90, racecheck=140, memcheck=130, synccheck=130, train_check=140,
                 bench_linear_layer=110, bench_moe_block=60, bench_step=230,
                 bench_gemm=170, bench_grouped=110,
-                bench_quantize=70, bench_linear=90, bench_grouped_wgrad=60, bisect_gemm=200, bisect_grouped=90,
+                bench_quantize=90, bench_linear=90, bench_grouped_wgrad=60, bisect_gemm=200, bisect_grouped=90,
                 ncu=90, profile=60, bisect_grouped_wgrad=60,
                 tune_gemm=450, tune_grouped=450)
 SMOKE_KERNEL_TIMEOUT = 45.0
@@ -196,14 +196,15 @@ QUICK_ARGS = {
     "bisect_grouped_wgrad": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
 }
 # The end-to-end stages' GPU arguments (their scripts' GPU defaults otherwise): the wide preset's
-# step, its steps after the first capped so BF16's predicted ~2.7 s steps fit the call.
+# step, its steps after the first capped so BF16's predicted ~2.7 s steps fit the call, then 3 steps
+# per precision under the profiler: each kernel's device time by the step model's categories.
 E2E_ARGS = {"bench_linear_layer": ["--shapes", "layer"], "bench_moe_block": [],
-            "bench_step": ["--presets", "wide", "--max-seconds", "30"]}
+            "bench_step": ["--presets", "wide", "--max-seconds", "30", "--profile", "3"]}
 QUICK_E2E_ARGS = {
     "bench_linear_layer": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
     "bench_moe_block": ["--shapes", "64x128x128x2", "--warmup", "1", "--repeats", "2"],
     "bench_step": ["--presets", "tiny", "--batch", "2", "--seq-len", "32", "--steps", "4", "--timed-from", "2",
-                   "--model", "n_layers=1,n_dense_layers=0,mtp=false"],
+                   "--model", "n_layers=1,n_dense_layers=0,mtp=false", "--profile", "1"],
 }
 # --rehearse: the training check's plumbing at the tiny preset, both sides on XLA (the kernels in
 # the interpreter take minutes per step; `gpu_train_check.py --interpret` runs them, by hand).

@@ -3,6 +3,8 @@ and the smoke stage's per-kernel rows. Pure functions of the JSON the scripts wr
 
 from __future__ import annotations
 
+from step_profile import profile_lines
+
 
 def grouped_label(groups: int, rows: int, n: int, k: int) -> str:
     """GxRxNxK (R rows per group) for a grouped problem recorded with all groups' rows."""
@@ -89,7 +91,8 @@ def block_table(record: dict) -> list[str]:
 
 
 def step_table(record: dict) -> list[str]:
-    """The training step per preset and precision: time, throughput, MFU, memory."""
+    """The training step per preset and precision: time, throughput, MFU, memory; where it was
+    profiled, its kernels' time per category."""
     lines = [f"train step                {'precision':9s} {'ms':>9} {'tokens/s':>10} {'MFU':>6} {'x bf16':>6} {'peak GB':>8}"]
     for r in record.get("rows", []):
         peak = r.get("peak_bytes_in_use")
@@ -98,18 +101,26 @@ def step_table(record: dict) -> list[str]:
         lines.append(f"{r['preset'] + ' ' + str(r['batch']) + 'x' + str(r['seq_len']):25s} {r['precision']:9s} "
                      f"{fmt(r.get('step_ms'), '.2f'):>9} {fmt(r.get('tokens_per_s'), '.0f'):>10} "
                      f"{fmt(mfu and 100 * mfu, '.1f'):>5}% {fmt(r.get('ratio_vs_bf16'), '.2f'):>6} {fmt(peak, '.1f'):>8}")
+        if r.get("profile"):
+            lines += profile_lines(r["profile"])
     return lines
 
 
 def quantize_table(record: dict) -> list[str]:
-    lines = [f"quantize, GB/s (copy {fmt(record.get('copy_gbps'), '.4g')} GB/s)   {'GB/s':>7} {'of copy':>7}"]
+    """GB/s by the wall clock and, where profiled, by the kernels' device time (with the kernels a
+    call launches)."""
+    lines = [f"quantize, GB/s (copy {fmt(record.get('copy_gbps'), '.4g')} GB/s)   {'GB/s':>7} {'of copy':>7} "
+             f"{'dev GB/s':>8} {'of copy':>7} {'kernels':>7}"]
     for r in record.get("rows", []):
         if r["kernel"] == "copy":
             continue
         frac = r.get("frac_of_copy")
+        d = r.get("device") or {}
+        dfrac = d.get("frac_of_copy")
         config = r["impl"][r["impl"].index("["):] if "[" in r["impl"] else ""
         lines.append(f"{r['kernel'] + config:24s} {'%dx%d:%s' % (r['m'], r['k'], r['dtype']):25s} {fmt(r['gbps'], '.4g'):>7} "
-                     f"{fmt(frac and 100 * frac, '.1f'):>6}%")
+                     f"{fmt(frac and 100 * frac, '.1f'):>6}% {fmt(d.get('gbps'), '.4g'):>8} "
+                     f"{fmt(dfrac and 100 * dfrac, '.1f'):>6}% {fmt(d.get('kernels_per_call'), '.3g'):>7}")
     return lines
 
 

@@ -6,6 +6,8 @@ an H100, priced op by op at the H100 rates measured so far.
     python benchmarks/step_model.py --from-hlo benchmarks/results/step-model/hlo   # re-price the committed HLO
     python benchmarks/step_model.py --from-hlo D --compile bf16 --keep-hlo D      # compile BF16 anew, re-price FP8
     python benchmarks/step_model.py --table                           # the committed JSONs as markdown
+    python benchmarks/step_model.py --presets wide --measured R.json  # fill the measured columns from a
+                                                                      # bench_step.py record (--profile)
 
 The step compiles as `hopper_train_build.py` compiles it (same toolchain, same abstract arguments,
 one fresh process per precision). The optimized HLO (`compiled.as_text()`) is then walked op by op
@@ -688,6 +690,39 @@ def record(preset: str, target: str, steps: dict[str, dict], command: str, rates
             "precisions": {p: {**s, "measured_step_s": None, "measured": MEASURED_NOT} for p, s in steps.items()}}
 
 
+def attach_measured(doc: dict, bench: dict, source: str) -> list[str]:
+    """Fill `doc`'s measured columns from a `bench_step.py` record (`bench`, read from `source`):
+    per precision, the row of the same preset at the model's batch x seq_len on the model's device,
+    its median step and, where it ran with --profile, its kernels' ms per category. Returns the
+    precisions filled."""
+    filled = []
+    if bench.get("device") != doc["device"]:
+        return filled
+    for precision, s in doc["precisions"].items():
+        for r in bench.get("rows", []):
+            if (r.get("preset"), r.get("precision"), r.get("batch"), r.get("seq_len")) != (
+                    doc["preset"], precision, s["batch_size"], s["seq_len"]):
+                continue
+            prof = r.get("profile") or {}
+            s["measured_step_s"] = r["step_ms"] / 1e3
+            s["measured"] = {
+                "source": source, "device": bench["device"], "date": bench.get("date"),
+                "commit": bench.get("commit"), "dirty": bench.get("dirty"), "step_ms": r["step_ms"],
+                "timed_steps": r.get("timed_steps"),
+                "profile": ({k: prof[k] for k in ("steps", "wall_ms", "kernel_ms", "busy_ms", "unattributed_ms",
+                                                  "source") if k in prof}
+                            | {"categories": {c: v["ms"] for c, v in prof.get("categories", {}).items()}}
+                            if prof and "error" not in prof else prof.get("error", "not profiled"))}
+            filled.append(precision)
+    return filled
+
+
+def _measured_ms(s: dict, category: str) -> float | None:
+    m = s.get("measured")
+    prof = m.get("profile") if isinstance(m, dict) else None
+    return prof.get("categories", {}).get(category, 0.0) if isinstance(prof, dict) else None
+
+
 def _fmt_amount(flops: float, nbytes: float) -> str:
     parts = []
     if flops:
@@ -716,7 +751,10 @@ def markdown_table(doc: dict) -> str:
             continue
         amt = lambda r: _fmt_amount(r["flops"], r["bytes"]) if r else "–"  # noqa: E731
         n = lambda r: f"{r['kernels']:.0f}" if r else "–"  # noqa: E731
-        out.append(f"| {c} | {_ms(a)} | {_ms(b)} | {_ms(w)} | {amt(a)} | {amt(b)} | {n(a)} / {n(b)} | {MEASURED_NOT} |")
+        mf, mb = _measured_ms(fp8, c), _measured_ms(bf16, c)
+        measured = (MEASURED_NOT if mf is None and mb is None else
+                    f"FP8 {'–' if mf is None else f'{mf:.3f}'} / BF16 {'–' if mb is None else f'{mb:.3f}'} ms")
+        out.append(f"| {c} | {_ms(a)} | {_ms(b)} | {_ms(w)} | {amt(a)} | {amt(b)} | {n(a)} / {n(b)} | {measured} |")
     ta, tb, tw = fp8["total"], bf16["total"], alt["total"]
     meas = lambda s: (MEASURED_NOT if s.get("measured_step_s") is None  # noqa: E731
                       else f"{s['measured_step_s'] * 1e3:.1f} ms")
@@ -759,9 +797,13 @@ def summary_table(docs: list[dict]) -> str:
         tf, tb, tw = (s["total"]["seconds"] * 1e3 for s in (f, b, w))
         goal = f.get("with_quantizers_at_goal")
         goal = f"{goal['seconds'] * 1e3:.2f} ({goal['seconds'] * 1e3 / tw:.2f})" if goal else "–"
+        mf, mb = f.get("measured_step_s"), b.get("measured_step_s")
+        measured = (MEASURED_NOT if mf is None and mb is None else
+                    " / ".join(f"{q} {'–' if v is None else f'{v * 1e3:.1f} ms'}" for q, v in (("FP8", mf), ("BF16", mb)))
+                    + (f" ({mf / mb:.2f})" if mf and mb else ""))
         out.append(f"| {doc['preset']} | {f['batch_size']} × {f['seq_len']} | {tf:.2f} | {tb:.2f} | {tw:.2f} "
                    f"| {tf / tb:.2f} ({tf / tw:.2f}) | {goal} | {fg:.2f} / {fq:.2f} / {fr:.2f} | {wg:.2f} / {wr:.2f} "
-                   f"| {f['memory']['peak'] / 1e9:.2f} / {b['memory']['peak'] / 1e9:.2f} | {MEASURED_NOT} |")
+                   f"| {f['memory']['peak'] / 1e9:.2f} / {b['memory']['peak'] / 1e9:.2f} | {measured} |")
     return "\n".join(out)
 
 
@@ -778,11 +820,28 @@ def main(argv=None) -> int:
     p.add_argument("--compile", nargs="+", choices=PRECISIONS, default=None,
                    help="with --from-hlo: compile these precisions anew (the rest are re-priced from the kept HLO)")
     p.add_argument("--table", action="store_true", help="print the committed results as markdown")
+    p.add_argument("--measured", type=pathlib.Path, nargs="+", default=(), metavar="BENCH_STEP_JSON",
+                   help="fill the committed results' measured columns from bench_step.py records (their "
+                        "rows at the model's batch on the model's device; per category where run with "
+                        "--profile), rewrite them and print the tables")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return _child(args.child, args.target, args.result)
+    if args.measured:
+        for pr in args.presets:
+            path = args.out / f"{pr}-{args.target}.json"
+            if not path.exists():
+                continue
+            doc = json.loads(path.read_text())
+            for m in args.measured:
+                filled = attach_measured(doc, json.loads(m.read_text()), str(m.relative_to(REPO) if m.is_absolute()
+                                                                             and m.is_relative_to(REPO) else m))
+                if filled:
+                    print(f"{pr}: measured {', '.join(filled)} from {m}")
+            path.write_text(json.dumps(doc, indent=1) + "\n")
+        args.table = True
     if args.table:
         docs = [json.loads((args.out / f"{pr}-{args.target}.json").read_text()) for pr in args.presets
                 if (args.out / f"{pr}-{args.target}.json").exists()]

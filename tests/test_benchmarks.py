@@ -54,7 +54,7 @@ def records(tmp_path_factory, benches):
         ["--op", "wgrad", "--shapes", "2x128x128x256", "--config", GROUPED_SIMPLE, "--out", str(out), *FAST])
     assert rc == 0
     rc = benches["bench_quantize"].main(
-        ["--shapes", "128x256:bfloat16", "--config", "swizzle=false", "--out", str(out), *FAST]
+        ["--shapes", "128x256:bfloat16", "--config", "swizzle=false", "--device-time", "2", "--out", str(out), *FAST]
     )
     assert rc == 0
     assert benches["bench_linear"].main(["--shapes", "128x256x256", "--out", str(out), *FAST]) == 0
@@ -107,6 +107,10 @@ def test_quantize_record(records):
     assert record["copy_gbps"] > 0
     for r in kernels.values():
         assert r["gbps"] > 0 and r["mismatches"] == 0 and r["frac_of_copy"] > 0
+        # under the profiler: XLA:CPU's thunks of the jitted call (the copy is one add)
+        d = r["device"]
+        assert d["calls"] == 2 and d["kernel_ms"] > 0 and d["gbps"] > 0 and d["frac_of_copy"] > 0
+        assert d["kernels_per_call"] == 1 if r["kernel"] == "copy" else d["kernels_per_call"] >= 1
     skipped = {s["impl"]: s["reason"] for s in record["skipped"]}
     assert "jfp8-mosaic-retile[swizzle=false]" in skipped and record["configs"] == ["swizzle=false"]
 

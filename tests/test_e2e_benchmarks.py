@@ -95,10 +95,17 @@ def test_wrong_moe_block_fails_its_check(tmp_path, monkeypatch, block_bench):
 def test_step_record(tmp_path, monkeypatch, step_bench, fresh_steps):
     # The CPU has no datasheet peak; an H100's BF16 one stands in, so that MFU is computed.
     monkeypatch.setattr(step_bench, "peak_tflops", lambda kind, dtype: {"bf16": 989.0}[dtype])
-    assert step_bench.main([*STEP, "--out", str(tmp_path)]) == 0
+    assert step_bench.main([*STEP, "--profile", "1", "--out", str(tmp_path)]) == 0
     record = _record(tmp_path, "bench_step")
     rows = {r["precision"]: r for r in record["rows"]}
     assert set(rows) == {"bf16", "fp8"} and not record["failed"]
+    for r in rows.values():  # one more step under the profiler: XLA:CPU's thunks, by the model's categories
+        prof = r["profile"]
+        assert "error" not in prof and prof["steps"] == 1 and prof["module"] == "jit_train_step"
+        assert prof["source"].startswith("host threads") and "busy_ms" not in prof
+        assert prof["kernel_ms"] > 0 and prof["unattributed_ms"] < 0.05 * prof["kernel_ms"]
+        assert prof["categories"]["xla gemm (bf16)"]["launches"] > 0
+        assert r["steps_run"] == 4  # the profiled step is not one of the timed ones
     assert "ragged_dot" in record["bf16_experts"] and "6 x" in record["flops_formula"]
     assert record["configs"]["tiny"]["flops_per_token"] > 0 and record["timed_from"] == 2
     for r in rows.values():
