@@ -111,7 +111,7 @@ PLAN = ("smoke", "check", "e2e", "step", "bench", "bisect")
 TIMEOUTS = dict(env=45, smoke=150, pytest_gpu=90, racecheck=140, memcheck=130, synccheck=130, train_check=140,
                 bench_linear_layer=110, bench_moe_block=60, bench_step=230,
                 bench_gemm=170, bench_grouped=110,
-                bench_quantize=90, bench_linear=90, bench_grouped_wgrad=60, bisect_gemm=200, bisect_grouped=90,
+                bench_quantize=110, bench_linear=90, bench_grouped_wgrad=60, bisect_gemm=200, bisect_grouped=90,
                 ncu=90, profile=60, bisect_grouped_wgrad=60,
                 tune_gemm=450, tune_grouped=450)
 SMOKE_KERNEL_TIMEOUT = 45.0
