@@ -1,6 +1,6 @@
 """The training step of a preset, BF16 then FP8 in one process: same initialisation, same batches.
 
-    python benchmarks/bench_step.py                          # GPU: wide and gpu; CPU: tiny, small batch
+    python benchmarks/bench_step.py                          # GPU: wide4k, wide, gpu; CPU: tiny, small batch
     python benchmarks/bench_step.py --presets wide --steps 25 --timed-from 6
     python benchmarks/bench_step.py --presets wide --steps 100     # H100: speedup, memory, loss gap
     python benchmarks/bench_step.py --presets wide --profile 3     # + where each step's time goes
@@ -19,7 +19,8 @@ synchronised (its loss read back). Recorded per row:
   peak_bytes_in_use  `device.memory_stats()` after the precision's steps (the process's peak since
                      start: a later precision's reading is its own only where it rose, `peak_is_own`);
                      "not measured" where the device reports none (CPU); XLA's compile-time memory
-                     analysis of the step (arguments + outputs - aliased + temporaries) beside it
+                     analysis of the step (arguments + outputs - aliased + temporaries) beside it;
+                     `bytes_in_use` then: the training state freed, or still held with --profile
   losses, grad_norms every step's, both precisions on the same batches
   profile            with --profile N: N more steps (not timed above) under jax's profiler, every
                      kernel's time charged to the step model's category of its HLO instruction
@@ -77,7 +78,7 @@ from _bench import (
     write_record,
 )
 
-GPU_PRESETS = ("wide", "gpu")
+GPU_PRESETS = ("wide4k", "wide", "gpu")
 CPU_PRESETS = ("tiny",)
 GPU_STEPS, GPU_TIMED_FROM = 25, 6
 CPU_STEPS, CPU_TIMED_FROM = 8, 3
@@ -114,6 +115,13 @@ def model_flops(cfg: ModelConfig, seq_len: int) -> dict:
     matmul_params = main + mtp
     return dict(matmul_params=matmul_params, matmul_flops=6 * matmul_params, attention_flops=attn_core,
                 flops_per_token=6 * matmul_params + attn_core, formula=FLOPS_FORMULA)
+
+
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0, got {n}")
+    return n
 
 
 def parse_model_overrides(text: str) -> tuple[tuple[str, object], ...]:
@@ -249,6 +257,8 @@ def run_precision(config: TrainConfig, batches: list, timed_from: int, max_secon
             if max_seconds is not None and spent > max_seconds and i + 1 < len(tokens):
                 stopped = f"--max-seconds {max_seconds:g} reached after step {i + 1}"
                 break
+    if not profile:  # with a profile to run, the training state stays (and counts in bytes_in_use)
+        del params, rest, opt_state
     # Steps are 1-based: step s took times[s - 1]. The window --timed-from..--steps, or what ran of it;
     # with none of it run, the steps after the first.
     window = list(range(timed_from, len(times) + 1)) or list(range(2, len(times) + 1)) or [1]
@@ -261,12 +271,12 @@ def run_precision(config: TrainConfig, batches: list, timed_from: int, max_secon
     )
     on_timed(out)
     if profile:
-        with tempfile.TemporaryDirectory() as tmp:
-            log_dir = profile_dir or pathlib.Path(tmp)
-            try:
+        try:
+            with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+                log_dir = profile_dir or pathlib.Path(tmp)
                 out["profile"], _ = profile_steps(compiled, (params, rest, opt_state), tokens, profile, log_dir)
-            except Exception as e:  # noqa: BLE001 - a failed profile must not lose the timed steps
-                out["profile"] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "steps": profile}
+        except Exception as e:  # noqa: BLE001 - a failed profile must not lose the timed steps
+            out["profile"] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "steps": profile}
     return out
 
 
@@ -294,7 +304,7 @@ def _fp8_check(reference: dict | None, row_check: dict):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", nargs="+", default=None, choices=PRESETS, help="GPU: wide gpu; CPU: tiny")
+    p.add_argument("--presets", nargs="+", default=None, choices=PRESETS, help="GPU: wide4k wide gpu; CPU: tiny")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (the preset's; CPU 4)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (the preset's; CPU 64)")
     p.add_argument("--steps", type=int, default=None, help=f"steps per precision (GPU {GPU_STEPS}, CPU {CPU_STEPS})")
@@ -307,7 +317,7 @@ def main(argv=None) -> int:
                    help="cap on one precision's steps after its first (a slow step ends it early)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new preset or precision after this many seconds (the rest are listed as skipped)")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
+    p.add_argument("--profile", type=_count, default=0, metavar="N",
                    help="N more steps per precision under jax's profiler, their kernels charged to the step "
                         "model's categories (step_profile.py); 0: none")
     p.add_argument("--profile-dir", type=pathlib.Path, default=None,

@@ -195,11 +195,12 @@ QUICK_ARGS = {
     "bench_grouped_wgrad": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
     "bisect_grouped_wgrad": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
 }
-# The end-to-end stages' GPU arguments (their scripts' GPU defaults otherwise): the wide preset's
-# step, its steps after the first capped so BF16's predicted ~2.7 s steps fit the call, then 3 steps
-# per precision under the profiler: each kernel's device time by the step model's categories.
+# The end-to-end stages' GPU arguments (their scripts' GPU defaults otherwise): the wide4k preset's
+# step (where the step model predicts FP8 ahead), then wide's if the budget lets it start, each
+# precision's steps after the first capped, then 3 steps per precision under the profiler: each
+# kernel's device time by the step model's categories.
 E2E_ARGS = {"bench_linear_layer": ["--shapes", "layer"], "bench_moe_block": [],
-            "bench_step": ["--presets", "wide", "--max-seconds", "30", "--profile", "3"]}
+            "bench_step": ["--presets", "wide4k", "wide", "--max-seconds", "30", "--profile", "3"]}
 QUICK_E2E_ARGS = {
     "bench_linear_layer": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
     "bench_moe_block": ["--shapes", "64x128x128x2", "--warmup", "1", "--repeats", "2"],

@@ -639,9 +639,10 @@ def _child(spec: str, target: str, out: str) -> int:
 
     from pallas_kernels import _mgpu
 
-    preset, precision, batch = spec.split(":")
+    preset, precision, batch, overrides = spec.split(":", 3)
     device = _topology_device(target)
-    fn, args = abstract_step(preset, precision, "train", int(batch) or None, device)
+    fn, args = abstract_step(preset, precision, "train", int(batch) or None, device,
+                             tuple(json.loads(overrides).items()))
     with _mgpu.build_target(TARGETS[target], HOPPER_SMS):
         lowered = fn.trace(*args).lower()
     compiled = lowered.compile()
@@ -655,14 +656,17 @@ def _child(spec: str, target: str, out: str) -> int:
     return 0
 
 
-def compile_hlo(preset: str, precision: str, target: str, batch: int = 0, timeout: float = 3600) -> tuple[str, dict]:
-    """(stripped optimized HLO text, {batch_size, seq_len, memory}) of a train step, compiled in a
-    fresh process with the Hopper toolchain."""
+def compile_hlo(preset: str, precision: str, target: str, batch: int = 0, timeout: float = 3600,
+                overrides: dict | None = None) -> tuple[str, dict]:
+    """(stripped optimized HLO text, {batch_size, seq_len, memory}) of a train step (the preset's
+    model with `overrides` of its ModelConfig), compiled in a fresh process with the Hopper
+    toolchain."""
     from hopper_build import toolchain
     from hopper_train_build import build_env
 
     with tempfile.TemporaryDirectory(prefix="step-model-") as tmp:
-        p = subprocess.run([sys.executable, __file__, "--child", f"{preset}:{precision}:{batch}", "--target", target,
+        spec = f"{preset}:{precision}:{batch}:{json.dumps(overrides or {})}"
+        p = subprocess.run([sys.executable, __file__, "--child", spec, "--target", target,
                             "--result", tmp], env=build_env(toolchain()), capture_output=True, text=True,
                            timeout=timeout, cwd=REPO)
         hlo = pathlib.Path(tmp) / "hlo.txt.gz"
@@ -703,6 +707,9 @@ def attach_measured(doc: dict, bench: dict, source: str) -> list[str]:
             if (r.get("preset"), r.get("precision"), r.get("batch"), r.get("seq_len")) != (
                     doc["preset"], precision, s["batch_size"], s["seq_len"]):
                 continue
+            ran = (bench.get("configs", {}).get(r["preset"]) or {}).get("model_overrides") or {}
+            if ran != (doc.get("model_overrides") or {}):  # another model than the one predicted
+                continue
             prof = r.get("profile") or {}
             s["measured_step_s"] = r["step_ms"] / 1e3
             s["measured"] = {
@@ -715,6 +722,21 @@ def attach_measured(doc: dict, bench: dict, source: str) -> list[str]:
                             if prof and "error" not in prof else prof.get("error", "not profiled"))}
             filled.append(precision)
     return filled
+
+
+def keep_measured(old: dict, new: dict) -> list[str]:
+    """Carry `old`'s measured columns into `new` (a re-pricing or recompile of the same preset)
+    per precision of the same batch, sequence length and device. Returns the precisions kept."""
+    kept = []
+    if old.get("device") != new["device"] or old.get("model_overrides") != new.get("model_overrides"):
+        return kept
+    for p, s in new["precisions"].items():
+        o = old.get("precisions", {}).get(p, {})
+        if o.get("measured_step_s") is not None and (o.get("batch_size"), o.get("seq_len")) == (
+                s["batch_size"], s["seq_len"]):
+            s["measured_step_s"], s["measured"] = o["measured_step_s"], o["measured"]
+            kept.append(p)
+    return kept
 
 
 def _measured_ms(s: dict, category: str) -> float | None:
@@ -807,12 +829,31 @@ def summary_table(docs: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _model_overrides(text: str) -> dict:
+    """'d_model=4096,n_layers=4' -> ModelConfig overrides, checked against its fields."""
+    from _bench import parse_overrides
+    from jfp8.nn import ModelConfig
+
+    try:
+        return parse_overrides(text, ModelConfig)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def variant(batch: int, overrides: dict) -> str:
+    """The file-name suffix of a model that is not the preset's: '-b<batch>', '-<field><value>'..."""
+    return (f"-b{batch}" if batch else "") + "".join(f"-{k}{v}" for k, v in overrides.items())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", nargs="+", default=["tiny", "small", "gpu", "wide"])
+    p.add_argument("--presets", nargs="+", default=["tiny", "small", "gpu", "wide", "wide4k"])
     p.add_argument("--target", default="h100_sxm", choices=["h100_sxm"],
                    help="the rates are the H100's; another target needs its own measured rates")
     p.add_argument("--batch", type=int, default=0, help="batch size (default: the preset's)")
+    p.add_argument("--model", type=_model_overrides, default={}, metavar="FIELD=VALUE,...",
+                   help="ModelConfig overrides of the preset (a what-if model: its own file, "
+                        "<preset>-<FIELD><VALUE>...-<target>.json, and kept HLO stems)")
     p.add_argument("--out", type=pathlib.Path, default=OUT)
     p.add_argument("--keep-hlo", type=pathlib.Path, help="also write each compiled step's stripped HLO here (gz)")
     p.add_argument("--from-hlo", type=pathlib.Path,
@@ -851,15 +892,16 @@ def main(argv=None) -> int:
         return 0
     for preset in args.presets:
         # the command that compiles and prices this preset (--from-hlo re-prices the same HLO)
-        command = f"python benchmarks/step_model.py --presets {preset}" + (f" --batch {args.batch}" if args.batch else "")
+        command = (f"python benchmarks/step_model.py --presets {preset}" + (f" --batch {args.batch}" if args.batch else "")
+                   + (" --model " + ",".join(f"{k}={v}" for k, v in args.model.items()) if args.model else ""))
         steps = {}
         for precision in PRECISIONS:
-            stem = f"{preset}-{precision}-train" + (f"-b{args.batch}" if args.batch else "")
+            stem = f"{preset}-{precision}-train" + variant(args.batch, args.model)
             if args.from_hlo and precision not in (args.compile or ()):
                 text = gzip.decompress((args.from_hlo / f"{stem}.hlo.gz").read_bytes()).decode()
                 meta = json.loads((args.from_hlo / f"{stem}.json").read_text())
             else:
-                text, meta = compile_hlo(preset, precision, args.target, args.batch)
+                text, meta = compile_hlo(preset, precision, args.target, args.batch, overrides=args.model)
                 if args.keep_hlo:
                     args.keep_hlo.mkdir(parents=True, exist_ok=True)
                     (args.keep_hlo / f"{stem}.hlo.gz").write_bytes(gzip.compress(text.encode()))
@@ -873,8 +915,14 @@ def main(argv=None) -> int:
         doc["priced_from_kept_hlo"] = ([p for p in PRECISIONS if p not in (args.compile or ())]
                                        if args.from_hlo else [])
         args.out.mkdir(parents=True, exist_ok=True)
-        # another batch than the preset's (sizing) gets its own file
-        path = args.out / f"{preset}{f'-b{args.batch}' if args.batch else ''}-{args.target}.json"
+        if args.model:
+            doc["model_overrides"] = args.model
+        # another batch or model than the preset's (sizing, what-ifs) gets its own file
+        path = args.out / f"{preset}{variant(args.batch, args.model)}-{args.target}.json"
+        if path.exists():  # a re-pricing keeps what a GPU measured (each measurement names its commit)
+            kept = keep_measured(json.loads(path.read_text()), doc)
+            if kept:
+                print(f"kept the measured columns of {', '.join(kept)} from {path}")
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(markdown_table(doc) + f"\n\nwrote {path}", flush=True)
     return 0

@@ -254,7 +254,8 @@ def test_dry_run_plans_the_record_then_the_speed(session, tmp_path, capsys):
     assert layer[1].endswith("bench_linear.py") and layer[layer.index("--shapes") + 1] == "layer"
     assert block[1].endswith("bench_moe_block.py") and "--shapes" not in block  # its full-width default
     step = json.loads(next(tmp_path.glob("gpu_session-*-step.json")).read_text())["stages"][0]["argv"]
-    assert step[1].endswith("bench_step.py") and step[step.index("--presets") + 1] == "wide"
+    assert step[1].endswith("bench_step.py") and step[step.index("--presets") + 1:][:2] == ["wide4k", "wide"]
+    assert step[step.index("--profile") + 1] == "3"
     check = json.loads(next(tmp_path.glob("gpu_session-*-check.json")).read_text())
     assert [s["name"] for s in check["stages"]] == ["racecheck", "memcheck", "synccheck", "train_check"]
     assert check["budget_s"] == session.BUDGETS["check"]

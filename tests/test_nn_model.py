@@ -185,7 +185,7 @@ def test_fp8_vs_bf16_same_weights():
         assert bool((g[...] != 0).any()), f"seed {seed}: zero gradient at {path}"
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small", "gpu", "wide"])
+@pytest.mark.parametrize("preset", ["tiny", "small", "gpu", "wide", "wide4k"])
 @pytest.mark.parametrize("mtp", [True, False])
 def test_param_counts_match_state(preset, mtp):
     cfg = getattr(ModelConfig, preset)(mtp=mtp)
@@ -217,23 +217,23 @@ def test_param_counts_match_state(preset, mtp):
 def test_preset_sizes():
     assert 10e6 <= param_counts(ModelConfig.small()).total <= 30e6
     assert 100e6 <= param_counts(ModelConfig.gpu()).total <= 300e6
-    wide = ModelConfig.wide()
-    assert 1e9 <= param_counts(wide).total <= 2.5e9 and 2048 <= wide.d_model <= 4096
-    # every GEMM dimension a multiple of 128, but the key/value down-projection's RoPE part
-    dims = (wide.d_model, wide.q_lora_rank, wide.kv_lora_rank, wide.n_heads * wide.qk_head_dim,
-            wide.n_heads * (wide.qk_nope_head_dim + wide.v_head_dim), wide.n_heads * wide.v_head_dim,
-            wide.moe_hidden, wide.dense_hidden)
-    assert all(d % 128 == 0 for d in dims), dims
+    for wide in (ModelConfig.wide(), ModelConfig.wide4k()):
+        assert 1e9 <= param_counts(wide).total <= 2.5e9 and 2048 <= wide.d_model <= 4096
+        # every GEMM dimension a multiple of 128, but the key/value down-projection's RoPE part
+        dims = (wide.d_model, wide.q_lora_rank, wide.kv_lora_rank, wide.n_heads * wide.qk_head_dim,
+                wide.n_heads * (wide.qk_nope_head_dim + wide.v_head_dim), wide.n_heads * wide.v_head_dim,
+                wide.moe_hidden, wide.dense_hidden)
+        assert all(d % 128 == 0 for d in dims), dims
     small = ModelConfig.small(n_routed=8, top_k=3)  # presets take overrides
     assert (small.n_routed, small.top_k, small.d_model) == (8, 3, 256)
 
 
 def test_presets_balance_with_the_measured_rule():
     """Every preset uses the clipped, lr-tied bias update; κ is the one measured for its size
-    (tiny, gpu and wide 15, small 50), and an override still wins."""
+    (tiny, gpu, wide and wide4k 15, small 50), and an override still wins."""
     from jfp8.nn.config import PRESET_BALANCING, SMALL_BIAS_LR_RATIO
 
-    kappas = {"tiny": 15.0, "small": SMALL_BIAS_LR_RATIO, "gpu": 15.0, "wide": 15.0}
+    kappas = {"tiny": 15.0, "small": SMALL_BIAS_LR_RATIO, "gpu": 15.0, "wide": 15.0, "wide4k": 15.0}
     assert SMALL_BIAS_LR_RATIO == 50.0
     for name, kappa in kappas.items():
         cfg = getattr(ModelConfig, name)()

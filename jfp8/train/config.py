@@ -1,5 +1,5 @@
 """A training run's configuration (`TrainConfig`) and the presets, each defined once: the model
-half in `jfp8.nn.ModelConfig` (`tiny`, `small`, `gpu`, `wide`), the training half in `PRESET_TRAINING`."""
+half in `jfp8.nn.ModelConfig` (`tiny`, `small`, `gpu`, `wide`, `wide4k`), the training half in `PRESET_TRAINING`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ PRESET_TRAINING = {
     "small": dict(batch_size=16, seq_len=256, steps=1500, peak_lr=2e-3, warmup=100),
     "gpu": dict(batch_size=32, seq_len=1024, steps=3000, peak_lr=1e-3, warmup=200),
     "wide": dict(batch_size=8, seq_len=2048, steps=3000, peak_lr=6e-4, warmup=200),
+    "wide4k": dict(batch_size=8, seq_len=2048, steps=3000, peak_lr=3e-4, warmup=200),  # wide's, scaled by 1/width (not tuned)
 }
 PRESETS = tuple(PRESET_TRAINING)
 
