@@ -18,6 +18,8 @@ Rows:
     column-t  jfp8.quantize_wgrad_operand(x)             x^T scaled per 128 tokens (Wgrad)
     grad      jfp8.quantize_grad(x)                      a gradient's Dgrad and Wgrad forms, one
                                                          fused pass on Hopper
+    activation jfp8.quantize_activation(x)               an activation's Fprop tiles and their
+                                                         re-tiling for Wgrad, one fused pass on Hopper
     grad-2    the same as quantize(x, (1, 128)) and quantize_wgrad_operand(x): two reads of x
     retile    jfp8.retile_wgrad_operand(tile-quantized x) dequantize, transpose, requantize (§3.5.2)
   (impl "mosaic", the fused kernels, on Hopper; the XLA reference path elsewhere)
@@ -133,6 +135,7 @@ MEASURED: dict[str, Callable] = {
     "column-t": lambda x, impl: jfp8.quantize_wgrad_operand(x, impl=impl),
     "grad": lambda x, impl: jfp8.quantize_grad(x, impl=impl),
     "grad-2": _two_pass_grad,
+    "activation": lambda x, impl: jfp8.quantize_activation(x, impl=impl),
     "retile": lambda t, impl: jfp8.retile_wgrad_operand(t, impl=impl),
 }
 REFERENCE: dict[str, Callable] = {
@@ -143,8 +146,20 @@ REFERENCE: dict[str, Callable] = {
     "column-t": jax.jit(lambda x: jfp8.quantize_wgrad_operand(x, impl="xla")),
     "grad": jax.jit(lambda x: _two_pass_grad(x, "xla")),
     "grad-2": jax.jit(lambda x: _two_pass_grad(x, "xla")),
+    "activation": jax.jit(lambda x: jfp8.quantize_activation(x, impl="xla")),
     "retile": jax.jit(lambda t: jfp8.retile_wgrad_operand(t, impl="xla")),
 }
+
+
+def _both_config(config):
+    """The config of the both-forms kernels (grad, activation): `config` where its column_chunks
+    is a multiple of 4 (their row scales are stored 16 bytes at a time), else its other fields
+    (swizzle) with `qk.BOTH_CONFIG`'s chunking (4 chunks per CTA through 2 slots)."""
+    from pallas_kernels import quantize as qk
+
+    if config.column_chunks % 4 == 0:
+        return config
+    return dataclasses.replace(config, column_chunks=qk.BOTH_CONFIG.column_chunks, stages=qk.BOTH_CONFIG.stages)
 
 
 def _configured(kernel: str, config):
@@ -161,10 +176,8 @@ def _configured(kernel: str, config):
         "block-t": lambda x: with_transposes(*qk.quantize_block_and_transpose(x, config=config)),
         "block+mT": lambda x: with_transposes(*qk.quantize_block(x, config=config)),
         "column-t": lambda x: qk.quantize_column(x, transpose=True, config=config),
-        # Its own chunking: 4 chunks per CTA through 2 slots (`qk.BOTH_CONFIG`); the config's
-        # other fields (swizzle) apply.
-        "grad": lambda x: qk.quantize_tile_and_column_t(x, config=dataclasses.replace(
-            config, column_chunks=qk.BOTH_CONFIG.column_chunks, stages=qk.BOTH_CONFIG.stages)),
+        "grad": lambda x: qk.quantize_tile_and_column_t(x, config=_both_config(config)),
+        "activation": lambda x: qk.quantize_tile_and_retile_t(x, config=_both_config(config)),
         "grad-2": lambda x: (*qk.quantize_tile(x, config=config),
                              *qk.quantize_column(x, transpose=True, config=config)),
         "retile": lambda t: qk.retile_tile_to_column_t(

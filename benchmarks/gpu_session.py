@@ -49,6 +49,10 @@ Stages:
                  bench_grouped --op wgrad: the MoE Wgrad beside bf16 einsum, ragged_dot_general and
                  jax's transposed_ragged_dot_mgpu (last in the bench call), and its variants at the
                  first grouped shape (last in the bisect call)
+  bisect_quantize
+                 bench_quantize at the wide step's 16384x2048 bf16 and a 7168x2048 f32 weight: the
+                 quantizers the step runs beside configs that fit more CTAs per SM (last in the
+                 bisect call)
   ncu            Nsight Compute on the default dense kernel at 8192^3 (one launch after a warm-up):
                  speed of light, tensor pipe, L2/DRAM throughput, clocks
   profile        the same launch with the Mosaic GPU profiler: time in the `wgmma` and `promote`
@@ -100,7 +104,7 @@ COMMANDS = {
     "e2e": ("bench_linear_layer", "bench_moe_block"),
     "step": ("bench_step",),
     "bench": ("bench_gemm", "bench_grouped", "bench_quantize", "bench_linear", "bench_grouped_wgrad"),
-    "bisect": ("bisect_gemm", "bisect_grouped", "ncu", "profile", "bisect_grouped_wgrad"),
+    "bisect": ("bisect_gemm", "bisect_grouped", "ncu", "profile", "bisect_grouped_wgrad", "bisect_quantize"),
     "tune_gemm": ("tune_gemm",),
     "tune_grouped": ("tune_grouped",),
 }
@@ -112,7 +116,7 @@ TIMEOUTS = dict(env=45, smoke=150, pytest_gpu=90, racecheck=140, memcheck=130, s
                 bench_linear_layer=110, bench_moe_block=60, bench_step=230,
                 bench_gemm=170, bench_grouped=110,
                 bench_quantize=110, bench_linear=90, bench_grouped_wgrad=60, bisect_gemm=200, bisect_grouped=90,
-                ncu=90, profile=60, bisect_grouped_wgrad=60,
+                ncu=90, profile=60, bisect_grouped_wgrad=60, bisect_quantize=80,
                 tune_gemm=450, tune_grouped=450)
 SMOKE_KERNEL_TIMEOUT = 45.0
 SMOKE_FIRST_TIMEOUT = 75.0  # the first kernels also pay for CUDA and jax start-up
@@ -161,6 +165,13 @@ GROUPED_BISECT_CONFIGS = ("cluster_n=2", "scalar_b_scale=false", "early_scale_lo
                           "cluster_n=2,scalar_b_scale=true,early_scale_loads=true")
 # The grouped Wgrad's (its b is tile-scaled: no scalar scale), last in the bisect call.
 WGRAD_BISECT_CONFIGS = ("cluster_n=2", "early_scale_loads=true", "cluster_n=2,early_scale_loads=true")
+# The quantizers the training step runs, beside forms that fit more CTAs per SM (docs/gpu.md, "A
+# lead on the quantizer rates": only tile and retile fit two by default): one SMEM slot, and one
+# chunk per CTA for the weight quantizer; at the wide step's most frequent tensor and an f32 master
+# weight, last in the bisect call.
+QUANTIZE_BISECT_SHAPES = ("16384x2048:bfloat16", "7168x2048:float32")
+QUANTIZE_BISECT_ONLY = "copy,jfp8-mosaic-tile,jfp8-mosaic-block-t,jfp8-mosaic-grad,jfp8-mosaic-activation"
+QUANTIZE_BISECT_CONFIGS = ("column_chunks=4,stages=1", "column_chunks=1")
 PROFILE_SHAPE = "8192x8192x8192"
 # What compute-sanitizer runs (one process per tool, the forms in order): the default dense,
 # grouped Fprop and grouped Wgrad kernels and every quantizer, each with a partial tile
@@ -194,6 +205,7 @@ QUICK_ARGS = {
     "bisect_grouped": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
     "bench_grouped_wgrad": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
     "bisect_grouped_wgrad": ["--shapes", "2x128x128x256", "--warmup", "1", "--repeats", "2"],
+    "bisect_quantize": ["--shapes", "256x256:bfloat16", "--warmup", "1", "--repeats", "2"],
 }
 # The end-to-end stages' GPU arguments (their scripts' GPU defaults otherwise): the wide4k preset's
 # step (where the step model predicts FP8 ahead), then wide's if the budget lets it start, each
@@ -402,6 +414,10 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
         elif name == "bisect_grouped_wgrad":
             extra = ["--op", "wgrad", *configs("--config", WGRAD_BISECT_CONFIGS)]
             stages.append(bench(name, "bench_grouped.py", GROUPED_SHAPES[:1], extra, out_dir=out / "bisect"))
+        elif name == "bisect_quantize":
+            only = ["--only", QUANTIZE_BISECT_ONLY] if gpu.hopper and not rehearse else []  # CPU: jfp8-xla-* rows
+            extra = [*only, *configs("--config", QUANTIZE_BISECT_CONFIGS)]
+            stages.append(bench(name, "bench_quantize.py", QUANTIZE_BISECT_SHAPES, extra, out_dir=out / "bisect"))
         elif name == "ncu":
             stages.append(Stage("ncu", [py, me, "--worker", "ncu"], TIMEOUTS["ncu"], skip=gpu_only))
         elif name == "profile":
@@ -779,6 +795,7 @@ def final_table(ctx: Session, header: str) -> str:
                         ("bench_grouped_wgrad", gpu_tables.grouped_table),
                         ("bisect_gemm", gpu_tables.gemm_table), ("bisect_grouped", gpu_tables.grouped_table),
                         ("bisect_grouped_wgrad", gpu_tables.grouped_table),
+                        ("bisect_quantize", gpu_tables.quantize_table),
                         ("tune_gemm", gpu_tables.tune_table),
                         ("tune_grouped", gpu_tables.tune_table)):
         if name in records:

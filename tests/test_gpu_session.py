@@ -284,8 +284,12 @@ def test_dry_run_plans_the_record_then_the_speed(session, tmp_path, capsys):
     assert [s["name"] for s in bisect["stages"]] == list(session.COMMANDS["bisect"])
     assert bisect["stages"][0]["argv"].count("--config") == len(session.BISECT_CONFIGS) + 1
     assert bisect["stages"][1]["argv"].count("--config") == len(session.GROUPED_BISECT_CONFIGS)
-    wgrad = bisect["stages"][-1]["argv"]  # the grouped Wgrad's variants, last
+    wgrad = bisect["stages"][-2]["argv"]  # the grouped Wgrad's variants, then the quantizers'
     assert wgrad[wgrad.index("--op") + 1] == "wgrad" and wgrad.count("--config") == len(session.WGRAD_BISECT_CONFIGS)
+    quant = bisect["stages"][-1]["argv"]
+    assert quant[1].endswith("bench_quantize.py") and quant.count("--config") == len(session.QUANTIZE_BISECT_CONFIGS)
+    assert quant[quant.index("--only") + 1].startswith("copy,")  # the copy rows: the fractions' baseline
+    assert quant[quant.index("--shapes") + 1] == "16384x2048:bfloat16"
     bench_wgrad = bench["stages"][-1]["argv"]
     assert bench["stages"][-1]["name"] == "bench_grouped_wgrad" and bench_wgrad[bench_wgrad.index("--op") + 1] == "wgrad"
 
@@ -410,10 +414,13 @@ def test_rehearsal_of_the_bench_and_bisect_calls(session, tmp_path):
     assert stages["bisect_grouped"]["summary"]["record"].startswith("bisect/bench_grouped-")
     assert stages["bisect_grouped_wgrad"]["status"] == "ok"
     assert stages["bisect_grouped_wgrad"]["summary"]["record"].startswith("bisect/bench_grouped_wgrad-")
+    assert stages["bisect_quantize"]["status"] == "ok"
+    assert stages["bisect_quantize"]["summary"]["record"].startswith("bisect/bench_quantize-")
     for name in ("ncu", "profile"):
         assert stages[name]["status"] == "skipped" and stages[name]["skip"]
     log = next(tmp_path.glob("gpu_session-cpu-*-bisect.log")).read_text()
     assert "dense GEMM, TFLOP/s" in log and "grouped Wgrad, TFLOP/s" in log  # the final tables are in the log too
+    assert "quantize, GB/s" in log
 
 
 def test_end_to_end_tables():
