@@ -166,7 +166,11 @@ def abs_for_amax(x: jax.Array) -> jax.Array:
     """|x| in f32, with NaN and ±Inf mapped to +Inf so that any max-reduction flags them.
 
     Written as `|x| <= f32 max` (false exactly for ±Inf and NaN) because Mosaic GPU has no
-    `is_finite` lowering: the kernels call this very function.
+    `is_finite` lowering: the kernels call this very function. The mapping must come before the
+    max, per element: XLA:CPU's max reductions do not propagate NaN in every order (tried
+    2026-11-27: |x| with a NaN-propagating amax fixed up once per block gave the reference and the
+    interpreted `quantize_tile_and_retile_t` different finite column scales where a column held
+    a NaN), while +Inf wins every max whatever the order.
     """
     a = jnp.abs(x.astype(jnp.float32))
     return jnp.where(a <= jnp.float32(F32_MAX), a, jnp.float32(jnp.inf))
