@@ -177,6 +177,9 @@ def _quantizer(name, dtype="bfloat16", shape=QUANT, config=None):
             "activation": lambda x: jfp8.quantize_activation(x, impl="mosaic"),
             "column_t": lambda x: jfp8.quantize_wgrad_operand(x, impl="mosaic"),
             "tile_ring": lambda x: qk.quantize_tile(x, config=config),
+            "grad_config": lambda x: qk.quantize_tile_and_column_t(x, config=config),
+            "activation_config": lambda x: qk.quantize_tile_and_retile_t(x, config=config),
+            "weight_config": lambda x: qk.quantize_block_and_transpose(x, config=config),
         }
         if name == "retile":
             t = _abstract_fp8(shape, (1, 128), dtype)
@@ -223,7 +226,15 @@ def forms() -> dict[str, Form]:
              ("retile", "saved FP8 x re-tiled for Wgrad", _quantizer("retile")),
              ("quantize_tile_unswizzled", "1x128 tiles, a shape TMA cannot tile", _quantizer("tile", shape=(4090, 7166))),
              ("quantize_tile_ring", "1x128 tiles through a 2-slot SMEM ring",
-              _quantizer("tile_ring", config=QuantizeConfig(chunks=8, stages=2)))]
+              _quantizer("tile_ring", config=QuantizeConfig(chunks=8, stages=2))),
+             # The bisect call's occupancy candidates (gpu_session.QUANTIZE_BISECT_CONFIGS): SMEM for
+             # two or more CTAs per SM.
+             ("quantize_grad_one_slot", "fused gradient quantizer, 4 chunks through 1 SMEM slot",
+              _quantizer("grad_config", config=QuantizeConfig(column_chunks=4, stages=1))),
+             ("quantize_activation_one_slot", "fused activation quantizer, 4 chunks through 1 SMEM slot",
+              _quantizer("activation_config", config=QuantizeConfig(column_chunks=4, stages=1))),
+             ("quantize_weight_one_chunk", "fused weight quantizer, 1 chunk per CTA (f32 master)",
+              _quantizer("weight_config", "float32", config=QuantizeConfig(column_chunks=1)))]
     dense("gemm_default", "dense tile x block, GemmConfig()", GemmConfig())
     dense("gemm_simple", "dense tile x block, GemmConfig.simple()", GemmConfig.simple())
     dense("gemm_tile_x_tile", "dense tile x tile (Wgrad operands), GemmConfig()", GemmConfig(), b_block=(1, 128))
