@@ -254,8 +254,8 @@ class ModelConfig:
 
     @classmethod
     def wide4k(cls, **overrides) -> ModelConfig:
-        """One H100 filled at the top of the width range FP8 is benchmarked at: d_model 4096, 4
-        layers (1 dense, SwiGLU 10752), 32 heads, 32 routed experts (top-6) + 1 shared of width
+        """One H100 filled at the top of the width range FP8 is benchmarked at: `wide` at d_model
+        4096, 4 layers (1 dense, SwiGLU 10752), 32 heads, 32 routed experts (top-6) + 1 shared of width
         1024 (a quarter of d_model; DeepSeek-V3 has 2048 at 7168), MLA ranks 1536 (query) and 512
         (key/value) with DeepSeek-V3's head widths. As wide, every GEMM dimension is a multiple of
         128 but the key/value down-projection's 512 + 64 RoPE outputs. Sized with the deviceless
@@ -263,10 +263,6 @@ class ModelConfig:
         wide's width and half its depth: each layer's GEMMs grow as d_model² and its quantized bytes
         as d_model, so FP8's GEMM savings outweigh its quantizations (the step model: FP8 0.92 of
         BF16's step time here, 1.05 at wide; predicted, not measured)."""
-        base = cls(
-            d_model=4096, n_layers=4, n_dense_layers=1, n_heads=32,
-            q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-            v_head_dim=128, n_routed=32, n_shared=1, top_k=6, moe_hidden=1024, dense_hidden=10752,
-            max_seq_len=2048, **PRESET_BALANCING,
-        )
+        base = cls.wide(d_model=4096, n_layers=4, n_heads=32, q_lora_rank=1536, n_routed=32, moe_hidden=1024,
+                        dense_hidden=10752)
         return dataclasses.replace(base, **overrides)
