@@ -24,9 +24,9 @@ synchronised (its loss read back). Recorded per row:
   losses, grad_norms every step's, both precisions on the same batches
   profile            with --profile N: N more steps (not timed above) under jax's profiler, every
                      kernel's time charged to the step model's category of its HLO instruction
-                     (`step_profile.py`: per category ms, launches and the rate the model's bytes or
-                     FLOPs imply; the quantizers' GB/s per tensor size; device busy time against the
-                     wall). `step_model.py --measured <record>` puts it beside the model's prediction.
+                     (`step_profile.py`: per category ms, kernels, runs and the rate the model's bytes
+                     or FLOPs imply; the quantizers' GB/s per tensor size; the device's busy time, to
+                     read against the timed step_ms). `step_model.py --measured <record>` puts it beside the model's prediction.
 Per preset, `fp8_vs_bf16` (printed last): the speedup, both peaks, and the loss gap over the last
 fifth of the steps (81-100 with --steps 100: on an H100, the front door's 100-step comparison).
 Model FLOPs per token (`model_flops`): 6 x the matmul parameters a token passes through (the

@@ -166,9 +166,10 @@ GROUPED_BISECT_CONFIGS = ("cluster_n=2", "scalar_b_scale=false", "early_scale_lo
 # The grouped Wgrad's (its b is tile-scaled: no scalar scale), last in the bisect call.
 WGRAD_BISECT_CONFIGS = ("cluster_n=2", "early_scale_loads=true", "cluster_n=2,early_scale_loads=true")
 # The quantizers the training step runs, beside forms that fit more CTAs per SM (docs/gpu.md, "A
-# lead on the quantizer rates": only tile and retile fit two by default): one SMEM slot, and one
-# chunk per CTA for the weight quantizer; at the wide step's most frequent tensor and an f32 master
-# weight, last in the bisect call.
+# lead on the quantizer rates": only tile and retile fit two by default): one SMEM slot (two CTAs
+# for the both-forms kernels), and one chunk per CTA (half the weight quantizer's SMEM, yet 1 KB
+# over two CTAs for an f32 master: it times the smaller CTA alone); at the wide step's most
+# frequent tensor and an f32 master weight, last in the bisect call.
 QUANTIZE_BISECT_SHAPES = ("16384x2048:bfloat16", "7168x2048:float32")
 QUANTIZE_BISECT_ONLY = "copy,jfp8-mosaic-tile,jfp8-mosaic-block-t,jfp8-mosaic-grad,jfp8-mosaic-activation"
 QUANTIZE_BISECT_CONFIGS = ("column_chunks=4,stages=1", "column_chunks=1")

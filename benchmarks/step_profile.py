@@ -8,9 +8,10 @@ kernel charged to the step model's category of the HLO instruction that launched
 its module (`args.hlo_module`). On a GPU those are CUPTI's kernel records on the device's
 "Stream #..." lines (the derived "XLA Ops" / "XLA Modules" lines, which repeat them, are left
 out); on the CPU they are XLA:CPU's thunks on the host's worker threads (the CPU rehearsal of the
-same parsing). Each instruction is classified by `step_model.step_ops` over the executable's own
-optimized HLO (`compiled.as_text()`), so the measured categories are the model's categories: the
-model's prediction and this measurement line up row by row. Control flow (while, conditional,
+same parsing). Each instruction is classified by `step_model.classify` over the executable's own
+optimized HLO (`compiled.as_text()`), and its runs per step counted by `step_model.step_ops`, so the
+measured categories are the model's categories: the model's prediction and this measurement line
+up row by row. Control flow (while, conditional,
 call) is not charged: on the CPU its thunk spans its body's, which are charged themselves.
 
 Per profiled step (durations summed over the steps, divided by their number):
@@ -132,8 +133,9 @@ def innermost(events: list[dict]) -> list[dict]:
         for i in idx:
             start = float(events[i]["ts"])
             end = start + float(events[i].get("dur", 0.0))
-            while stack and float(events[stack[-1]]["ts"]) + float(events[stack[-1]].get("dur", 0.0)) < end:
-                stack.pop()  # ended before this one does: not its parent
+            while stack and (top_end := float(events[stack[-1]]["ts"]) + float(events[stack[-1]].get("dur", 0.0))) \
+                    < end or stack and top_end <= start:
+                stack.pop()  # ends before this one does, or as it starts: not its parent
             if stack:
                 outer.add(stack[-1])
             stack.append(i)

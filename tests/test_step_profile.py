@@ -195,3 +195,9 @@ def test_what_if_models_get_files_of_their_own():
     assert sm._model_overrides("d_model=4096,mtp=false") == {"d_model": 4096, "mtp": False}
     with pytest.raises(Exception, match="no field 'width'"):
         sm._model_overrides("width=4096")
+
+
+def test_a_thunk_that_starts_as_another_ends_is_not_its_child():
+    a = _kernel(HOST, PYTHON, "dense", 0.0, 5.0)
+    b = _kernel(HOST, PYTHON, "f", 5.0, 0.0)  # zero-length, at a's end: after a, not inside it
+    assert [e["args"]["hlo_op"] for e in sp.innermost([a, b])] == ["dense", "f"]
