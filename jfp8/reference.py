@@ -14,6 +14,8 @@ Both operands are contracted on their last axis ("NT": a is (M, K), b is (N, K))
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,7 +122,7 @@ def scaled_matmul_reference(a: Fp8Tensor, b: Fp8Tensor, out_dtype=jnp.bfloat16) 
     """
     check_nt_operands(a, b, out_dtype)
     kp = -(-a.logical[1] // TILE) * TILE
-    return chunked_matmul(*chunk_operand(a, kp), *chunk_operand(b, kp)).astype(out_dtype)
+    return chunked_matmul(*chunk_operand(a, kp), *chunk_operand(b, kp), k=a.logical[1]).astype(out_dtype)
 
 
 # Up to this many K chunks the promotion loop is unrolled (one dot per chunk, no while loop: faster
@@ -128,12 +130,31 @@ def scaled_matmul_reference(a: Fp8Tensor, b: Fp8Tensor, out_dtype=jnp.bfloat16) 
 # faster there. Same bits either way.
 MAX_UNROLLED_CHUNKS = 8
 _NT = (((1,), (1,)), ((), ()))  # dot_general dimension numbers: a [M, k] . b [N, k] -> [M, N]
+# The last chunk's dot stops at the first multiple of this past K (see `chunked_matmul`).
+CHUNK_TAIL_MULTIPLE = 32
 
 
-@jax.jit
-def chunked_matmul(a_data, sa, b_data, sb) -> jax.Array:
+def chunk_width(k: int | None, c: int) -> int:
+    """The columns of K chunk `c` that its dot takes: all 128, or for the last chunk of a
+    contraction of logical width `k` its first multiple of `CHUNK_TAIL_MULTIPLE` past `k` (the
+    columns after it hold zeros). `k=None`: all 128."""
+    if k is None:
+        return TILE
+    return max(0, min(TILE, -(-(k - c * TILE) // CHUNK_TAIL_MULTIPLE) * CHUNK_TAIL_MULTIPLE))
+
+
+@functools.partial(jax.jit, static_argnames="k")
+def chunked_matmul(a_data, sa, b_data, sb, k: int | None = None) -> jax.Array:
     """The promotion loop on chunk-laid-out operands: a_data [M, Kp], sa [M, C], b_data [N, Kp],
     sb [N, C] -> f32 [M, N] = sum over chunks c, in order, of dot(a_c, b_c) * (sa_c * sb_c).
+
+    `k`, the contraction's logical width (columns past it zero in both operands), lets the last
+    chunk's dot skip the zero columns past `chunk_width(k, c)`: the dot of a chunk whose columns
+    past some multiple of 32 are zero gives the same f32 bits with or without them on XLA:CPU
+    (checked at 3,150 shapes, M 1-2048, N 1-1024, every multiple of 8 below 128: zero products
+    add nothing to a sum, and the kept columns' order is the same), and at `tiny`'s widths (32,
+    64) it halves or quarters the FP8 GEMMs' work on the CPU (issue 44). Short of a multiple of 8
+    the bits moved (K 100, 127).
 
     XLA:CPU contracts each promotion `partial * scale + acc` into one FMA per element. Unrolled,
     an optimization barrier ends each promotion, as the scan's loop does, so that XLA cannot fuse
@@ -145,8 +166,8 @@ def chunked_matmul(a_data, sa, b_data, sb) -> jax.Array:
     acc = zeros_accumulator((a_data, b_data), (sa, sb))
     if chunks <= MAX_UNROLLED_CHUNKS:
         for c in range(chunks):
-            k = slice(c * TILE, (c + 1) * TILE)
-            partial = jax.lax.dot_general(a_data[:, k], b_data[:, k], _NT, preferred_element_type=jnp.float32)
+            cols = slice(c * TILE, c * TILE + chunk_width(k, c))
+            partial = jax.lax.dot_general(a_data[:, cols], b_data[:, cols], _NT, preferred_element_type=jnp.float32)
             acc = jax.lax.optimization_barrier(partial * (sa[:, c, None] * sb[None, :, c]) + acc)  # [M, N]
         return acc
 
@@ -304,7 +325,7 @@ def grouped_scaled_matmul_reference(
         a_t = jax.lax.dynamic_slice_in_dim(a_data, row0, tm)
         sa_t = jax.lax.dynamic_slice_in_dim(sa, row0, tm)
         gw = jnp.minimum(gi, g - 1)  # the pseudo-group G (rows past the total) keeps zeros
-        y = chunked_matmul(a_t, sa_t, b_data[gw], sb[gw])  # [tm, N]
+        y = chunked_matmul(a_t, sa_t, b_data[gw], sb[gw], k=k)  # [tm, N]
         rows = row0 + jnp.arange(tm)
         keep = (rows >= lo) & (rows < hi) & (gi < g)
         cur = jax.lax.dynamic_slice_in_dim(out, row0, tm)
