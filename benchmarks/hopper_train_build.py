@@ -45,6 +45,9 @@ from hopper_build import (  # noqa: E402
 PRESETS = ("tiny", "small", "gpu")
 PRECISIONS = ("bf16", "fp8")
 STEPS = ("train", "eval")
+# One process compiles the train step, then the eval step: what the eval step's first jit costs in a
+# training run, where it can reuse the train step's compiled kernels (`--shared-process`).
+SHARED = "train+eval"
 
 
 # ------------------------------------------------------------------------------ the child: one compile
@@ -228,7 +231,12 @@ def compile_step(preset: str, precision: str, step: str, target: str, batch: int
 def _child(spec: str, target: str, result_path: str) -> int:
     preset, precision, step, batch, census = spec.split(":")
     try:
-        result = {"ok": True, **compile_step(preset, precision, step, target, int(batch) or None, census == "1")}
+        if step == SHARED:  # both steps in this one process, the train step first (a training run's order)
+            rows = [compile_step(preset, precision, s, target, int(batch) or None, census=False) for s in STEPS]
+            result = {"ok": True, "preset": preset, "precision": precision, "step": step,
+                      **{f"{r['step']}_{k}": r[k] for r in rows for k in ("trace_s", "lower_s", "compile_s", "total_s")}}
+        else:
+            result = {"ok": True, **compile_step(preset, precision, step, target, int(batch) or None, census == "1")}
     except Exception as e:  # noqa: BLE001 - the compiler's error is the row
         result = {"ok": False, "error": f"{type(e).__name__}: {str(e)[-3000:]}"}
     pathlib.Path(result_path).write_text(json.dumps(result))
@@ -445,7 +453,9 @@ def write(doc_update: dict, target: str, out: pathlib.Path) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"train-{target}.json"
     doc = json.loads(path.read_text()) if path.exists() else {"rows": [], "cache": [], "largest_batch": []}
+    doc.setdefault("shared_process", [])
     for field, key in (("rows", ("preset", "step", "precision", "variant")), ("cache", ("preset", "precision")),
+                       ("shared_process", ("preset", "precision")),
                        ("largest_batch", ("preset", "precision", "what"))):
         new = doc_update.get(field, [])
         keys = {tuple(r.get(k) for k in key) for r in new}
@@ -477,6 +487,9 @@ def main(argv=None) -> int:
                    help="also find the largest gpu-preset batch per precision that fits (several compiles)")
     p.add_argument("--ablate", action="store_true",
                    help="also compile FP8 without the background kernel compiles (JFP8_PRECOMPILE=0)")
+    p.add_argument("--shared-process", action="store_true",
+                   help="+ per precision, the train step then the eval step in one process (the eval step's "
+                        "first jit in a training run, reusing the train step's kernels)")
     p.add_argument("--no-compare", action="store_true", help="skip the FP8/BF16 table (with --cache-check/--max-batch)")
     p.add_argument("--out", type=pathlib.Path, default=OUT)
     p.add_argument("--table", action="store_true", help="print the committed results as markdown")
@@ -503,12 +516,20 @@ def main(argv=None) -> int:
         print(f"== {target} ({TARGETS.get(target, 'this machine')})"
               + (f", ptxas {ptxas_version(tools)}" if tools else ""), flush=True)
         log = lambda s: print(s, flush=True)  # noqa: E731
-        update: dict = {"command": command, "rows": [], "cache": [], "largest_batch": []}
+        update: dict = {"command": command, "rows": [], "cache": [], "largest_batch": [], "shared_process": []}
         for preset in args.presets:
             if not args.no_compare:
                 update["rows"] += compare(preset, target, tools, args.steps, args.ablate, log=log)
             if args.cache_check:
                 update["cache"] += cache_check(preset, target, tools, log=log)
+            if args.shared_process:
+                for precision in PRECISIONS:
+                    row = run_child(preset, precision, SHARED, target, tools)
+                    update["shared_process"].append(row)
+                    log(f"{preset} {precision}, one process: " + (
+                        f"train {row['train_total_s']} s, then eval {row['eval_total_s']} s "
+                        f"(lower {row['eval_lower_s']}, compile {row['eval_compile_s']})" if row.get("ok")
+                        else f"failed: {row.get('error', '')[:300]}"))
         if args.max_batch:
             memory = device_memory(target)
             for precision in PRECISIONS:
@@ -518,7 +539,7 @@ def main(argv=None) -> int:
                     update["largest_batch"].append(found)
                     log(f"gpu {precision} on {target}: largest batch {found['largest_batch']} in {what}")
         print(f"wrote {write(update, target, args.out)}")
-        failed += sum(not r.get("ok") for r in update["rows"] + update["cache"])
+        failed += sum(not r.get("ok") for r in update["rows"] + update["cache"] + update["shared_process"])
     return 1 if failed else 0
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import functools
+import io
+import os
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +141,116 @@ def ptxas_version_asked_once():
         yield
     finally:
         ext._get_ptxas_isa_version = ask
+
+
+_DUMP_BASENAME = "mosaic_gpu.dump_basename"
+
+
+@contextlib.contextmanager
+def stable_kernel_payloads():
+    """Inside this block, a Mosaic GPU kernel lowered twice gives the same custom-call payload.
+
+    jax 0.11.2 serializes two things into a kernel's payload, whose hash keys the process's
+    compiled kernels, that differ from one lowering of the same kernel to the next: a
+    `mosaic_gpu.dump_basename` attribute from a process-wide counter (`anonymous_0`,
+    `anonymous_1`, ...: the name its debug dumps would take), and source locations, some of which
+    depend on what jax's tracing caches held (a second lowering located some index arithmetic at
+    `jfp8/api.py` instead of the kernel's own lines). So every kernel of the eval step was compiled
+    again after the train step's in the same process, and a program's persistent-cache key
+    depended on what the process had lowered before it (issue 44). Both are dropped before the
+    module is serialized: the attribute names dump files only (the compiler sets it again when
+    dumping is on) and locations are debug information. `JFP8_KERNEL_LOCATIONS=1` keeps the
+    locations (for a profiler's or sanitizer's source lines), at the price of the sharing.
+    Nothing changes where the plugin is not installed.
+    """
+    try:
+        from jax._src.lib.mlir import passmanager
+        from jax.experimental.mosaic.gpu import core as mgpu_core
+
+        serde = mgpu_core._run_serde_pass
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    keep_locations = os.environ.get("JFP8_KERNEL_LOCATIONS", "0") not in ("", "0")
+
+    def stable(module, *args, **kwargs):
+        attributes = module.operation.attributes
+        if _DUMP_BASENAME in attributes:
+            del attributes[_DUMP_BASENAME]
+        if not keep_locations:
+            with module.context:
+                passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
+        return serde(module, *args, **kwargs)
+
+    mgpu_core._run_serde_pass = stable
+    try:
+        yield
+    finally:
+        mgpu_core._run_serde_pass = serde
+
+
+# Kernels lowered in this process: (jfp8 op key, ordinal, build target, operand types) -> the Mosaic
+# module as bytecode and the rest of its lowering result (`reuse_lowered_kernels`).
+_LOWERED: collections.OrderedDict = collections.OrderedDict()
+_MAX_LOWERED = 1024
+LOWERING_STATS = collections.Counter()  # "lowered", "reused"
+
+
+@contextlib.contextmanager
+def reuse_lowered_kernels(key):
+    """Inside this block, the Mosaic GPU kernels an op lowers are lowered once per process.
+
+    jfp8 lowers one op at one shape and static arguments once per program (`jfp8.api._Choice`'s
+    `key`), but a second program (the eval step after the train step) lowered every kernel again:
+    ~0.25 s of Python each, 3.7-4.5 s of the tiny eval step's first jit for Hopper after the train
+    step (issue 44). Here the Pallas lowering of the op's n-th kernel is kept, keyed by the op's
+    key, n, the GPU it is built for (`device_kind`, `num_sms`) and the operand types, as the module's bytecode beside the rest of
+    the lowering result, and a later lowering under the same key parses it back into the new
+    program instead of lowering the kernel again: the same payload (`stable_kernel_payloads`;
+    tests/test_kernel_dedupe.py checks it against a fresh lowering). `key=None` (an op without
+    one), a profiled kernel or a missing plugin: lowered as usual.
+    """
+    try:
+        from jax._src.lib.mlir import ir
+        from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
+
+        lower = pallas_lowering.lower_unpipelined_jaxpr_to_module
+    except (ImportError, AttributeError):
+        yield
+        return
+    if key is None:
+        yield
+        return
+    ordinal = iter(range(1 << 30))
+
+    def reused(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs):
+        entry = (key, next(ordinal), device_kind(), num_sms(), tuple(in_avals), tuple(out_avals))
+        try:
+            hash(entry)
+        except TypeError:
+            return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
+        cached = _LOWERED.get(entry)
+        if cached is not None:
+            bytecode, rest = cached
+            LOWERING_STATS["reused"] += 1
+            return pallas_lowering.LoweringResult(ir.Module.parse(bytecode), *rest)
+        result = lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
+        LOWERING_STATS["lowered"] += 1
+        if result.profiler_spec is None:
+            buffer = io.BytesIO()
+            result.module.operation.write_bytecode(buffer)
+            _LOWERED[entry] = (buffer.getvalue(), (result.grid, result.block, result.new_out_shapes,
+                                                   result.profiler_spec, result.gmem_scratch_shapes))
+            while len(_LOWERED) > _MAX_LOWERED:
+                _LOWERED.popitem(last=False)
+        return result
+
+    pallas_lowering.lower_unpipelined_jaxpr_to_module = reused
+    try:
+        yield
+    finally:
+        pallas_lowering.lower_unpipelined_jaxpr_to_module = lower
 
 
 def lower_for_cuda(fn, *args, **kwargs) -> str:

@@ -4,6 +4,8 @@ anything that changes what is computed (a shape, a block, a floor, an output dty
 logical shape) keeps its own. Checked on the CUDA lowering (payload hashes) and, on this CPU, on
 the results of the reference path, which shares the same lowering cache."""
 
+import collections
+import contextlib
 import re
 
 import jax
@@ -45,6 +47,42 @@ def test_the_same_op_at_the_same_shape_is_one_kernel():
     assert (calls, kernels) == (12, 3)
 
 
+def _hashes(fn, *args) -> list[str]:
+    return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', _mgpu.lower_for_cuda(fn, *args))
+
+
+def test_two_programs_share_their_kernels(monkeypatch):
+    """The same kernels lowered in two programs (a train step, then an eval step) have the same
+    payloads, so the second program's are the first's compiled kernels: jax's dump-name counter
+    and its cache-dependent source locations are kept out of the payload
+    (`_mgpu.stable_kernel_payloads`); and the second program parses the first's lowered modules
+    back instead of lowering them again (`_mgpu.reuse_lowered_kernels`), giving the payloads a
+    fresh lowering gives. Without either, every lowering is another payload (jax 0.11.2 numbers
+    the kernel modules it lowers): checked too."""
+
+    def layer(scale):
+        def fn(x, w):
+            x, w = x * scale, w * 1  # two different programs around the same kernels
+            qx = jfp8.quantize(x, impl="mosaic")
+            qw = jfp8.quantize(w, (128, 128), impl="mosaic")
+            return jfp8.scaled_matmul(qx, qw, impl="mosaic")
+        return fn
+
+    args = (_bf16(256, 256), jax.ShapeDtypeStruct((256, 256), jnp.float32))
+    monkeypatch.setattr(_mgpu, "_LOWERED", collections.OrderedDict())
+    before = dict(_mgpu.LOWERING_STATS)
+    first, second = _hashes(layer(2.0), *args), _hashes(layer(3.0), *args)
+    assert len(first) == 3 and first == second
+    assert _mgpu.LOWERING_STATS["reused"] - before.get("reused", 0) == 3  # the second program's three
+    _mgpu._LOWERED.clear()
+    assert _hashes(layer(6.0), *args) == first  # lowered afresh: the reused modules' payloads
+
+    monkeypatch.setattr(_mgpu, "stable_kernel_payloads", contextlib.nullcontext)
+    monkeypatch.setattr(_mgpu, "reuse_lowered_kernels", lambda key: contextlib.nullcontext())
+    third, fourth = _hashes(layer(4.0), *args), _hashes(layer(5.0), *args)
+    assert len(third) == 3 and set(third).isdisjoint(fourth), "without them: another payload per lowering"
+
+
 @pytest.mark.parametrize("other", ["shape", "block", "floor", "pow2", "dtype"])
 def test_what_changes_the_kernel_keeps_its_own(other):
     """Two calls that differ in one thing the kernel depends on are two kernels."""
@@ -61,7 +99,10 @@ def test_what_changes_the_kernel_keeps_its_own(other):
 
 
 def test_the_logical_shape_is_part_of_the_key():
-    """Same padded data and scales, different logical N: different outputs, different kernels."""
+    """Same padded data and scales, different logical N: different outputs, so different
+    lowerings (four calls). The two GEMMs run the same Mosaic kernel on the same padded operands
+    (the cut to N is outside it), and since their payloads carry no lowering counter
+    (`_mgpu.stable_kernel_payloads`) they are one payload: three kernels."""
     a = jax.eval_shape(lambda x: jfp8.quantize(x, impl="xla"), _bf16(256, 256))
 
     def fn(a, wa, wb):
@@ -70,8 +111,10 @@ def test_the_logical_shape_is_part_of_the_key():
         qb = jfp8.quantize(wb, (128, 128), impl="mosaic")  # logical (128, 256)
         return jfp8.scaled_matmul(a, qa, impl="mosaic"), jfp8.scaled_matmul(a, qb, impl="mosaic")
 
-    calls, kernels = _kernels(fn, a, _bf16(96, 256), _bf16(128, 256))
-    assert calls == 4 and kernels == 4  # two weight quantizers (two shapes), two GEMMs (N 96 and 128)
+    text = _mgpu.lower_for_cuda(fn, a, _bf16(96, 256), _bf16(128, 256))
+    hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+    assert len(hashes) == 4 and len(set(hashes)) == 3  # two weight quantizers (two shapes), one GEMM kernel
+    assert re.search(r"-> \(?tensor<256x96xbf16>", text) and re.search(r"-> \(?tensor<256x128xbf16>", text)
 
 
 def test_shared_lowerings_give_each_call_its_own_result():
