@@ -234,6 +234,7 @@ def _child(spec: str, target: str, result_path: str) -> int:
         if step == SHARED:  # both steps in this one process, the train step first (a training run's order)
             rows = [compile_step(preset, precision, s, target, int(batch) or None, census=False) for s in STEPS]
             result = {"ok": True, "preset": preset, "precision": precision, "step": step,
+                      **{k: rows[0][k] for k in ("target", "device_kind", "batch_size", "seq_len")},
                       **{f"{r['step']}_{k}": r[k] for r in rows for k in ("trace_s", "lower_s", "compile_s", "total_s")}}
         else:
             result = {"ok": True, **compile_step(preset, precision, step, target, int(batch) or None, census == "1")}

@@ -7,7 +7,9 @@ import contextlib
 import contextvars
 import functools
 import io
+import itertools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +162,8 @@ def stable_kernel_payloads():
     depended on what the process had lowered before it (issue 44). Both are dropped before the
     module is serialized: the attribute names dump files only (the compiler sets it again when
     dumping is on) and locations are debug information. `JFP8_KERNEL_LOCATIONS=1` keeps the
-    locations (for a profiler's or sanitizer's source lines), at the price of the sharing.
+    locations (for a profiler's or sanitizer's source lines), at the price of the sharing (and
+    turns off `reuse_lowered_kernels`, which would give a kernel another program's locations).
     Nothing changes where the plugin is not installed.
     """
     try:
@@ -172,7 +175,7 @@ def stable_kernel_payloads():
         yield
         return
 
-    keep_locations = os.environ.get("JFP8_KERNEL_LOCATIONS", "0") not in ("", "0")
+    keep_locations = _keeps_locations()
 
     def stable(module, *args, **kwargs):
         attributes = module.operation.attributes
@@ -190,11 +193,19 @@ def stable_kernel_payloads():
         mgpu_core._run_serde_pass = serde
 
 
-# Kernels lowered in this process: (jfp8 op key, ordinal, build target, operand types) -> the Mosaic
-# module as bytecode and the rest of its lowering result (`reuse_lowered_kernels`).
+# Kernels lowered in this process: (jfp8 op key, ordinal, GPU, compiler params, operand types) ->
+# the Mosaic module as bytecode and the rest of its lowering result (`reuse_lowered_kernels`).
 _LOWERED: collections.OrderedDict = collections.OrderedDict()
 _MAX_LOWERED = 1024
 LOWERING_STATS = collections.Counter()  # "lowered", "reused"
+# Set by `reuse_lowered_kernels`: the op being lowered and a counter of its kernels so far.
+_REUSE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jfp8_reuse_lowered", default=None)
+_REUSE_INSTALLED: list[bool] = []
+_REUSE_LOCK = threading.Lock()
+
+
+def _keeps_locations() -> bool:
+    return os.environ.get("JFP8_KERNEL_LOCATIONS", "0") not in ("", "0")
 
 
 @contextlib.contextmanager
@@ -205,52 +216,71 @@ def reuse_lowered_kernels(key):
     `key`), but a second program (the eval step after the train step) lowered every kernel again:
     ~0.25 s of Python each, 3.7-4.5 s of the tiny eval step's first jit for Hopper after the train
     step (issue 44). Here the Pallas lowering of the op's n-th kernel is kept, keyed by the op's
-    key, n, the GPU it is built for (`device_kind`, `num_sms`) and the operand types, as the module's bytecode beside the rest of
-    the lowering result, and a later lowering under the same key parses it back into the new
-    program instead of lowering the kernel again: the same payload (`stable_kernel_payloads`;
-    tests/test_kernel_dedupe.py checks it against a fresh lowering). `key=None` (an op without
-    one), a profiled kernel or a missing plugin: lowered as usual.
+    key, n, the GPU it is built for (`device_kind`, `num_sms`), the kernel's compiler parameters
+    (a profiled kernel is another kernel) and the operand types, as the module's bytecode beside
+    the rest of the lowering result, and a later lowering under the same key parses it back into
+    the new program instead of lowering the kernel again: the same payload
+    (`stable_kernel_payloads`; tests/test_kernel_dedupe.py checks it against a fresh lowering).
+    The op and its kernel count live in a context variable read by one wrapper of jax's lowering
+    function, installed once: no module global is swapped per op, so threads and nested ops each
+    see their own. `key=None` (an op without one), `JFP8_KERNEL_LOCATIONS=1` (each lowering keeps
+    its own source locations) or a missing plugin: lowered as usual.
     """
-    try:
-        from jax._src.lib.mlir import ir
-        from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
-
-        lower = pallas_lowering.lower_unpipelined_jaxpr_to_module
-    except (ImportError, AttributeError):
+    if key is None or _keeps_locations() or not _install_reuse():
         yield
         return
-    if key is None:
-        yield
-        return
-    ordinal = iter(range(1 << 30))
-
-    def reused(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs):
-        entry = (key, next(ordinal), device_kind(), num_sms(), tuple(in_avals), tuple(out_avals))
-        try:
-            hash(entry)
-        except TypeError:
-            return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
-        cached = _LOWERED.get(entry)
-        if cached is not None:
-            bytecode, rest = cached
-            LOWERING_STATS["reused"] += 1
-            return pallas_lowering.LoweringResult(ir.Module.parse(bytecode), *rest)
-        result = lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
-        LOWERING_STATS["lowered"] += 1
-        if result.profiler_spec is None:
-            buffer = io.BytesIO()
-            result.module.operation.write_bytecode(buffer)
-            _LOWERED[entry] = (buffer.getvalue(), (result.grid, result.block, result.new_out_shapes,
-                                                   result.profiler_spec, result.gmem_scratch_shapes))
-            while len(_LOWERED) > _MAX_LOWERED:
-                _LOWERED.popitem(last=False)
-        return result
-
-    pallas_lowering.lower_unpipelined_jaxpr_to_module = reused
+    token = _REUSE.set((key, itertools.count()))
     try:
         yield
     finally:
-        pallas_lowering.lower_unpipelined_jaxpr_to_module = lower
+        _REUSE.reset(token)
+
+
+def _install_reuse() -> bool:
+    """Wrap jax's Pallas Mosaic GPU lowering function once per process; False without the plugin."""
+    with _REUSE_LOCK:
+        if _REUSE_INSTALLED:
+            return _REUSE_INSTALLED[0]
+        try:
+            from jax._src.lib.mlir import ir
+            from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
+
+            lower = pallas_lowering.lower_unpipelined_jaxpr_to_module
+        except (ImportError, AttributeError):
+            _REUSE_INSTALLED.append(False)
+            return False
+
+        def reused(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs):
+            op = _REUSE.get()
+            if op is None:
+                return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
+            key, ordinal = op
+            entry = (key, next(ordinal), device_kind(), num_sms(), params, tuple(in_avals), tuple(out_avals))
+            try:
+                hash(entry)
+            except TypeError:
+                return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
+            with _REUSE_LOCK:
+                cached = _LOWERED.get(entry)
+            if cached is not None:
+                bytecode, rest = cached
+                LOWERING_STATS["reused"] += 1
+                return pallas_lowering.LoweringResult(ir.Module.parse(bytecode), *rest)
+            result = lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
+            LOWERING_STATS["lowered"] += 1
+            if result.profiler_spec is None:
+                buffer = io.BytesIO()
+                result.module.operation.write_bytecode(buffer)
+                with _REUSE_LOCK:
+                    _LOWERED[entry] = (buffer.getvalue(), (result.grid, result.block, result.new_out_shapes,
+                                                           result.profiler_spec, result.gmem_scratch_shapes))
+                    while len(_LOWERED) > _MAX_LOWERED:
+                        _LOWERED.popitem(last=False)
+            return result
+
+        pallas_lowering.lower_unpipelined_jaxpr_to_module = reused
+        _REUSE_INSTALLED.append(True)
+        return True
 
 
 def lower_for_cuda(fn, *args, **kwargs) -> str:

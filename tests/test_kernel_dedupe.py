@@ -1,8 +1,10 @@
 """One kernel per (op, shapes, static arguments) in a lowered program, whatever the call site
 (`jfp8.api._Choice`'s key): the same op at the same shape lowers once and shares one Mosaic payload;
 anything that changes what is computed (a shape, a block, a floor, an output dtype, an Fp8Tensor's
-logical shape) keeps its own. Checked on the CUDA lowering (payload hashes) and, on this CPU, on
-the results of the reference path, which shares the same lowering cache."""
+logical shape) keeps its own lowering, and its own kernel wherever the kernel differs (two lowerings
+of one kernel, e.g. a GEMM cut to two logical N outside it, share one payload). Checked on the
+CUDA lowering (payload hashes) and, on this CPU, on the results of the reference path, which
+shares the same lowering cache."""
 
 import collections
 import contextlib
@@ -113,8 +115,9 @@ def test_the_logical_shape_is_part_of_the_key():
 
     text = _mgpu.lower_for_cuda(fn, a, _bf16(96, 256), _bf16(128, 256))
     hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
-    assert len(hashes) == 4 and len(set(hashes)) == 3  # two weight quantizers (two shapes), one GEMM kernel
-    assert re.search(r"-> \(?tensor<256x96xbf16>", text) and re.search(r"-> \(?tensor<256x128xbf16>", text)
+    # four calls (the two GEMMs are two lowerings, cut to N 96 and 128 outside the kernel), three
+    # kernels: two weight quantizers (two shapes), one GEMM
+    assert len(hashes) == 4 and len(set(hashes)) == 3
 
 
 def test_shared_lowerings_give_each_call_its_own_result():

@@ -243,18 +243,20 @@ def test_chunk_width():
     assert [chunk_width(64, 0), chunk_width(32, 0), chunk_width(1, 0), chunk_width(128, 0)] == [64, 32, 32, TILE]
     assert [chunk_width(300, c) for c in range(3)] == [TILE, TILE, 64]  # 44 -> 64
     assert [chunk_width(264, c) for c in range(3)] == [TILE, TILE, 32]
+    assert chunk_width(0, 0) == 0 and chunk_width(200, 2) == 0  # nothing left: an empty dot
 
 
 FINITE_CODES = np.setdiff1d(np.arange(256), [0x7F, 0xFF]).astype(np.uint8)  # E4M3 but its two NaNs
 
 
+@pytest.mark.parametrize("f32", [False, True], ids=["e4m3", "f32-of-e4m3"])
 @pytest.mark.parametrize("k", [8, 32, 40, 64, 96, 100, 120, 127, 200, 264, 416, 1100])
-def test_last_chunk_trimmed_to_k_gives_the_same_bits(k):
+def test_last_chunk_trimmed_to_k_gives_the_same_bits(k, f32):
     """`chunked_matmul(..., k=K)` skips the zero columns of the last chunk past K's next multiple
     of 32 (issue 44: tiny's K 32 and 64 padded to 128 quadrupled or doubled the CPU's work). Its
     f32 bytes must equal the full chunks' at fresh shapes, E4M3 values over their whole range
-    (a NaN and a -0 planted) and both paths of the loop (unrolled; over 8 chunks: the scan, where
-    k is not used). A backend whose dot sums a zero-padded chunk in another order fails here, as
+    (a NaN and a -0 planted), as E4M3 and as their exact f32 values (what the grouped reference
+    passes) and both paths of the loop (unrolled; over 8 chunks: the scan, where k is not used). A backend whose dot sums a zero-padded chunk in another order fails here, as
     XLA:CPU does with the last chunk cut at K itself (CHUNK_TAIL_MULTIPLE = 1 fails at K 127)."""
     from jfp8.reference import chunked_matmul
 
@@ -267,7 +269,8 @@ def test_last_chunk_trimmed_to_k_gives_the_same_bits(k):
         raw = rng.choice(FINITE_CODES, size=(rows, kp))
         raw.flat[rng.integers(0, raw.size, size=2)] = [0x7F, 0x80]  # a NaN and a -0
         raw[:, k:] = 0  # the columns past K are zeros, as chunk_operand leaves them
-        return jax.lax.bitcast_convert_type(jnp.asarray(raw), FP8_DTYPE)
+        data = jax.lax.bitcast_convert_type(jnp.asarray(raw), FP8_DTYPE)
+        return data.astype(jnp.float32) if f32 else data
 
     a, b = operand(m), operand(n)
     sa = jnp.asarray(np.exp2(rng.integers(-8, 8, size=(m, chunks))), jnp.float32)
