@@ -435,6 +435,15 @@ def markdown_tables(doc: dict) -> str:
             out.append(f"| {c['preset']} | {c['precision']} | {f.get('total_s')} | {s.get('total_s')} "
                        f"({s.get('lower_s')}, {s.get('compile_s')}) | {_mb(c['cache_bytes'])} "
                        f"| {c.get('cache_read_error') or 'hit'} |")
+    if doc.get("shared_process"):
+        out += ["", "| preset | precision | one process: train s (lower, compile) | then eval s (lower, compile) |",
+                "|---|---|---|---|"]
+        for r in doc["shared_process"]:
+            if not r.get("ok"):
+                out.append(f"| {r['preset']} | {r['precision']} | **failed**: {r.get('error', '')[:100]} | |")
+                continue
+            out.append(f"| {r['preset']} | {r['precision']} | {r['train_total_s']} ({r['train_lower_s']}, "
+                       f"{r['train_compile_s']}) | {r['eval_total_s']} ({r['eval_lower_s']}, {r['eval_compile_s']}) |")
     if doc.get("largest_batch"):
         out += ["", "| preset | precision | memory budget | largest batch (× seq) | its peak GB | next batch's peak GB "
                 "| MB per sequence, batch 32 → 64 |", "|---|---|---|---|---|---|---|"]
@@ -448,7 +457,7 @@ def markdown_tables(doc: dict) -> str:
 
 def write(doc_update: dict, target: str, out: pathlib.Path) -> pathlib.Path:
     """Merge into `out`/train-<target>.json: rows replace the rows of the same (preset, step,
-    precision); cache and largest-batch entries likewise. Written atomically."""
+    precision); cache, shared-process and largest-batch entries likewise. Written atomically."""
     import jax
 
     out.mkdir(parents=True, exist_ok=True)

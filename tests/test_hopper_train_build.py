@@ -72,3 +72,19 @@ def test_tiny_fp8_train_step_compiles_for_h100(toolchain):
     assert pre["enabled"] and pre["failed"] == 0 and pre["submitted"] == row["distinct_mosaic_kernels"], pre
     assert row["hlo"]["custom_calls"].get("mosaic_gpu_v2", 0) > 0  # the kernels survive XLA
     assert row["total_s"] <= CI_BUDGET_S, f"lower + compile {row['total_s']} s > {CI_BUDGET_S} s: {row}"
+
+
+def test_committed_shared_process_rows():
+    """`--shared-process`: the FP8 eval step compiled after the train step in one process reuses
+    its kernels, so it costs less than the same eval step compiled alone (the `rows`), at every
+    preset; and `--table` prints these rows."""
+    doc = _doc()
+    alone = {(r["preset"], r["precision"]): r for r in doc["rows"] if r["step"] == "eval" and not r.get("variant")}
+    shared = {(r["preset"], r["precision"]): r for r in doc["shared_process"]}
+    assert set(shared) == {(p, q) for p in htb.PRESETS for q in htb.PRECISIONS}
+    for (preset, precision), r in shared.items():
+        assert r["ok"] and r["step"] == htb.SHARED and r["target"] == "h100_sxm", r
+        if precision == "fp8":
+            assert r["eval_total_s"] < alone[(preset, "fp8")]["total_s"], (preset, r["eval_total_s"])
+    table = htb.markdown_tables(doc)
+    assert "then eval s (lower, compile)" in table and f"| {shared[('tiny', 'fp8')]['eval_total_s']} (" in table
