@@ -146,6 +146,7 @@ def ptxas_version_asked_once():
 
 
 _DUMP_BASENAME = "mosaic_gpu.dump_basename"
+_REUSE_LOCK = threading.Lock()  # guards the one-time installs and the lowered-kernel table
 
 
 @contextlib.contextmanager
@@ -161,36 +162,53 @@ def stable_kernel_payloads():
     again after the train step's in the same process, and a program's persistent-cache key
     depended on what the process had lowered before it (issue 44). Both are dropped before the
     module is serialized: the attribute names dump files only (the compiler sets it again when
-    dumping is on) and locations are debug information. `JFP8_KERNEL_LOCATIONS=1` keeps the
-    locations (for a profiler's or sanitizer's source lines), at the price of the sharing (and
-    turns off `reuse_lowered_kernels`, which would give a kernel another program's locations).
-    Nothing changes where the plugin is not installed.
+    dumping is on) and locations are debug information. `JFP8_KERNEL_LOCATIONS=1` keeps both
+    (for a profiler's or sanitizer's source lines), at the price of the sharing (and turns off
+    `reuse_lowered_kernels`, which would give a kernel another program's locations). Nothing
+    changes where the plugin is not installed.
     """
-    try:
-        from jax._src.lib.mlir import passmanager
-        from jax.experimental.mosaic.gpu import core as mgpu_core
-
-        serde = mgpu_core._run_serde_pass
-    except (ImportError, AttributeError):
+    if _keeps_locations() or not _install_stable():
         yield
         return
-
-    keep_locations = _keeps_locations()
-
-    def stable(module, *args, **kwargs):
-        attributes = module.operation.attributes
-        if _DUMP_BASENAME in attributes:
-            del attributes[_DUMP_BASENAME]
-        if not keep_locations:
-            with module.context:
-                passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
-        return serde(module, *args, **kwargs)
-
-    mgpu_core._run_serde_pass = stable
+    token = _STABLE.set(True)
     try:
         yield
     finally:
-        mgpu_core._run_serde_pass = serde
+        _STABLE.reset(token)
+
+
+# Set by `stable_kernel_payloads`; read by one wrapper of jax's serializer, installed once (no module
+# global swapped per op: threads and nested ops each see their own).
+_STABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("jfp8_stable_payloads", default=False)
+_STABLE_INSTALLED: list[bool] = []
+
+
+def _install_stable() -> bool:
+    """Wrap Mosaic GPU's serializer once per process; False without the plugin."""
+    with _REUSE_LOCK:
+        if _STABLE_INSTALLED:
+            return _STABLE_INSTALLED[0]
+        try:
+            from jax._src.lib.mlir import passmanager
+            from jax.experimental.mosaic.gpu import core as mgpu_core
+
+            serde = mgpu_core._run_serde_pass
+        except (ImportError, AttributeError):
+            _STABLE_INSTALLED.append(False)
+            return False
+
+        def stable(module, *args, **kwargs):
+            if _STABLE.get():
+                attributes = module.operation.attributes
+                if _DUMP_BASENAME in attributes:
+                    del attributes[_DUMP_BASENAME]
+                with module.context:
+                    passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
+            return serde(module, *args, **kwargs)
+
+        mgpu_core._run_serde_pass = stable
+        _STABLE_INSTALLED.append(True)
+        return True
 
 
 # Kernels lowered in this process: (jfp8 op key, ordinal, GPU, compiler params, operand types) ->
@@ -201,7 +219,6 @@ LOWERING_STATS = collections.Counter()  # "lowered", "reused"
 # Set by `reuse_lowered_kernels`: the op being lowered and a counter of its kernels so far.
 _REUSE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jfp8_reuse_lowered", default=None)
 _REUSE_INSTALLED: list[bool] = []
-_REUSE_LOCK = threading.Lock()
 
 
 def _keeps_locations() -> bool:
