@@ -180,35 +180,45 @@ def stable_kernel_payloads():
 # Set by `stable_kernel_payloads`; read by one wrapper of jax's serializer, installed once (no module
 # global swapped per op: threads and nested ops each see their own).
 _STABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("jfp8_stable_payloads", default=False)
-_STABLE_INSTALLED: list[bool] = []
 
 
 def _install_stable() -> bool:
     """Wrap Mosaic GPU's serializer once per process; False without the plugin."""
+    return _install_once("stable_kernel_payloads", _wrap_serializer)
+
+
+def _wrap_serializer() -> None:
+    from jax._src.lib.mlir import passmanager
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    serde = mgpu_core._run_serde_pass
+
+    def stable(module, *args, **kwargs):
+        if _STABLE.get():
+            attributes = module.operation.attributes
+            if _DUMP_BASENAME in attributes:
+                del attributes[_DUMP_BASENAME]
+            with module.context:
+                passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
+        return serde(module, *args, **kwargs)
+
+    mgpu_core._run_serde_pass = stable
+
+
+_INSTALLED: dict[str, bool] = {}
+
+
+def _install_once(name: str, install) -> bool:
+    """Run `install()`, which wraps a jax function, once per process; whether it could (False
+    where jax lacks what it wraps: no Mosaic GPU plugin, another jax)."""
     with _REUSE_LOCK:
-        if _STABLE_INSTALLED:
-            return _STABLE_INSTALLED[0]
-        try:
-            from jax._src.lib.mlir import passmanager
-            from jax.experimental.mosaic.gpu import core as mgpu_core
-
-            serde = mgpu_core._run_serde_pass
-        except (ImportError, AttributeError):
-            _STABLE_INSTALLED.append(False)
-            return False
-
-        def stable(module, *args, **kwargs):
-            if _STABLE.get():
-                attributes = module.operation.attributes
-                if _DUMP_BASENAME in attributes:
-                    del attributes[_DUMP_BASENAME]
-                with module.context:
-                    passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
-            return serde(module, *args, **kwargs)
-
-        mgpu_core._run_serde_pass = stable
-        _STABLE_INSTALLED.append(True)
-        return True
+        if name not in _INSTALLED:
+            try:
+                install()
+                _INSTALLED[name] = True
+            except (ImportError, AttributeError):
+                _INSTALLED[name] = False
+        return _INSTALLED[name]
 
 
 # Kernels lowered in this process: (jfp8 op key, ordinal, GPU, compiler params, operand types) ->
@@ -218,7 +228,6 @@ _MAX_LOWERED = 1024
 LOWERING_STATS = collections.Counter()  # "lowered", "reused"
 # Set by `reuse_lowered_kernels`: the op being lowered and a counter of its kernels so far.
 _REUSE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jfp8_reuse_lowered", default=None)
-_REUSE_INSTALLED: list[bool] = []
 
 
 def _keeps_locations() -> bool:
@@ -255,49 +264,44 @@ def reuse_lowered_kernels(key):
 
 def _install_reuse() -> bool:
     """Wrap jax's Pallas Mosaic GPU lowering function once per process; False without the plugin."""
-    with _REUSE_LOCK:
-        if _REUSE_INSTALLED:
-            return _REUSE_INSTALLED[0]
+    return _install_once("reuse_lowered_kernels", _wrap_lowering)
+
+
+def _wrap_lowering() -> None:
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
+
+    lower = pallas_lowering.lower_unpipelined_jaxpr_to_module
+
+    def reused(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs):
+        op = _REUSE.get()
+        if op is None:
+            return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
+        key, ordinal = op
+        entry = (key, next(ordinal), device_kind(), num_sms(), params, tuple(in_avals), tuple(out_avals))
         try:
-            from jax._src.lib.mlir import ir
-            from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
-
-            lower = pallas_lowering.lower_unpipelined_jaxpr_to_module
-        except (ImportError, AttributeError):
-            _REUSE_INSTALLED.append(False)
-            return False
-
-        def reused(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs):
-            op = _REUSE.get()
-            if op is None:
-                return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
-            key, ordinal = op
-            entry = (key, next(ordinal), device_kind(), num_sms(), params, tuple(in_avals), tuple(out_avals))
-            try:
-                hash(entry)
-            except TypeError:
-                return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
+            hash(entry)
+        except TypeError:
+            return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
+        with _REUSE_LOCK:
+            cached = _LOWERED.get(entry)
+        if cached is not None:
+            bytecode, rest = cached
+            LOWERING_STATS["reused"] += 1
+            return pallas_lowering.LoweringResult(ir.Module.parse(bytecode), *rest)
+        result = lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
+        LOWERING_STATS["lowered"] += 1
+        if result.profiler_spec is None:
+            buffer = io.BytesIO()
+            result.module.operation.write_bytecode(buffer)
             with _REUSE_LOCK:
-                cached = _LOWERED.get(entry)
-            if cached is not None:
-                bytecode, rest = cached
-                LOWERING_STATS["reused"] += 1
-                return pallas_lowering.LoweringResult(ir.Module.parse(bytecode), *rest)
-            result = lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
-            LOWERING_STATS["lowered"] += 1
-            if result.profiler_spec is None:
-                buffer = io.BytesIO()
-                result.module.operation.write_bytecode(buffer)
-                with _REUSE_LOCK:
-                    _LOWERED[entry] = (buffer.getvalue(), (result.grid, result.block, result.new_out_shapes,
-                                                           result.profiler_spec, result.gmem_scratch_shapes))
-                    while len(_LOWERED) > _MAX_LOWERED:
-                        _LOWERED.popitem(last=False)
-            return result
+                _LOWERED[entry] = (buffer.getvalue(), (result.grid, result.block, result.new_out_shapes,
+                                                       result.profiler_spec, result.gmem_scratch_shapes))
+                while len(_LOWERED) > _MAX_LOWERED:
+                    _LOWERED.popitem(last=False)
+        return result
 
-        pallas_lowering.lower_unpipelined_jaxpr_to_module = reused
-        _REUSE_INSTALLED.append(True)
-        return True
+    pallas_lowering.lower_unpipelined_jaxpr_to_module = reused
 
 
 def lower_for_cuda(fn, *args, **kwargs) -> str:
