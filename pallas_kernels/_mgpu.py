@@ -20,7 +20,7 @@ from jax.extend import core as jax_core
 from jax.interpreters import mlir
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from pallas_kernels import fp8_math
+from pallas_kernels import fp8_math, kernel_cache
 
 # The machine the kernels are written for; used to lower (and to size persistent grids) on a
 # machine without a GPU.
@@ -247,6 +247,9 @@ def reuse_lowered_kernels(key):
     the rest of the lowering result, and a later lowering under the same key parses it back into
     the new program instead of lowering the kernel again: the same payload
     (`stable_kernel_payloads`; tests/test_kernel_dedupe.py checks it against a fresh lowering).
+    With a kernel cache directory (`pallas_kernels.kernel_cache`: `JFP8_KERNEL_CACHE_DIR`, or the
+    training scripts' `~/.cache/jfp8/mosaic-kernels`) the table is also kept on disk, so a later
+    process parses back what an earlier one lowered.
     The op and its kernel count live in a context variable read by one wrapper of jax's lowering
     function, installed once: no module global is swapped per op, so threads and nested ops each
     see their own. `key=None` (an op without one), `JFP8_KERNEL_LOCATIONS=1` (each lowering keeps
@@ -285,6 +288,10 @@ def _wrap_lowering() -> None:
             return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
         with _REUSE_LOCK:
             cached = _LOWERED.get(entry)
+        if cached is None:
+            cached = kernel_cache.load(entry, entry[2])  # kept on disk by an earlier process
+            if cached is not None:
+                _remember(entry, *cached)
         if cached is not None:
             bytecode, rest = cached
             LOWERING_STATS["reused"] += 1
@@ -294,14 +301,19 @@ def _wrap_lowering() -> None:
         if result.profiler_spec is None:
             buffer = io.BytesIO()
             result.module.operation.write_bytecode(buffer)
-            with _REUSE_LOCK:
-                _LOWERED[entry] = (buffer.getvalue(), (result.grid, result.block, result.new_out_shapes,
-                                                       result.profiler_spec, result.gmem_scratch_shapes))
-                while len(_LOWERED) > _MAX_LOWERED:
-                    _LOWERED.popitem(last=False)
+            rest = (result.grid, result.block, result.new_out_shapes, result.profiler_spec, result.gmem_scratch_shapes)
+            _remember(entry, buffer.getvalue(), rest)
+            kernel_cache.store(entry, entry[2], buffer.getvalue(), rest)
         return result
 
     pallas_lowering.lower_unpipelined_jaxpr_to_module = reused
+
+
+def _remember(entry: tuple, bytecode: bytes, rest: tuple) -> None:
+    with _REUSE_LOCK:
+        _LOWERED[entry] = (bytecode, rest)
+        while len(_LOWERED) > _MAX_LOWERED:
+            _LOWERED.popitem(last=False)
 
 
 def lower_for_cuda(fn, *args, **kwargs) -> str:

@@ -13,6 +13,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 # compile_cache); the suite runs them in-process and as subprocesses, and stays hermetic without it
 # (tests/test_compile_cache.py turns it on where it is the subject).
 os.environ["JFP8_COMPILE_CACHE"] = "0"
+# Likewise jfp8's folder of lowered Mosaic GPU kernels (pallas_kernels.kernel_cache): off, also
+# where a developer's shell sets it (tests/test_kernel_cache.py turns it on).
+os.environ["JFP8_KERNEL_CACHE_DIR"] = ""
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
