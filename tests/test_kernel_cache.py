@@ -8,13 +8,11 @@ from __future__ import annotations
 import collections
 import json
 import os
-import re
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from helpers import REPO
 from pallas_kernels import _mgpu, kernel_cache
