@@ -181,7 +181,7 @@ def compile_step(preset: str, precision: str, step: str, target: str, batch: int
     import jax
 
     from jfp8 import precompile
-    from pallas_kernels import _mgpu
+    from pallas_kernels import _mgpu, kernel_cache
 
     # "cpu": the same step compiled for this machine's CPU, where jfp8 runs the reference (the
     # CPU path's FP8/BF16 compile ratio); "local": for this machine's first device (on a GPU
@@ -209,6 +209,9 @@ def compile_step(preset: str, precision: str, step: str, target: str, batch: int
     # What the step holds at once: its arguments, its outputs (less those written over donated
     # arguments) and XLA's temporaries.
     row["memory"]["peak"] = m["argument"] + m["output"] - m["alias"] + m["temp"]
+    # Kernels lowered here, parsed back from this process's table or from disk (kernel_cache).
+    row["kernel_lowerings"] = dict(_mgpu.LOWERING_STATS)
+    row["kernel_cache"] = dict(kernel_cache.STATS)
     if not census:
         return row
     choices, distinct = _choice_keys(traced.jaxpr.jaxpr)
@@ -257,9 +260,12 @@ def build_env(tools: pathlib.Path | None, cache_dir: str | None = None, precompi
     for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE"):
         env.pop(name, None)
     env["JFP8_PRECOMPILE"] = "1" if precompile else "0"
+    env["JFP8_KERNEL_CACHE_DIR"] = ""  # a first jit: no lowered kernels from an earlier process
     if cache_dir is not None:
+        # A later start: jax's persistent cache and jfp8's lowered kernels (pallas_kernels.kernel_cache)
         env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+                   JFP8_KERNEL_CACHE_DIR=str(pathlib.Path(cache_dir) / "mosaic-kernels"))
     return env
 
 
@@ -319,8 +325,8 @@ def compare(preset: str, target: str, tools: pathlib.Path, steps=STEPS, ablate: 
 
 def cache_check(preset: str, target: str, tools: pathlib.Path, log=print) -> list[dict]:
     """The FP8 and BF16 train steps compiled twice, each time in a fresh process sharing one
-    persistent compilation cache (`jax_compilation_cache_dir`): a user's first jit on a new
-    machine, then every later run's."""
+    persistent compilation cache (`jax_compilation_cache_dir`) and one folder of lowered kernels
+    (`pallas_kernels.kernel_cache`): a user's first jit on a new machine, then every later run's."""
     rows = []
     for precision in PRECISIONS:
         with tempfile.TemporaryDirectory(prefix="jax-cache-") as cache:
@@ -331,7 +337,8 @@ def cache_check(preset: str, target: str, tools: pathlib.Path, log=print) -> lis
                "ok": first.get("ok") and second.get("ok"), "cache_bytes": size,
                "cache_read_error": second.get("cache_read_error"),
                "first": {k: first.get(k) for k in ("lower_s", "compile_s", "total_s", "process_s", "error")},
-               "second": {k: second.get(k) for k in ("lower_s", "compile_s", "total_s", "process_s", "error")}}
+               "second": {k: second.get(k) for k in ("lower_s", "compile_s", "total_s", "process_s", "error",
+                                                      "kernel_lowerings", "kernel_cache")}}
         rows.append(row)
         log(f"{preset:6s} {precision:5s} persistent cache: first {first.get('total_s')} s, second "
             f"{second.get('total_s')} s (lower {second.get('lower_s')}, compile {second.get('compile_s')}), "
@@ -428,13 +435,14 @@ def markdown_tables(doc: dict) -> str:
             f"| {r.get('distinct_op_shape_config', 0)} | {hlo.get('fusions', '–')} | {libs} | {_mb(m['argument'])} "
             f"| {_mb(m['temp'])} | {_mb(m['peak'])} |")
     if doc.get("cache"):
-        out += ["", "| preset | precision | first process: lower + compile s | second process s (lower, compile) "
-                "| cache MB | cache read |", "|---|---|---|---|---|---|"]
+        out += ["", "| preset | precision | first process s (lower, compile) | second process s (lower, compile) "
+                "| kernels parsed back from disk | cache MB | jax cache read |", "|---|---|---|---|---|---|---|"]
         for c in doc["cache"]:
             f, s = c["first"], c["second"]
-            out.append(f"| {c['preset']} | {c['precision']} | {f.get('total_s')} | {s.get('total_s')} "
-                       f"({s.get('lower_s')}, {s.get('compile_s')}) | {_mb(c['cache_bytes'])} "
-                       f"| {c.get('cache_read_error') or 'hit'} |")
+            kept = s.get("kernel_cache", {}).get("loaded", 0) if "kernel_cache" in s else "–"
+            out.append(f"| {c['preset']} | {c['precision']} | {f.get('total_s')} ({f.get('lower_s')}, "
+                       f"{f.get('compile_s')}) | {s.get('total_s')} ({s.get('lower_s')}, {s.get('compile_s')}) "
+                       f"| {kept} | {_mb(c['cache_bytes'])} | {c.get('cache_read_error') or 'hit'} |")
     if doc.get("shared_process"):
         out += ["", "| preset | precision | one process: train s (lower, compile) | then eval s (lower, compile) |",
                 "|---|---|---|---|"]

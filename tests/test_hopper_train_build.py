@@ -52,6 +52,11 @@ def test_committed_cache_and_batch_results():
         # read it back (no client to load an executable into): then the row records jax's error.
         assert c["ok"] and c["cache_bytes"] > 0
         assert c["second"]["total_s"] < c["first"]["total_s"] or "PjRtCompiler" in c["cache_read_error"]
+        if c["precision"] == "fp8" and "kernel_cache" in c["second"]:
+            # jfp8's lowered kernels (pallas_kernels.kernel_cache) are read back: no kernel is
+            # lowered again, and the lowering takes less than half the first process's.
+            assert c["second"]["kernel_lowerings"] == {"reused": c["second"]["kernel_cache"]["loaded"]} != {"reused": 0}
+            assert c["second"]["lower_s"] < c["first"]["lower_s"] / 2, c
     found = {b["precision"]: b for b in doc["largest_batch"]}
     assert set(found) == set(htb.PRECISIONS)
     for b in found.values():
