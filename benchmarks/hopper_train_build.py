@@ -476,6 +476,9 @@ def write(doc_update: dict, target: str, out: pathlib.Path) -> pathlib.Path:
                        ("shared_process", ("preset", "precision")),
                        ("largest_batch", ("preset", "precision", "what"))):
         new = doc_update.get(field, [])
+        for r in new:  # each row keeps its own date and command (the document's are the last run's)
+            r.setdefault("date", datetime.date.today().isoformat())
+            r.setdefault("command", doc_update.get("command"))
         keys = {tuple(r.get(k) for k in key) for r in new}
         merged = [r for r in doc.get(field, []) if tuple(r.get(k) for k in key) not in keys] + new
         order = lambda r: (PRESETS.index(r["preset"]) if r.get("preset") in PRESETS else 9,  # noqa: E731
