@@ -23,7 +23,8 @@ concurrent processes sharing a directory read whole entries or none.
 Off unless a directory is given: `JFP8_KERNEL_CACHE_DIR`, or `set_directory` (the training
 scripts call `jfp8.train.compile_cache.enable()`, which puts it in
 `~/.cache/jfp8/mosaic-kernels`). `JFP8_KERNEL_CACHE_DIR=""` or `JFP8_KERNEL_LOCATIONS=1` (each
-lowering keeps its own source locations) turns it off. Delete the directory to clear it.
+lowering keeps its own source locations) turns it off. The folder is kept under 2 GiB, least
+recently used entries removed first (`JFP8_KERNEL_CACHE_MAX_MB`); delete it to clear it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ import jax
 import numpy as np
 
 ENV = "JFP8_KERNEL_CACHE_DIR"
+SIZE_ENV = "JFP8_KERNEL_CACHE_MAX_MB"
+# The folder is trimmed to this size (least recently used entries first): every change to the
+# sources is a new set of entries (a train step's kernels are 20-50 MB), and nothing else
+# removes the old ones.
+DEFAULT_MAX_MB = 2048
 FORMAT = 1
 STATS = collections.Counter()  # "loaded", "stored", "unkeyable", "unreadable"
 _LOCK = threading.Lock()
@@ -173,6 +179,10 @@ def load(entry: tuple, device_kind: str) -> tuple[bytes, tuple] | None:
         STATS["unreadable"] += 1
         return None
     STATS["loaded"] += 1
+    try:
+        os.utime(_path(where, key))  # recently used: kept longest when the folder is trimmed
+    except OSError:
+        pass
     return found
 
 
@@ -202,4 +212,45 @@ def store(entry: tuple, device_kind: str, bytecode: bytes, rest: tuple) -> bool:
             pass
         return False
     STATS["stored"] += 1
+    if STATS["stored"] % 16 == 1:  # the first write of a process, then every 16th
+        trim(where)
     return True
+
+
+def max_bytes() -> int:
+    value = os.environ.get(SIZE_ENV, str(DEFAULT_MAX_MB))
+    try:
+        megabytes = float(value)
+    except ValueError:
+        megabytes = -1
+    if megabytes <= 0:
+        raise ValueError(f"{SIZE_ENV} must be a positive number of megabytes, got {value!r}")
+    return int(megabytes * 2**20)
+
+
+def trim(where: pathlib.Path, limit: int | None = None) -> int:
+    """Remove the least recently used entries until the folder holds at most 80 % of `limit`
+    bytes (`max_bytes()`), once it holds more than `limit`; returns how many were removed."""
+    limit = max_bytes() if limit is None else limit
+    entries = []
+    for path in where.glob("*.json"):
+        try:
+            st = path.stat()
+        except OSError:  # removed by another process meanwhile
+            continue
+        entries.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    if total <= limit:
+        return 0
+    removed = 0
+    for _, size, path in sorted(entries, key=lambda e: e[0]):
+        if total <= 0.8 * limit:
+            break
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        total -= size
+        removed += 1
+    STATS["trimmed"] += removed
+    return removed

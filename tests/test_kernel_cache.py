@@ -13,6 +13,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from helpers import REPO
 from pallas_kernels import _mgpu, kernel_cache
@@ -143,3 +144,30 @@ def test_the_training_scripts_keep_kernels_beside_the_compile_cache(tmp_path):
     assert run({"XDG_CACHE_HOME": str(tmp_path)}) == str(tmp_path / "jfp8" / "mosaic-kernels")
     assert run({"XDG_CACHE_HOME": str(tmp_path), kernel_cache.ENV: str(tmp_path / "k")}) == str(tmp_path / "k")
     assert run({"XDG_CACHE_HOME": str(tmp_path), "JFP8_COMPILE_CACHE": "0"}) == "None"
+
+
+def test_the_folder_is_trimmed_least_recently_used_first(tmp_path, monkeypatch):
+    for i in range(10):
+        path = tmp_path / f"{i:02d}.json"
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (1000 + i, 1000 + i))
+    os.utime(tmp_path / "00.json")  # read back just now: the most recently used
+    assert kernel_cache.trim(tmp_path, limit=10_000) == 0  # at the limit: nothing to do
+    assert kernel_cache.trim(tmp_path, limit=9_999) == 3  # down to 80 %: the three oldest go
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00.json", *(f"{i:02d}.json" for i in range(4, 10))]
+    monkeypatch.setenv(kernel_cache.SIZE_ENV, "0.004")  # MB
+    assert kernel_cache.max_bytes() == 4194
+    for bad in ("0", "-1", "lots"):
+        monkeypatch.setenv(kernel_cache.SIZE_ENV, bad)
+        with pytest.raises(ValueError, match=kernel_cache.SIZE_ENV):
+            kernel_cache.max_bytes()
+
+
+def test_reading_an_entry_marks_it_used(tmp_path, monkeypatch):
+    monkeypatch.setenv(kernel_cache.ENV, str(tmp_path))
+    entry = (("op", 2), 0, "NVIDIA H100 80GB HBM3", 132)
+    rest = ((1, 1, 1), (128, 1, 1), (), None, ())
+    assert kernel_cache.store(entry, entry[2], b"m", rest)
+    [path] = tmp_path.glob("*.json")
+    os.utime(path, (1000, 1000))
+    assert kernel_cache.load(entry, entry[2]) is not None and path.stat().st_mtime > 1000
