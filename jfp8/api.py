@@ -33,7 +33,7 @@ from jax.interpreters import batching, mlir
 from jfp8 import fp8, precompile, reference
 from jfp8.fp8 import AMAX_FLOOR, GRAD_AMAX_FLOOR, TILE, Block, Fp8Tensor, _check_block
 from jfp8.reference import check_nt_operands, chunk_operand
-from pallas_kernels import _mgpu, gemm, grouped_gemm, grouped_wgrad, ragged
+from pallas_kernels import _mgpu, gemm, grouped_gemm, grouped_wgrad, kernel_cache, ragged
 from pallas_kernels import quantize as qk
 
 Impl: TypeAlias = Literal["xla", "mosaic", "auto"]
@@ -94,6 +94,14 @@ class _Choice(NamedTuple):
 
     def __hash__(self):
         return hash(self.key) if self.key is not None else id(self)
+
+
+def keep_lowered_kernels(path) -> object:
+    """Keep the Mosaic GPU kernels' Pallas lowerings in the folder `path` from now on in this
+    process (None: not on disk unless `JFP8_KERNEL_CACHE_DIR` says so), so that a later process
+    parses them back instead of lowering them again (`pallas_kernels.kernel_cache`; the training
+    scripts call it through `jfp8.train.compile_cache.enable()`). Returns the folder in use."""
+    return kernel_cache.set_directory(path)
 
 
 def _callable_key(fn: Callable) -> tuple | None:

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+import hashlib
 import io
 import itertools
 import os
@@ -112,6 +113,21 @@ def device_kind() -> str:
 
 
 _PTXAS_ISA_VERSION: list[int] = []  # the process's ptxas PTX ISA version, once asked
+
+
+def _ptxas_isa_version():
+    """The PTX ISA version Mosaic GPU lowers FP8 conversions for (asked once per process), or None
+    without the plugin or ptxas: part of a kept kernel's key (`kernel_cache`)."""
+    if not _PTXAS_ISA_VERSION:
+        try:
+            from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+            version = mosaic_gpu_lib._mosaic_gpu_ext._get_ptxas_isa_version()
+        except Exception:  # noqa: BLE001 - no plugin, no ptxas: nothing to key on
+            return None
+        if not _PTXAS_ISA_VERSION:  # (inside `ptxas_version_asked_once` the call above kept it)
+            _PTXAS_ISA_VERSION.append(version)
+    return _PTXAS_ISA_VERSION[0]
 
 
 @contextlib.contextmanager
@@ -243,7 +259,8 @@ def reuse_lowered_kernels(key):
     ~0.25 s of Python each, 3.7-4.5 s of the tiny eval step's first jit for Hopper after the train
     step (issue 44). Here the Pallas lowering of the op's n-th kernel is kept, keyed by the op's
     key, n, the GPU it is built for (`device_kind`, `num_sms`), the kernel's compiler parameters
-    (a profiled kernel is another kernel) and the operand types, as the module's bytecode beside
+    (a profiled kernel is another kernel), the operand types, jax's mesh under shard_map and a
+    digest of the kernel's traced body, as the module's bytecode beside
     the rest of the lowering result, and a later lowering under the same key parses it back into
     the new program instead of lowering the kernel again: the same payload
     (`stable_kernel_payloads`; tests/test_kernel_dedupe.py checks it against a fresh lowering).
@@ -281,21 +298,33 @@ def _wrap_lowering() -> None:
         if op is None:
             return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
         key, ordinal = op
-        entry = (key, next(ordinal), device_kind(), num_sms(), params, tuple(in_avals), tuple(out_avals))
+        # jax's mesh (under shard_map) decides a kernel's peers and how axis names resolve.
+        mesh_key = None if jax_mesh is None else (tuple(jax_mesh.shape.items()), type(jax_mesh).__name__)
+        # The kernel's traced body, as a digest of its text (~5 ms a kernel): whatever the kernel
+        # function chose while it was traced (a config from a measured table rewritten since, say).
+        body = hashlib.sha256(str(jaxpr).encode()).hexdigest()
+        entry = (key, next(ordinal), device_kind(), num_sms(), params, tuple(in_avals), tuple(out_avals), mesh_key,
+                 body)
         try:
             hash(entry)
         except TypeError:
             return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
         with _REUSE_LOCK:
             cached = _LOWERED.get(entry)
-        if cached is None:
-            cached = kernel_cache.load(entry, entry[2])  # kept on disk by an earlier process
-            if cached is not None:
-                _remember(entry, *cached)
         if cached is not None:
             bytecode, rest = cached
             LOWERING_STATS["reused"] += 1
             return pallas_lowering.LoweringResult(ir.Module.parse(bytecode), *rest)
+        kept = kernel_cache.load(entry, _ptxas_isa_version)  # on disk from an earlier process
+        if kept is not None:
+            try:
+                module = ir.Module.parse(kept[0])
+            except Exception:  # noqa: BLE001 - damaged bytes under a good key: lower it again
+                kernel_cache.count("unreadable")
+            else:
+                _remember(entry, *kept)
+                LOWERING_STATS["reused"] += 1
+                return pallas_lowering.LoweringResult(module, *kept[1])
         result = lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
         LOWERING_STATS["lowered"] += 1
         if result.profiler_spec is None:
@@ -303,7 +332,7 @@ def _wrap_lowering() -> None:
             result.module.operation.write_bytecode(buffer)
             rest = (result.grid, result.block, result.new_out_shapes, result.profiler_spec, result.gmem_scratch_shapes)
             _remember(entry, buffer.getvalue(), rest)
-            kernel_cache.store(entry, entry[2], buffer.getvalue(), rest)
+            kernel_cache.store(entry, _ptxas_isa_version, buffer.getvalue(), rest)
         return result
 
     pallas_lowering.lower_unpipelined_jaxpr_to_module = reused

@@ -1,8 +1,8 @@
 """Lowered Mosaic GPU kernels kept on disk, so that a second process skips their Pallas lowering.
 
 A jitted FP8 training step for Hopper spends most of its lowering in jax's Pallas -> Mosaic GPU
-lowering of jfp8's kernels: ~0.2 s of Python per kernel, 10-12 s of the `tiny` FP8 train step's
-first jit (46 kernels) against 0.7 s for BF16's whole lowering (deviceless H100,
+lowering of jfp8's kernels: ~0.2 s of Python per kernel, 11.6 s of the `tiny` FP8 train step's
+trace + lowering (45 kernels) against 0.8 s for BF16's (deviceless H100,
 `benchmarks/hopper_train_build.py`; issue 44). jax's persistent compilation cache does not help
 there: its key is a hash of the lowered program, so every start lowers every kernel again before
 it can look anything up. Within a process `_mgpu.reuse_lowered_kernels` already lowers each
@@ -11,14 +11,15 @@ kernel once; with a directory set here, its table is also written to and read fr
 An entry's key is the in-process one written out (jfp8's op key: the kernel and reference
 functions with their static arguments, the operands' tree and types; the kernel's ordinal
 within the op; the GPU model and SM count; the compiler parameters; the kernel's operand and
-result types) plus what else decides the lowered module: the source of `jfp8` and
-`pallas_kernels` (every `.py` file's bytes), the versions of jax, jaxlib and the Mosaic GPU
-plugin, the measured-config tables the GEMMs' configs come from, and the `MOSAIC_GPU_*`
-environment. A change to any of them is another key, so nothing stale is read back; a key that
-cannot be written out faithfully (an object without a stable text form) is not kept. The entry
-holds its key's text, which is compared on reading, and an unreadable or mismatched entry is
-lowered again and rewritten. Entries are written atomically (a temporary file renamed), so
-concurrent processes sharing a directory read whole entries or none.
+result types; jax's mesh under shard_map; a digest of the kernel's traced body, its jaxpr's
+text: every config the kernel function chose while it was traced), and what else the lowering
+reads: the source of `jfp8` and `pallas_kernels` (every `.py` file's bytes), the versions of
+jax, jaxlib and the CUDA plugin, the PTX ISA version of the ptxas found, the `MOSAIC_GPU_*`
+environment and x64. A change to any of them is another key. A key
+that cannot be written out faithfully (an object's address in its text) is not kept. The entry
+holds its key's text, compared on reading; an unreadable, damaged or foreign entry is lowered
+again and rewritten, and no failure of the cache reaches the lowering. Entries are written
+atomically (a temporary file renamed), so processes sharing a folder read whole entries or none.
 
 Off unless a directory is given: `JFP8_KERNEL_CACHE_DIR`, or `set_directory` (the training
 scripts call `jfp8.train.compile_cache.enable()`, which puts it in
@@ -34,6 +35,7 @@ import collections
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -78,15 +80,23 @@ def directory() -> pathlib.Path | None:
 
 @functools.cache
 def _source_fingerprint() -> str:
-    """A hash of every .py file of jfp8 and pallas_kernels and the library versions."""
-    import jfp8
-    import pallas_kernels
-
+    """A hash of every .py file of jfp8 and pallas_kernels and the library versions. (jfp8 is
+    found, not imported: the kernels sit below it.)"""
     h = hashlib.sha256()
-    for package in (jfp8, pallas_kernels):
-        root = pathlib.Path(package.__file__).parent
+    for package in ("jfp8", "pallas_kernels"):
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.origin:
+            h.update(f"{package}=-;".encode())
+            continue
+        root = pathlib.Path(spec.origin).parent
         for path in sorted(root.rglob("*.py")):
-            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+            if path.name.startswith("."):  # an editor's lock or backup file
+                continue
+            try:
+                data = path.read_bytes()
+            except OSError:  # unreadable: its name still counts
+                data = b"<unreadable>"
+            h.update(str(path.relative_to(root)).encode() + b"\0" + data + b"\0")
     for dist in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-cuda13-pjrt"):
         try:
             h.update(f"{dist}={importlib.metadata.version(dist)};".encode())
@@ -95,32 +105,32 @@ def _source_fingerprint() -> str:
     return h.hexdigest()
 
 
-def _file_stamp(path: pathlib.Path) -> str:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return "-"
-
-
-def _context(device_kind: str) -> str:
-    """What decides a lowering beyond the in-process key: sources, versions, tables, environment."""
-    from pallas_kernels import tuning
-
-    tables = [f"{kind}:{_file_stamp(tuning.table_path(device_kind, kind))}" for kind in sorted(tuning.TABLE_KINDS)]
+def _context(ptxas_isa) -> str:
+    """What decides a lowering beyond the in-process key and the kernel's body: sources, versions,
+    the ptxas it lowers FP8 conversions for, environment. (A config from a measured-config table
+    is in the body: its tile shapes and loops are what the kernel function traced.)"""
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith("MOSAIC_GPU_"))
-    return repr((FORMAT, _source_fingerprint(), tables, env, jax.config.jax_enable_x64))
+    return repr((FORMAT, _source_fingerprint(), ptxas_isa, env, jax.config.jax_enable_x64))
 
 
-def _key_text(entry: tuple) -> str | None:
-    """The entry's key as text, or None when it has no faithful text form."""
+def _key(entry: tuple, ptxas_isa) -> str | None:
+    """The entry's key as text (`_mgpu`'s in-process key, which ends with a digest of the kernel's
+    traced body) with `_context`; None when it holds an object's address (no stable text)."""
     text = repr(entry)
-    return None if _ADDRESS.search(text) else text
+    if _ADDRESS.search(text):
+        return None
+    return f"{_context(ptxas_isa() if callable(ptxas_isa) else ptxas_isa)}|{text}"
+
+
+def count(what: str, n: int = 1) -> None:
+    with _LOCK:
+        STATS[what] += n
 
 
 def _aval_to_json(aval) -> list:
     # jax reads only the shapes and dtypes of a lowering's result and scratch types (it rebuilds
     # them as ShapedArray(shape, dtype)), so they are kept as ShapeDtypeStructs of those.
-    return [list(aval.shape), np.dtype(aval.dtype).name]
+    return [[int(d) for d in aval.shape], np.dtype(aval.dtype).name]
 
 
 def _aval_from_json(value: list) -> jax.ShapeDtypeStruct:
@@ -128,19 +138,19 @@ def _aval_from_json(value: list) -> jax.ShapeDtypeStruct:
 
     shape, name = value
     dtype = np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
-    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+    return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), dtype)
 
 
 def _rest_to_json(rest: tuple) -> dict | None:
     grid, block, out_shapes, profiler_spec, scratch = rest
     if profiler_spec is not None:
         return None
-    return {"grid": list(grid), "block": list(block), "out_shapes": [_aval_to_json(a) for a in out_shapes],
-            "scratch": [_aval_to_json(a) for a in scratch]}
+    return {"grid": [int(g) for g in grid], "block": [int(b) for b in block],
+            "out_shapes": [_aval_to_json(a) for a in out_shapes], "scratch": [_aval_to_json(a) for a in scratch]}
 
 
 def _rest_from_json(value: dict) -> tuple:
-    return (tuple(value["grid"]), tuple(value["block"]),
+    return (tuple(int(g) for g in value["grid"]), tuple(int(b) for b in value["block"]),
             tuple(_aval_from_json(a) for a in value["out_shapes"]), None,
             tuple(_aval_from_json(a) for a in value["scratch"]))
 
@@ -149,89 +159,117 @@ def _path(where: pathlib.Path, key: str) -> pathlib.Path:
     return where / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
 
 
-def _full_key(entry: tuple, device_kind: str) -> str | None:
-    text = _key_text(entry)
-    return None if text is None else f"{_context(device_kind)}|{text}"
-
-
-def load(entry: tuple, device_kind: str) -> tuple[bytes, tuple] | None:
-    """(module bytecode, the rest of the lowering result) kept for `entry`, or None."""
+def load(entry: tuple, ptxas_isa=None) -> tuple[bytes, tuple] | None:
+    """(module bytecode, the rest of the lowering result) kept for the kernel lowered under `entry`
+    (`_mgpu`'s in-process key), or None. `ptxas_isa`: the PTX ISA version, or a function that
+    gives it. Never raises: a failure is a miss (counted)."""
     where = directory()
     if where is None:
         return None
-    key = _full_key(entry, device_kind)
-    if key is None:
-        STATS["unkeyable"] += 1
-        return None
     try:
-        record = json.loads(_path(where, key).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        STATS["unreadable"] += 1
-        return None
-    try:
-        if record.get("key") != key:
-            STATS["unreadable"] += 1
+        key = _key(entry, ptxas_isa)
+        if key is None:
+            count("unkeyable")
+            return None
+        path = _path(where, key)
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        if not isinstance(record, dict) or record.get("key") != key:
+            count("unreadable")
             return None
         found = base64.b64decode(record["module"]), _rest_from_json(record["rest"])
-    except (KeyError, TypeError, ValueError, AttributeError):
-        STATS["unreadable"] += 1
+    except Exception:  # noqa: BLE001 - unreadable, damaged or foreign: lower it again
+        count("unreadable")
         return None
-    STATS["loaded"] += 1
+    count("loaded")
     try:
-        os.utime(_path(where, key))  # recently used: kept longest when the folder is trimmed
+        os.utime(path)  # recently used: kept longest when the folder is trimmed
     except OSError:
         pass
     return found
 
 
-def store(entry: tuple, device_kind: str, bytecode: bytes, rest: tuple) -> bool:
-    """Keep a lowering on disk (atomically); whether it was written."""
+def store(entry: tuple, ptxas_isa, bytecode: bytes, rest: tuple) -> bool:
+    """Keep a lowering on disk (atomically); whether it was written. Never raises."""
     where = directory()
     if where is None:
         return False
-    key, rest_json = _full_key(entry, device_kind), _rest_to_json(rest)
-    if key is None or rest_json is None:
-        STATS["unkeyable"] += 1
+    try:
+        key, rest_json = _key(entry, ptxas_isa), _rest_to_json(rest)
+        if key is None or rest_json is None:
+            count("unkeyable")
+            return False
+        record = json.dumps({"key": key, "rest": rest_json, "module": base64.b64encode(bytecode).decode()})
+    except Exception:  # noqa: BLE001 - something in it has no text form: not kept
+        count("unkeyable")
         return False
-    record = json.dumps({"key": key, "rest": rest_json, "module": base64.b64encode(bytecode).decode()})
+    tmp = None
     try:
         where.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=where, suffix=".tmp", delete=False) as f:
+            tmp = f.name
             f.write(record)
-        os.replace(f.name, _path(where, key))
+        os.chmod(tmp, 0o644)  # (a temporary file is private) a folder shared by users stays readable
+        os.replace(tmp, _path(where, key))
     except OSError as e:  # a read-only or full disk: lower as usual
-        with _LOCK:
-            if not STATS["write_failed"]:
-                print(f"jfp8: lowered kernels not kept in {where} ({e}); set {ENV} to a writable folder, or '' for none")
-            STATS["write_failed"] += 1
-        try:
-            os.unlink(f.name)
-        except (OSError, NameError):
-            pass
+        count("write_failed")
+        if STATS["write_failed"] == 1:
+            print(f"jfp8: lowered kernels not kept in {where} ({e}); set {ENV} to a writable folder, or '' for none")
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
         return False
-    STATS["stored"] += 1
+    count("stored")
     if STATS["stored"] % 16 == 1:  # the first write of a process, then every 16th
-        trim(where)
+        try:
+            trim(where)
+        except Exception:  # noqa: BLE001 - trimming is housekeeping: never fail a lowering for it
+            count("trim_failed")
     return True
 
 
+_WARNED: set = set()
+
+
 def max_bytes() -> int:
-    value = os.environ.get(SIZE_ENV, str(DEFAULT_MAX_MB))
+    """The folder's size limit: `JFP8_KERNEL_CACHE_MAX_MB` (a positive number), else 2 GiB."""
+    value = os.environ.get(SIZE_ENV, "")
+    if not value:
+        return DEFAULT_MAX_MB * 2**20
     try:
         megabytes = float(value)
+        if not 0 < megabytes < float("inf"):
+            raise ValueError
     except ValueError:
-        megabytes = -1
-    if megabytes <= 0:
-        raise ValueError(f"{SIZE_ENV} must be a positive number of megabytes, got {value!r}")
+        if value not in _WARNED:
+            _WARNED.add(value)
+            print(f"jfp8: {SIZE_ENV}={value!r} is not a positive number of megabytes; keeping the "
+                  f"lowered-kernel folder under the default {DEFAULT_MAX_MB} MB")
+        return DEFAULT_MAX_MB * 2**20
     return int(megabytes * 2**20)
+
+
+# A temporary file older than this was left by a process that died while writing it.
+_STALE_TMP_SECONDS = 3600
 
 
 def trim(where: pathlib.Path, limit: int | None = None) -> int:
     """Remove the least recently used entries until the folder holds at most 80 % of `limit`
-    bytes (`max_bytes()`), once it holds more than `limit`; returns how many were removed."""
+    bytes (`max_bytes()`), once it holds more than `limit`, and temporary files an hour old;
+    returns how many entries were removed."""
+    import time
+
     limit = max_bytes() if limit is None else limit
+    for path in where.glob("*.tmp"):
+        try:
+            if time.time() - path.stat().st_mtime > _STALE_TMP_SECONDS:
+                path.unlink()
+        except OSError:
+            pass
     entries = []
     for path in where.glob("*.json"):
         try:
@@ -248,9 +286,11 @@ def trim(where: pathlib.Path, limit: int | None = None) -> int:
             break
         try:
             path.unlink()
+            removed += 1
+        except FileNotFoundError:  # another process trimmed it: gone all the same
+            pass
         except OSError:
             continue
         total -= size
-        removed += 1
-    STATS["trimmed"] += removed
+    count("trimmed", removed)
     return removed

@@ -13,7 +13,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from helpers import REPO
 from pallas_kernels import _mgpu, kernel_cache
@@ -106,17 +105,51 @@ def test_an_unwritable_folder_lowers_as_usual(tmp_path, monkeypatch, capsys):
     assert said.count("not kept") == 1 and kernel_cache.ENV in said
 
 
+_ENTRY = (("op", 1), 0, "NVIDIA H100 80GB HBM3", 132, "body digest")
+_REST = ((1, 1, 1), (128, 1, 1), (jax.ShapeDtypeStruct((4,), jnp.float32),), None, ())
+
+
 def test_a_key_without_a_stable_text_is_not_kept(tmp_path, monkeypatch):
     monkeypatch.setenv(kernel_cache.ENV, str(tmp_path))
-    entry = (("op", object()), 0, "NVIDIA H100 80GB HBM3", 132)
-    rest = ((1, 1, 1), (128, 1, 1), (jax.ShapeDtypeStruct((4,), jnp.float32),), None, ())
-    assert not kernel_cache.store(entry, entry[2], b"module", rest)
-    assert kernel_cache.load(entry, entry[2]) is None and not list(tmp_path.iterdir())
-    keyed = (("op", 1), 0, "NVIDIA H100 80GB HBM3", 132)
-    assert kernel_cache.store(keyed, keyed[2], b"module", rest)
-    bytecode, (grid, block, outs, profiler, scratch) = kernel_cache.load(keyed, keyed[2])
+    entry = (("op", object()), *_ENTRY[1:])  # "<object object at 0x...>": another text each process
+    assert not kernel_cache.store(entry, 80, b"module", _REST)
+    assert kernel_cache.load(entry, 80) is None and not list(tmp_path.iterdir())
+    assert kernel_cache.store(_ENTRY, 80, b"module", _REST)
+    bytecode, (grid, block, outs, profiler, scratch) = kernel_cache.load(_ENTRY, 80)
     assert (bytecode, grid, block, profiler, scratch) == (b"module", (1, 1, 1), (128, 1, 1), None, ())
     assert outs == (jax.ShapeDtypeStruct((4,), jnp.float32),)
+
+
+def test_the_ptxas_is_in_the_key(tmp_path, monkeypatch):
+    monkeypatch.setenv(kernel_cache.ENV, str(tmp_path / "kept"))
+    assert kernel_cache.store(_ENTRY, 80, b"module", _REST)
+    assert kernel_cache.load(_ENTRY, lambda: 80) is not None  # the version asked lazily
+    assert kernel_cache.load(_ENTRY, 81) is None  # another ptxas
+
+
+def test_a_kernel_traced_differently_is_another_entry(tmp_path, monkeypatch):
+    """The key holds a digest of the kernel's traced body: what the kernel function chose while it
+    was traced and the op's key does not say, such as the GEMM's config from a measured table."""
+    first = _lower_once(monkeypatch, tmp_path / "kept")
+    table = tmp_path / "gemm-table.json"
+    config = dict(tile_m=64, tile_n=64, max_concurrent_steps=2, warp_specialized=False, persistent=False,
+                  grid_tile_group=1)
+    table.write_text(json.dumps({"device": _mgpu.H100_DEVICE_KIND, "entries": [
+        dict(m=256, n=128, kp=384, out_dtype="bfloat16", config=config)]}))
+    monkeypatch.setenv("JFP8_GEMM_TABLE", str(table))
+    tuned = _lower_once(monkeypatch, tmp_path / "kept")
+    assert tuned[:2] == first[:2] and tuned[2] != first[2]  # the quantizers read back, the GEMM not
+    assert kernel_cache.STATS["loaded"] == 2 and _mgpu.LOWERING_STATS == {"reused": 2, "lowered": 1}
+
+
+def test_damaged_bytes_under_a_good_key_are_lowered_again(tmp_path, monkeypatch):
+    first = _lower_once(monkeypatch, tmp_path)
+    for path in tmp_path.glob("*.json"):
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps({**record, "module": "bm90IGJ5dGVjb2Rl"}))  # "not bytecode"
+    assert _lower_once(monkeypatch, tmp_path) == first
+    assert kernel_cache.STATS["unreadable"] == 3 and _mgpu.LOWERING_STATS == {"lowered": 3}
+    assert kernel_cache.STATS["stored"] == 3  # rewritten
 
 
 def test_where_it_is_kept(tmp_path, monkeypatch):
@@ -157,17 +190,20 @@ def test_the_folder_is_trimmed_least_recently_used_first(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["00.json", *(f"{i:02d}.json" for i in range(4, 10))]
     monkeypatch.setenv(kernel_cache.SIZE_ENV, "0.004")  # MB
     assert kernel_cache.max_bytes() == 4194
-    for bad in ("0", "-1", "lots"):
+    for bad in ("0", "-1", "lots", "nan", "inf"):  # said once, and the default kept: never a failed lowering
         monkeypatch.setenv(kernel_cache.SIZE_ENV, bad)
-        with pytest.raises(ValueError, match=kernel_cache.SIZE_ENV):
-            kernel_cache.max_bytes()
+        assert kernel_cache.max_bytes() == kernel_cache.DEFAULT_MAX_MB * 2**20
+    (tmp_path / "left-by-a-dead-process.tmp").write_text("x")
+    os.utime(tmp_path / "left-by-a-dead-process.tmp", (1000, 1000))
+    (tmp_path / "being-written.tmp").write_text("x")
+    kernel_cache.trim(tmp_path, limit=10**9)
+    assert not (tmp_path / "left-by-a-dead-process.tmp").exists() and (tmp_path / "being-written.tmp").exists()
 
 
 def test_reading_an_entry_marks_it_used(tmp_path, monkeypatch):
     monkeypatch.setenv(kernel_cache.ENV, str(tmp_path))
-    entry = (("op", 2), 0, "NVIDIA H100 80GB HBM3", 132)
-    rest = ((1, 1, 1), (128, 1, 1), (), None, ())
-    assert kernel_cache.store(entry, entry[2], b"m", rest)
+    assert kernel_cache.store(_ENTRY, 80, b"m", _REST)
     [path] = tmp_path.glob("*.json")
+    assert path.stat().st_mode & 0o777 == 0o644  # readable by the other users of a shared folder
     os.utime(path, (1000, 1000))
-    assert kernel_cache.load(entry, entry[2]) is not None and path.stat().st_mtime > 1000
+    assert kernel_cache.load(_ENTRY, 80) is not None and path.stat().st_mtime > 1000

@@ -25,7 +25,7 @@ import pathlib
 
 import jax
 
-from pallas_kernels import kernel_cache
+from jfp8 import api
 
 # Programs that compile faster than this are not worth a disk entry (jax's default is 1 s, which
 # would leave out a small preset's eval step).
@@ -40,12 +40,16 @@ def default_dir() -> pathlib.Path:
 def enable(path: str | os.PathLike | None = None) -> str | None:
     """Use jax's persistent compilation cache from now on in this process; returns its directory,
     or None when `JFP8_COMPILE_CACHE=0` turns it off. An existing `JAX_COMPILATION_CACHE_DIR` (or
-    `jax_compilation_cache_dir` already set) is kept as it is."""
+    `jax_compilation_cache_dir` already set) is kept as it is. `path` is jax's folder; the lowered
+    kernels go to `~/.cache/jfp8/mosaic-kernels` whatever it is (`JFP8_KERNEL_CACHE_DIR` moves them)."""
     if os.environ.get("JFP8_COMPILE_CACHE", "1") == "0":
         return None
     # The Mosaic GPU kernels' Pallas lowering, which jax's cache cannot skip (its key is the lowered
     # program): kept beside it (`JFP8_KERNEL_CACHE_DIR` wins; nothing is written on a CPU-only run).
-    kernel_cache.set_directory(default_dir().parent / "mosaic-kernels")
+    try:
+        api.keep_lowered_kernels(default_dir().parent / "mosaic-kernels")
+    except RuntimeError:  # no home folder to put it in: lower the kernels every time
+        pass
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
