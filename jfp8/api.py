@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import pathlib
 from typing import Callable, Literal, NamedTuple, TypeAlias
 
 import jax
@@ -96,7 +98,7 @@ class _Choice(NamedTuple):
         return hash(self.key) if self.key is not None else id(self)
 
 
-def keep_lowered_kernels(path) -> object:
+def keep_lowered_kernels(path: str | os.PathLike | None) -> pathlib.Path | None:
     """Keep the Mosaic GPU kernels' Pallas lowerings in the folder `path` from now on in this
     process (None: not on disk unless `JFP8_KERNEL_CACHE_DIR` says so), so that a later process
     parses them back instead of lowering them again (`pallas_kernels.kernel_cache`; the training
