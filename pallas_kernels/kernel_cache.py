@@ -53,7 +53,7 @@ SIZE_ENV = "JFP8_KERNEL_CACHE_MAX_MB"
 # removes the old ones.
 DEFAULT_MAX_MB = 2048
 FORMAT = 1
-STATS = collections.Counter()  # "loaded", "stored", "unkeyable", "unreadable"
+STATS = collections.Counter()  # loaded, stored, unkeyable, unreadable, write_failed, trimmed, trim_failed
 _LOCK = threading.Lock()
 _directory: pathlib.Path | None = None
 # An object's default text form, "<... at 0x7f...>", differs from process to process: such a key
