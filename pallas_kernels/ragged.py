@@ -64,18 +64,33 @@ def _zero_past(y: jax.Array, total: jax.Array) -> jax.Array:
     return jnp.where(jnp.arange(y.shape[0])[:, None] < total, y, jnp.zeros((), y.dtype))
 
 
+# jax's kernels copy token rows with TMA in tiles of 8 rows: a token count past 8 that is not a
+# multiple of 8 fails to lower ("dimension 0 must have size smaller or a multiple of its tiling 8",
+# 276 tokens on an H100, 2026-11-28). The tokens are padded with zero rows to a multiple of 8.
+ROW_MULTIPLE = 8
+
+
+def _pad_rows(a: jax.Array) -> jax.Array:
+    extra = -a.shape[0] % ROW_MULTIPLE if a.shape[0] > ROW_MULTIPLE else 0
+    return jnp.pad(a, ((0, extra), (0, 0))) if extra else a
+
+
 def ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """x [T, K] (sorted by group) @ w [G, K, N] per group -> [T, N] in x's dtype."""
+    rows = x.shape[0]
+    x = _pad_rows(x)
     sizes, total = _covering(group_sizes, x.shape[0])
     y = ragged_dot_mgpu.ragged_dot(x, w.astype(x.dtype), group_sizes=sizes, **CONFIG)
-    return _zero_past(y, total)
+    return _zero_past(y, total)[:rows]
 
 
 def ragged_matmul_nt(dy: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """dy [T, N] @ w[g]ᵀ per group, w [G, K, N] as stored -> [T, K] in dy's dtype."""
+    rows = dy.shape[0]
+    dy = _pad_rows(dy)
     sizes, total = _covering(group_sizes, dy.shape[0])
     y = ragged_dot_mgpu.ragged_dot(dy, w.astype(dy.dtype), group_sizes=sizes, transpose_rhs=True, **CONFIG)
-    return _zero_past(y, total)
+    return _zero_past(y, total)[:rows]
 
 
 class _JaxWithSms:
@@ -109,6 +124,6 @@ def _sm_count_from_build_target():
 def ragged_wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """x_gᵀ · dy_g per group over the token axis: x [T, K], dy [T, N] -> [G, K, N] in x's dtype
     (FP32 accumulation). Tokens past sum(group_sizes) belong to no group; empty groups give 0."""
-    with _sm_count_from_build_target():
+    with _sm_count_from_build_target():  # zero token rows past T belong to no group
         return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-            x, dy.astype(x.dtype), group_sizes=group_sizes, **CONFIG)
+            _pad_rows(x), _pad_rows(dy.astype(x.dtype)), group_sizes=group_sizes, **CONFIG)

@@ -157,10 +157,13 @@ def test_shapes_the_kernels_do_not_take():
     assert "dtype float32" in ragged.unsupported(x.astype(jnp.float32), w)
 
 
-def test_lowered_for_hopper_from_a_cpu_host():
+@pytest.mark.parametrize("t", [256, 276, 5])
+def test_lowered_for_hopper_from_a_cpu_host(t):
     """The three kernels lower for CUDA here (the transposed one reads the SM count from the build
-    target, not from this machine's CPU device), and jax's module is left as it was."""
-    x, w, sizes, dy = _operands(0, 256, 128, 256, 4, 256)
+    target, not from this machine's CPU device), and jax's module is left as it was. Also where
+    the tokens are not a multiple of 8 (jax's TMA copies take 8-row tiles: 276 tokens failed to
+    lower on an H100, 2026-11-28, before `ragged` padded them) or fewer than 8."""
+    x, w, sizes, dy = _operands(0, t, 128, 256, 4, t)
     before = transposed_ragged_dot_mgpu.jax
     with _mgpu.build_target("NVIDIA H100 80GB HBM3", 132):
         text = _mgpu.lower_for_cuda(
