@@ -115,19 +115,24 @@ def device_kind() -> str:
 _PTXAS_ISA_VERSION: list[int] = []  # the process's ptxas PTX ISA version, once asked
 
 
+def _asked_once(ask) -> int:
+    """ptxas's PTX ISA version from `ask()`, asked at most once per process."""
+    if not _PTXAS_ISA_VERSION:
+        version = ask()  # (may itself be the asked-once wrapper, which keeps it)
+        if not _PTXAS_ISA_VERSION:
+            _PTXAS_ISA_VERSION.append(version)
+    return _PTXAS_ISA_VERSION[0]
+
+
 def _ptxas_isa_version():
     """The PTX ISA version Mosaic GPU lowers FP8 conversions for (asked once per process), or None
     without the plugin or ptxas: part of a kept kernel's key (`kernel_cache`)."""
-    if not _PTXAS_ISA_VERSION:
-        try:
-            from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+    try:
+        from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
 
-            version = mosaic_gpu_lib._mosaic_gpu_ext._get_ptxas_isa_version()
-        except Exception:  # noqa: BLE001 - no plugin, no ptxas: nothing to key on
-            return None
-        if not _PTXAS_ISA_VERSION:  # (inside `ptxas_version_asked_once` the call above kept it)
-            _PTXAS_ISA_VERSION.append(version)
-    return _PTXAS_ISA_VERSION[0]
+        return _asked_once(mosaic_gpu_lib._mosaic_gpu_ext._get_ptxas_isa_version)
+    except Exception:  # noqa: BLE001 - no plugin, no ptxas: nothing to key on
+        return None
 
 
 @contextlib.contextmanager
@@ -150,9 +155,7 @@ def ptxas_version_asked_once():
         return
 
     def once():
-        if not _PTXAS_ISA_VERSION:
-            _PTXAS_ISA_VERSION.append(ask())
-        return _PTXAS_ISA_VERSION[0]
+        return _asked_once(ask)
 
     ext._get_ptxas_isa_version = once
     try:

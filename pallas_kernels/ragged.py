@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 from pallas_kernels import _mgpu
+from pallas_kernels._hopper import pad_rows
 
 # Not tuned on hardware (no GPU has run them in jfp8 yet): jax's own search space's middle, chosen
 # because it compiles deviceless for the H100 without spills (benchmarks/hopper_build.py).
@@ -64,21 +65,16 @@ def _zero_past(y: jax.Array, total: jax.Array) -> jax.Array:
     return jnp.where(jnp.arange(y.shape[0])[:, None] < total, y, jnp.zeros((), y.dtype))
 
 
-# jax's kernels copy token rows with TMA in tiles of 8 rows: a token count past 8 that is not a
-# multiple of 8 fails to lower ("dimension 0 must have size smaller or a multiple of its tiling 8",
-# 276 tokens on an H100, 2026-11-28). The tokens are padded with zero rows to a multiple of 8.
-ROW_MULTIPLE = 8
-
-
-def _pad_rows(a: jax.Array) -> jax.Array:
-    extra = -a.shape[0] % ROW_MULTIPLE if a.shape[0] > ROW_MULTIPLE else 0
-    return jnp.pad(a, ((0, extra), (0, 0))) if extra else a
+# jax's kernels copy token rows with TMA in whole 8-row tiles: a token count that is not a
+# multiple of 8 failed to lower ("dimension 0 must have size smaller or a multiple of its tiling
+# 8", 276 tokens on an H100, 2026-11-28). The tokens get zero rows up to a multiple of 8, as the
+# jfp8 kernels' operands do (`_hopper.pad_rows`).
 
 
 def ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """x [T, K] (sorted by group) @ w [G, K, N] per group -> [T, N] in x's dtype."""
     rows = x.shape[0]
-    x = _pad_rows(x)
+    x = pad_rows(x)
     sizes, total = _covering(group_sizes, x.shape[0])
     y = ragged_dot_mgpu.ragged_dot(x, w.astype(x.dtype), group_sizes=sizes, **CONFIG)
     return _zero_past(y, total)[:rows]
@@ -87,7 +83,7 @@ def ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Arr
 def ragged_matmul_nt(dy: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """dy [T, N] @ w[g]ᵀ per group, w [G, K, N] as stored -> [T, K] in dy's dtype."""
     rows = dy.shape[0]
-    dy = _pad_rows(dy)
+    dy = pad_rows(dy)
     sizes, total = _covering(group_sizes, dy.shape[0])
     y = ragged_dot_mgpu.ragged_dot(dy, w.astype(dy.dtype), group_sizes=sizes, transpose_rhs=True, **CONFIG)
     return _zero_past(y, total)[:rows]
@@ -126,4 +122,4 @@ def ragged_wgrad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Arr
     (FP32 accumulation). Tokens past sum(group_sizes) belong to no group; empty groups give 0."""
     with _sm_count_from_build_target():  # zero token rows past T belong to no group
         return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-            _pad_rows(x), _pad_rows(dy.astype(x.dtype)), group_sizes=group_sizes, **CONFIG)
+            pad_rows(x), pad_rows(dy.astype(x.dtype)), group_sizes=group_sizes, **CONFIG)
