@@ -128,7 +128,17 @@ def _cases(shape, impl: str, seed: int) -> tuple[list[Case], dict]:
             extra[name] = err = _error(out, f32())
             if not err <= TOL_FP8_VS_F32:
                 raise CheckFailed(f"error {err:.3e} against f32 autodiff > {TOL_FP8_VS_F32}")
-            return _error(out, same())
+            against_same = _error(out, same())
+            if not against_same <= TOL_SAME_NUMERICS:
+                # Which output, and which side (the H100, 2026-11-28: 1.29e-2 at all three layer
+                # shapes, against XLA:GPU's run of the reference; the record could not say more).
+                per = lambda a, b: ", ".join(  # noqa: E731
+                    f"{o} {device_rel_error(u, v):.2e}" for o, u, v in zip(("y", "dx", "dw"), a, b))
+                raise CheckFailed(
+                    f"error {against_same:.3e} > {TOL_SAME_NUMERICS} against the reference path run here "
+                    f"({per(out, same())}); against f32 autodiff: this path {per(out, f32())}, the "
+                    f"reference path {per(same(), f32())}")
+            return against_same
 
         return check
 
