@@ -11,6 +11,7 @@ import re
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 import jfp8
@@ -158,8 +159,8 @@ def test_wrong_linear_fails_its_check(tmp_path, monkeypatch, benches, wrong):
 
 def test_a_linear_off_its_reference_says_which_output(tmp_path, monkeypatch, benches):
     """3 % off in every output: inside the bound against f32 autodiff, outside the one against the
-    reference path; the failure gives each output's error on both sides (the H100's 1.29e-2 of
-    2026-11-28 could not be told apart)."""
+    reference path run on the CPU; the failure gives each output's error on both sides (the H100's
+    1.29e-2 of 2026-11-28 could not be told apart)."""
     bench = benches["bench_linear"]
     right = bench._fp8_linear
     monkeypatch.setattr(bench, "_fp8_linear", lambda *args: (lambda f: lambda x, w: f(x, w) * 1.03)(right(*args)))
@@ -167,9 +168,27 @@ def test_a_linear_off_its_reference_says_which_output(tmp_path, monkeypatch, ben
     assert bench.main(argv) == 1
     (failure,) = _record(tmp_path, "bench_linear")["failed"]
     error = failure["error"]
-    found = re.search(r"against the reference path run here \(y (\S+), dx (\S+), dw (\S+)\)", error)
+    found = re.search(r"against the reference path run on the CPU \(y (\S+), dx (\S+), dw (\S+);", error)
     assert found and all(0.02 < float(v) < 0.04 for v in found.groups()), error
     assert re.search(r"this path y \S+, dx \S+, dw \S+, the reference path y \S+, dx \S+, dw \S+$", error), error
+
+
+@pytest.mark.parametrize("shape", [(300, 384, 200), (256, 640, 384), (128, 256, 130)])
+def test_the_linear_checks_cpu_slices_are_the_whole_layers(benches, shape):
+    """The CPU reference that gates the FP8 layer rows computes slices of the layer from slices of
+    its operands (at M = 8192 the whole layer would take minutes there): bit for bit the whole
+    reference layer's slices, with tails in M and K. (Where N has a tail, dw's slice differs from
+    the whole layer's in the last f32 bit at some elements: XLA:CPU's dot sums N = 128 and N = 260
+    columns in another order.)"""
+    bench = benches["bench_linear"]
+    seed = np.random.SeedSequence().entropy % 2**31
+    x, w, g = bench._operands(seed, shape)
+    whole = bench._slices(bench._fwd_bwd(bench._reference_fp8_linear)(x, w, g))
+    part = bench.reference_slices(x, w, g)
+    for name, a, b in zip(bench.OUTPUTS, part, whole):
+        assert a.shape == b.shape and np.array_equal(a, b), (name, seed)
+    with pytest.raises(ValueError, match="whole 128-wide tiles"):
+        bench.reference_slices(x, w, g, rows=64)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ its FLOP count, checked here against a count by hand.
 
 import json
 import pathlib
+import re
 import sys
 
 import pytest
@@ -90,6 +91,10 @@ def test_wrong_moe_block_fails_its_check(tmp_path, monkeypatch, block_bench):
     record = _record(tmp_path, "bench_moe_block")
     (failure,) = record["failed"]
     assert failure["impl"] == name and "check failed" in failure["error"] and record["rows"] == []
+    # Each part's error, on both sides (the H100's layer rows of 2026-11-28 said only the worst).
+    parts = r"y \S+, dx \S+, d_gate \S+, d_w13 \S+, d_w2 \S+"
+    assert re.search(rf"run here \({parts}\); against the f32 block: this path {parts}, the reference path {parts}$",
+                     failure["error"]), failure["error"]
 
 
 def test_step_record(tmp_path, monkeypatch, step_bench, fresh_steps):
