@@ -47,7 +47,7 @@ import numpy as np
 import jfp8
 from jfp8 import accumulation
 from jfp8.reference import rel_error
-from pallas_kernels import _mgpu, configs, gemm, grouped_gemm, grouped_wgrad, quantize as qk
+from pallas_kernels import _mgpu, configs, gemm, grouped_gemm, grouped_wgrad, quantize as qk, tuning
 
 import gpu_mutants
 
@@ -108,9 +108,9 @@ class Check:
 BF16_ROUNDING = 2.0**-9
 
 
-def _dense(rng, interpret: bool, config: gemm.GemmConfig | None, *, m=M, n=N, b_block=(TILE, TILE),
+def _dense(rng, interpret: bool, config: gemm.GemmConfig | None, *, m=M, n=N, k=K, b_block=(TILE, TILE),
            out_dtype=jnp.float32) -> Check:
-    x, w = _gaussian(rng, (m, K)), _gaussian(rng, (n, K))
+    x, w = _gaussian(rng, (m, k)), _gaussian(rng, (n, k))
     a = _on_cpu(jfp8.quantize, x, (1, TILE))
     b = _on_cpu(jfp8.quantize, w, b_block)
     b_rows = b_block[0]
@@ -125,7 +125,21 @@ def _dense(rng, interpret: bool, config: gemm.GemmConfig | None, *, m=M, n=N, b_
     rounding = BF16_ROUNDING if jnp.dtype(out_dtype) == jnp.bfloat16 else 0.0
     return Check("rel_fro", rel_error(jnp.asarray(out, jnp.float32), ref),
                  accumulation.hardware_error_bound(a, b) + rounding,
-                 shape=f"{m}x{n}x{K}, b block {b_block}, {jnp.dtype(out_dtype).name} out")
+                 shape=f"{m}x{n}x{k}, b block {b_block}, {jnp.dtype(out_dtype).name} out")
+
+
+# The Wgrad of `fp8_linear` at issue 43's layer shapes (M = 8192 tokens contracted): x^T and dy^T
+# tile-scaled along the tokens, an f32 dW, the tuning rule's config there. Never run on hardware
+# before 2026-11-28's layer rows (their dw unchecked: every FP8 row was 1.29e-2 off XLA:GPU's
+# reference), and in a cluster along M b's per-column scales are multicast, which the default
+# tile x tile form does not do.
+WGRAD_LAYER = (7168, 4096, 8192)  # (K, N, tokens) of the 7168 -> 4096 layer
+LONG_K = 1100  # 9 K chunks: a 4-stage ring wraps twice, the last chunk 76 wide
+
+
+def wgrad_rule_config() -> gemm.GemmConfig:
+    k, n, tokens = WGRAD_LAYER
+    return tuning.rule_config(k, n, tokens, jnp.float32, 132, scalar_b=False)
 
 
 def _dense_one_cta(rng, interpret: bool, config: gemm.GemmConfig, out_dtype=jnp.float32) -> Check:
@@ -302,6 +316,12 @@ KERNELS = {
         "at 5 of the 6 dense benchmark shapes (issue 45: 64-row waves through one accumulator)",
         lambda rng, i: _dense(rng, i, gemm.GemmConfig(tile_m=256, cluster_n=2, max_concurrent_steps=3),
                               out_dtype=jnp.bfloat16)),
+    "gemm_rule_wgrad": ("dense tile x tile (Wgrad operands), the rule's config at the layer shapes' Wgrad "
+                        "(GemmConfig(cluster_m=2): b and its per-column scales multicast), f32 out",
+                        lambda rng, i: _dense(rng, i, wgrad_rule_config(), b_block=(1, TILE))),
+    "gemm_wgrad_cluster_refill": (f"the same on 3 stages at K = {LONG_K} (9 chunks: the multicast stages refilled)",
+                                  lambda rng, i: _dense(rng, i, dataclasses.replace(wgrad_rule_config(), max_concurrent_steps=3),
+                                                        k=LONG_K, b_block=(1, TILE))),
     "grouped_fprop_rule_256x128_cluster_n": (
         "grouped Fprop/Dgrad, GroupedGemmConfig(tile_m=256, cluster_n=2, max_concurrent_steps=3), bf16 out: the "
         "rule's pick at the MoE shapes (issue 45)",
@@ -411,6 +431,20 @@ KERNELS = {
 }
 
 
+# Forms only hardware runs: the interpreter deadlocks on them (2026-11-28, the 2-core machine:
+# every warpgroup of both CTAs waiting on a barrier or stuck inside its compiled program, no
+# progress for 15 minutes). Any 2-CTA cluster (along M or N, tile- or block-scaled b) on 4
+# stages with more K chunks than stages does: 2 and 3 stages, 4 stages without a refill, and
+# the per-chunk K loop of `early_scale_loads` on 4 stages all pass. Whether the kernel or the
+# interpreter is at fault is open; the first is the tuning rule's Wgrad at issue 43's layer
+# shapes, whose dW on the H100 was never checked apart from y and dx.
+HARDWARE_FORMS = {
+    "gemm_rule_wgrad_long_k": (f"the rule's Wgrad config (4 stages, cluster_m=2) at K = {LONG_K}: 9 chunks "
+                               "through the 4-stage ring, the multicast stages refilled (hardware only)",
+                               lambda rng, i: _dense(rng, i, wgrad_rule_config(), k=LONG_K, b_block=(1, TILE))),
+}
+
+
 # What compute-sanitizer runs in the record's second call (`gpu_session.SANITIZED`): the default
 # dense, grouped Fprop and grouped Wgrad kernels and every quantizer, each at a small shape with a
 # partial tile (the grouped forms' groups are ragged and empty already), in one process per tool.
@@ -499,7 +533,7 @@ def _config_form(name: str):
 def lookup(name: str):
     if name in KERNELS:
         return KERNELS[name]
-    for registry in (SANITIZER_FORMS, MUTANTS, SELFTESTS):
+    for registry in (HARDWARE_FORMS, SANITIZER_FORMS, MUTANTS, SELFTESTS):
         if name in registry:
             return registry[name]
     if "[" in name:
@@ -562,7 +596,7 @@ def main(argv=None) -> int:
     if args.launch:
         return launch(args.launch, args.repeats, args.profile_dir)
     if args.list:
-        for registry in (KERNELS, SANITIZER_FORMS, MUTANTS):
+        for registry in (KERNELS, HARDWARE_FORMS, SANITIZER_FORMS, MUTANTS):
             for name, (what, _) in registry.items():
                 print(f"{name:26s} {what}")
         return 0

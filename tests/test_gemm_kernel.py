@@ -647,9 +647,15 @@ def test_a_config_over_the_smem_budget_is_rejected(config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", [*CONFIGS, "chosen"])  # chosen: `tuning.dense_config`
 @pytest.mark.parametrize("b_block_rows", [TILE, 1])
-@pytest.mark.parametrize("m,n,k", [(1000, 1500, 2000), (48, 2112, 7168)])
+@pytest.mark.parametrize(
+    "config,m,n,k",
+    # Every form with tails in M, N and K and more K chunks (9) than any form's stages (the rings
+    # wrap); the library's own choice (`tuning.dense_config`) also at a small-M DeepSeek-V3 shape.
+    # Sized for a GPU window (issue 42): 1000 x 1500 x 2000 took its simulated bound ~30 s a
+    # test on one core, and `pytest -m gpu` never finished inside its stage.
+    [*((c, 300, 400, 1100) for c in CONFIGS), ("chosen", 300, 400, 1100), ("chosen", 48, 2112, 7168)],
+)
 def test_on_gpu_matches_reference(m, n, k, b_block_rows, config):
     seed = _seed()
     a, b = _operands(seed, m, n, k, b_block_rows, exact=False)

@@ -48,6 +48,18 @@ def test_every_smoke_form_passes_in_the_interpreter():
         assert r["error"] <= r["bound"] and (r["bound"] > 0) == (r["metric"] == "rel_fro")
 
 
+def test_hardware_only_forms_run_in_the_smoke_stage(session):
+    """The forms the interpreter cannot run (`gpu_smoke.HARDWARE_FORMS`) are still in the record's
+    smoke stage, and every default form the window opens with is a smoke form."""
+    smoke = _load("gpu_smoke")
+    names = session._smoke_names()
+    assert smoke.HARDWARE_FORMS and set(smoke.HARDWARE_FORMS) <= set(names)
+    assert not set(smoke.HARDWARE_FORMS) & set(smoke.KERNELS)
+    assert set(session.DEFAULT_FORMS) <= set(names)
+    # The Wgrad forms run the tuning rule's own config at the layer shapes (f32 out, tile-scaled b).
+    assert smoke.wgrad_rule_config().cluster_m == 2 and smoke.wgrad_rule_config().max_concurrent_steps == 4
+
+
 def test_every_sanitizer_form_passes_in_the_interpreter():
     """What compute-sanitizer runs in the record's second call, each with a partial tile, in the
     interpreter: the forms reach their kernels and match their references."""

@@ -629,17 +629,19 @@ def test_on_gpu_matches_reference(config):
     """Hardware sums each 128-chunk with ~14 bits: each kernel is held to the simulated
     accumulator's error on its own operands (`jfp8.accumulation`), against a CPU reference."""
     seed = _seed()
-    sizes = _sizes(np.random.default_rng(seed), 6, 3900)
+    # Sized for a GPU window (issue 42; 4000 rows x 1024 x 700 took the simulated bounds ~1 min a
+    # config on one core): ragged groups over several row tiles, 8 K chunks through the stages.
+    sizes = _sizes(np.random.default_rng(seed), 6, 1400)
     small = _sizes(np.random.default_rng(seed + 1), 6, 250)
     # Many rows, and few rows with the config `tuning.grouped_config` picks (config=None).
-    for t, sizes_i, cfg in ((4000, sizes, config), (256, small, None)):
-        lhs, rhs, sizes_j = _row_operands(seed, t, 1024, 700, sizes_i, exact=False)
+    for t, sizes_i, cfg in ((1500, sizes, config), (256, small, None)):
+        lhs, rhs, sizes_j = _row_operands(seed, t, 900, 320, sizes_i, exact=False)
         out = np.asarray(_matmul(lhs, rhs, sizes_j, jnp.float32, cfg))
         ref = _on_cpu(_matmul_reference, lhs, rhs, sizes_j, jnp.float32)
         err, bound = rel_error(out, ref), grouped_hardware_error_bound(lhs, rhs, sizes_i)
         assert err <= bound, f"seed={seed} T={t}: Fprop error {err:.3e} > bound {bound:.3e}"
 
-    lhs_t, rhs_t, sizes_j = _token_operands(seed, 4000, 512, 700, sizes, exact=False)
+    lhs_t, rhs_t, sizes_j = _token_operands(seed, 1500, 256, 320, sizes, exact=False)
     out = np.asarray(_wgrad(lhs_t, rhs_t, sizes_j, jnp.float32, config))
     ref = _on_cpu(_wgrad_reference, lhs_t, rhs_t, sizes_j, jnp.float32)
     err, bound = rel_error(out, ref), grouped_wgrad_hardware_error_bound(lhs_t, rhs_t, sizes)
