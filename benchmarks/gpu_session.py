@@ -453,12 +453,11 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
 
 
 def _smoke_names() -> list[str]:
-    """The smoke forms, in run order (importing jax here initialises no device): every form, the
-    forms only hardware runs, then the sanitizer's partial-tile forms (the record checks each
-    quantizer at a tail on hardware)."""
-    from gpu_smoke import HARDWARE_FORMS, KERNELS, SANITIZER_FORMS
+    """The smoke forms, in run order (importing jax here initialises no device): every form, then
+    the sanitizer's partial-tile forms (the record checks each quantizer at a tail on hardware)."""
+    from gpu_smoke import KERNELS, SANITIZER_FORMS
 
-    return [*KERNELS, *HARDWARE_FORMS, *(k for k in SANITIZER_FORMS if k not in KERNELS)]
+    return [*KERNELS, *(k for k in SANITIZER_FORMS if k not in KERNELS)]
 
 
 # ------------------------------------------------------------------------------ running
@@ -826,7 +825,7 @@ def final_table(ctx: Session, header: str) -> str:
 RESULTS = REPO / "benchmarks" / "results"
 # What users run: the default configs, and what the tuning rule picks at large problems with a bf16
 # output (256-row tiles, dense and grouped) and for a layer's Wgrad over 8192 tokens (2-CTA
-# clusters along M, f32 out; the 4-stage ring refilled only on hardware, `gpu_smoke.HARDWARE_FORMS`).
+# clusters along M, f32 out, its 4-stage ring refilled).
 DEFAULT_FORMS = ("gemm_default", "gemm_rule_256x128_cluster_n", "gemm_rule_wgrad", "gemm_rule_wgrad_long_k",
                  "grouped_fprop", "grouped_fprop_rule_256x128_cluster_n", "grouped_wgrad", "quantize_tile",
                  "quantize_grad")

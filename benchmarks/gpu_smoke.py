@@ -40,16 +40,21 @@ import pathlib
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# In the interpreter a 2-CTA cluster's warpgroups all run at once, which XLA:CPU does only with
+# enough CPU devices (`_mgpu.INTERPRET_CLUSTER_CPU_DEVICES`): set before jax starts.
+if "--interpret" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 
-import jfp8
-from jfp8 import accumulation
-from jfp8.reference import rel_error
-from pallas_kernels import _mgpu, configs, gemm, grouped_gemm, grouped_wgrad, quantize as qk, tuning
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-import gpu_mutants
+import jfp8  # noqa: E402
+from jfp8 import accumulation  # noqa: E402
+from jfp8.reference import rel_error  # noqa: E402
+from pallas_kernels import _mgpu, configs, gemm, grouped_gemm, grouped_wgrad, quantize as qk, tuning  # noqa: E402
+
+import gpu_mutants  # noqa: E402
 
 TILE = jfp8.TILE
 # The smoke shapes: two tiles on every axis and a K tail (300 = 2 chunks + 44), small enough
@@ -319,9 +324,9 @@ KERNELS = {
     "gemm_rule_wgrad": ("dense tile x tile (Wgrad operands), the rule's config at the layer shapes' Wgrad "
                         "(GemmConfig(cluster_m=2): b and its per-column scales multicast), f32 out",
                         lambda rng, i: _dense(rng, i, wgrad_rule_config(), b_block=(1, TILE))),
-    "gemm_wgrad_cluster_refill": (f"the same on 3 stages at K = {LONG_K} (9 chunks: the multicast stages refilled)",
-                                  lambda rng, i: _dense(rng, i, dataclasses.replace(wgrad_rule_config(), max_concurrent_steps=3),
-                                                        k=LONG_K, b_block=(1, TILE))),
+    "gemm_rule_wgrad_long_k": (f"the same at K = {LONG_K}: 9 chunks through the 4-stage ring, the multicast "
+                               "stages refilled", lambda rng, i: _dense(rng, i, wgrad_rule_config(), k=LONG_K,
+                                                                         b_block=(1, TILE))),
     "grouped_fprop_rule_256x128_cluster_n": (
         "grouped Fprop/Dgrad, GroupedGemmConfig(tile_m=256, cluster_n=2, max_concurrent_steps=3), bf16 out: the "
         "rule's pick at the MoE shapes (issue 45)",
@@ -431,20 +436,6 @@ KERNELS = {
 }
 
 
-# Forms only hardware runs: the interpreter deadlocks on them (2026-11-28, the 2-core machine:
-# every warpgroup of both CTAs waiting on a barrier or stuck inside its compiled program, no
-# progress for 15 minutes). Any 2-CTA cluster (along M or N, tile- or block-scaled b) on 4
-# stages with more K chunks than stages does: 2 and 3 stages, 4 stages without a refill, and
-# the per-chunk K loop of `early_scale_loads` on 4 stages all pass. Whether the kernel or the
-# interpreter is at fault is open; the first is the tuning rule's Wgrad at issue 43's layer
-# shapes, whose dW on the H100 was never checked apart from y and dx.
-HARDWARE_FORMS = {
-    "gemm_rule_wgrad_long_k": (f"the rule's Wgrad config (4 stages, cluster_m=2) at K = {LONG_K}: 9 chunks "
-                               "through the 4-stage ring, the multicast stages refilled (hardware only)",
-                               lambda rng, i: _dense(rng, i, wgrad_rule_config(), k=LONG_K, b_block=(1, TILE))),
-}
-
-
 # What compute-sanitizer runs in the record's second call (`gpu_session.SANITIZED`): the default
 # dense, grouped Fprop and grouped Wgrad kernels and every quantizer, each at a small shape with a
 # partial tile (the grouped forms' groups are ragged and empty already), in one process per tool.
@@ -533,7 +524,7 @@ def _config_form(name: str):
 def lookup(name: str):
     if name in KERNELS:
         return KERNELS[name]
-    for registry in (HARDWARE_FORMS, SANITIZER_FORMS, MUTANTS, SELFTESTS):
+    for registry in (SANITIZER_FORMS, MUTANTS, SELFTESTS):
         if name in registry:
             return registry[name]
     if "[" in name:
@@ -596,7 +587,7 @@ def main(argv=None) -> int:
     if args.launch:
         return launch(args.launch, args.repeats, args.profile_dir)
     if args.list:
-        for registry in (KERNELS, HARDWARE_FORMS, SANITIZER_FORMS, MUTANTS):
+        for registry in (KERNELS, SANITIZER_FORMS, MUTANTS):
             for name, (what, _) in registry.items():
                 print(f"{name:26s} {what}")
         return 0

@@ -702,6 +702,7 @@ def launch_tiles(kernel, out_type, config, num_tiles: int, num_sms: int | None =
     units = persistent_units(config, num_tiles, num_sms)  # CTAs, or clusters
     if c > 1:
         kwargs.update(cluster=(c,), cluster_names=("cluster",))
+        _mgpu.warn_if_interpreted_cluster_may_hang(c)
     if config.warp_specialized:
         kwargs.update(num_threads=WS_CONSUMER_WGS + 1, thread_name="wg")
     kwargs.update(_mgpu.compiler_params())  # profiler events, inside `_mgpu.profile` only

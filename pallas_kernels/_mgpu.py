@@ -11,6 +11,7 @@ import io
 import itertools
 import os
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,25 @@ def interpret_mode(interpret: bool, *, detect_races: bool = False):
         return
     with plgpu.force_gpu_interpret_mode(interpret_params(detect_races=detect_races)):
         yield
+
+
+# The Mosaic GPU interpreter runs every warpgroup of a cluster's CTAs at once, each as an XLA:CPU
+# program of its own. With fewer CPU devices than this, XLA:CPU did not run them all, and a 2-CTA
+# cluster whose 4 stages were refilled deadlocked for good (2026-11-28, 2-core machine: 1 and 2
+# devices hung, 4 and 8 finished; CPU affinity and synchronous dispatch changed nothing).
+INTERPRET_CLUSTER_CPU_DEVICES = 4
+
+
+def warn_if_interpreted_cluster_may_hang(cluster_size: int) -> None:
+    """A warning, when a kernel of `cluster_size` > 1 CTAs is interpreted with too few CPU devices
+    (`INTERPRET_CLUSTER_CPU_DEVICES`), that says how to get more."""
+    if cluster_size > 1 and interpreting() and len(jax.devices("cpu")) < INTERPRET_CLUSTER_CPU_DEVICES:
+        warnings.warn(
+            f"interpreting a {cluster_size}-CTA cluster kernel with {len(jax.devices('cpu'))} CPU device(s): the "
+            f"Mosaic GPU interpreter can deadlock with fewer than {INTERPRET_CLUSTER_CPU_DEVICES} (its warpgroups "
+            "never all run). Set XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax, or "
+            "interpret a config without clusters (cluster_m = cluster_n = 1).",
+            RuntimeWarning, stacklevel=3)
 
 
 def interpreting() -> bool:

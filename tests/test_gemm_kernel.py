@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -668,6 +669,27 @@ def test_on_gpu_matches_reference(m, n, k, b_block_rows, config):
     # interpreter's, and hardware is held to the simulated accumulator's error (with margin).
     err, bound = rel_error(out, ref), hardware_error_bound(a, b)
     assert err <= bound, f"seed={seed}: relative Frobenius error {err:.3e} > bound {bound:.3e}"
+
+
+def test_interpreting_a_cluster_with_few_cpu_devices_warns(monkeypatch):
+    """With fewer CPU devices than `_mgpu.INTERPRET_CLUSTER_CPU_DEVICES` the interpreter deadlocked
+    on 2-CTA clusters refilling 4 stages (2026-11-28): tracing such a kernel for the interpreter
+    says so and how to avoid it; without clusters, or with enough devices, it says nothing."""
+    from pallas_kernels import _mgpu
+
+    a, b = _operands(_seed(), 130, 100, 300, 1, exact=True)
+    # Configs no other test traces, so that the kernel is built here and not taken from jit's cache.
+    clustered = dataclasses.replace(CLUSTER, grid_tile_group=5)
+    alone = dataclasses.replace(FAST, grid_tile_group=5)
+    with _mgpu.interpret_mode(True):
+        monkeypatch.setattr(_mgpu, "INTERPRET_CLUSTER_CPU_DEVICES", len(jax.devices("cpu")) + 1)
+        with pytest.warns(RuntimeWarning, match="xla_force_host_platform_device_count"):
+            _kernel.trace(a, b, 1, jnp.float32, clustered)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _kernel.trace(a, b, 1, jnp.float32, alone)
+            monkeypatch.setattr(_mgpu, "INTERPRET_CLUSTER_CPU_DEVICES", len(jax.devices("cpu")))
+            _kernel.trace(a, b, 1, jnp.float32, dataclasses.replace(clustered, grid_tile_group=6))
 
 
 def test_tma_slots_are_128_byte_multiples():
