@@ -133,7 +133,8 @@ GPU_TEST_FILES = ("test_quantize_kernels.py", "test_gemm_kernel.py", "test_group
 # gpu gets 200 s (its 90 s covered one file of four on the H100, 2026-11-28): a smoke of the
 # default forms and the tests fit the smoke call's 300 s; every form and the tests do not (about
 # 150 + 200 s), so a whole record runs the two as calls of their own (docs/gpu.md). The layer rows
-# get 140 s (110 ran three of four shapes on the H100) now that each also computes CPU slices.
+# get 140 s now that each also computes CPU slices (on the H100, 2026-11-28, a 66 s share of a
+# 130 s call ran three of the four shapes).
 DEFAULT_BUDGET_S = 400
 BUDGETS = {"smoke": 300, "check": 150, "e2e": 210, "step": 240}
 
