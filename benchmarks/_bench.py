@@ -163,6 +163,21 @@ def device_rel_error(x: jax.Array, ref: jax.Array) -> float:
     return float(_device_rel_error(x, ref))
 
 
+def on_cpu(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` computed on the CPU, whose XLA defines the reference's bits (a
+    reference run on a GPU sums its FP8 dots on the tensor cores): jax arrays among `args` are
+    copied there first."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return fn(*jax.tree.map(lambda x: jax.device_put(x, cpu) if isinstance(x, jax.Array) else x, args),
+                  **kwargs)
+
+
+def format_errors(errs: dict[str, float]) -> str:
+    """{"y": 0.01, ...} -> "y 1.00e-02, ...": each output's error, for a failed check's message."""
+    return ", ".join(f"{k} {e:.2e}" for k, e in errs.items())
+
+
 def parse_shape(s: str) -> GemmShape:
     """'MxNxK' -> GemmShape, for argparse."""
     try:

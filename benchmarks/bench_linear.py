@@ -50,7 +50,9 @@ from _bench import (
     add_ratios,
     device_rel_error,
     error_entry,
+    format_errors,
     gemm_row,
+    on_cpu,
     parse_shape,
     random_normal,
     report_end,
@@ -132,22 +134,15 @@ def reference_slices(x, w, g, rows: int = SLICE_ROWS, cols: int = SLICE_COLS) ->
     m, n = g.shape
     if (rows < m and rows % 128) or (cols < n and cols % 128):
         raise ValueError(f"slices must be whole 128-wide tiles, got rows {rows}, cols {cols}")
-    cpu = jax.devices("cpu")[0]
-    host = lambda a: jax.device_put(np.asarray(a), cpu)  # noqa: E731 - no device-to-device copy
     step = _fwd_bwd(_reference_fp8_linear)
-    with jax.default_device(cpu):
-        y, dx, _ = step(host(x[:rows]), host(w), host(g[:rows]))
-        _, _, dw = step(host(x), host(w[:, :cols]), host(g[:, :cols]))
+    y, dx, _ = on_cpu(step, x[:rows], w, g[:rows])
+    _, _, dw = on_cpu(step, x, w[:, :cols], g[:, :cols])
     return _slices((y, dx, dw), rows, cols)
 
 
 def _per_output(out, ref) -> dict[str, float]:
     """Each output's relative Frobenius error against `ref` (host arrays or device arrays)."""
     return {o: float(rel_error(np.asarray(u), np.asarray(v))) for o, u, v in zip(OUTPUTS, out, ref)}
-
-
-def _format(errs: dict) -> str:
-    return ", ".join(f"{o} {e:.2e}" for o, e in errs.items())
 
 
 def _f32_linear(x, w):
@@ -166,7 +161,7 @@ def _cases(shape, impl: str, seed: int) -> tuple[list[Case], dict]:
     x, w, g = _operands(seed, tuple(shape))
     f32 = functools.cache(lambda: _fwd_bwd(_f32_linear)(x.astype(jnp.float32), w, g))
     reference = functools.cache(lambda: reference_slices(x, w, g))
-    on_cpu = x.devices() == {jax.devices("cpu")[0]}
+    runs_on_cpu = x.devices() == {jax.devices("cpu")[0]}
     here = functools.cache(lambda: _slices(_fwd_bwd(_reference_fp8_linear)(x, w, g)))
     bf16 = _fwd_bwd(_bf16_linear)
     extra = {}
@@ -181,17 +176,17 @@ def _cases(shape, impl: str, seed: int) -> tuple[list[Case], dict]:
                 raise CheckFailed(f"error {err:.3e} against f32 autodiff > {TOL_FP8_VS_F32}")
             got = _slices(out)
             info["err_vs_reference"] = same = _per_output(got, reference())
-            if not on_cpu:  # what XLA's run of the reference on this device says, not the check
+            if not runs_on_cpu:  # what XLA's run of the reference on this device says, not the check
                 info["err_vs_xla_here"] = _per_output(got, here())
             against_same = max(same.values())
             if not against_same <= TOL_SAME_NUMERICS:
                 f32_slices = _slices(f32())
                 raise CheckFailed(
                     f"error {against_same:.3e} > {TOL_SAME_NUMERICS} against the reference path run on the "
-                    f"CPU ({_format(same)}; y and dx's first {SLICE_ROWS} rows, dw's first {SLICE_COLS} "
-                    f"columns); against f32 autodiff: this path {_format(_per_output(got, f32_slices))}, "
-                    f"the reference path {_format(_per_output(reference(), f32_slices))}"
-                    + ("" if on_cpu else f"; against XLA's run of the reference here: {_format(info['err_vs_xla_here'])}"))
+                    f"CPU ({format_errors(same)}; y and dx's first {SLICE_ROWS} rows, dw's first {SLICE_COLS} "
+                    f"columns); against f32 autodiff: this path {format_errors(_per_output(got, f32_slices))}, "
+                    f"the reference path {format_errors(_per_output(reference(), f32_slices))}"
+                    + ("" if runs_on_cpu else f"; against XLA's run of the reference here: {format_errors(info['err_vs_xla_here'])}"))
             return against_same
 
         return check

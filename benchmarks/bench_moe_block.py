@@ -61,6 +61,7 @@ from _bench import (
     add_ratios,
     device_rel_error,
     error_entry,
+    format_errors,
     gemm_row,
     random_normal,
     report_end,
@@ -206,10 +207,6 @@ def _errors(out, ref) -> dict[str, float]:
     return {k: device_rel_error(a[k], b[k]) for k in PARTS}
 
 
-def _format(errs: dict) -> str:
-    return ", ".join(f"{k} {e:.2e}" for k, e in errs.items())
-
-
 # ------------------------------------------------------------------------------ the cases
 
 
@@ -255,8 +252,8 @@ def _cases(shape: BlockShape, impl: str, seed: int) -> tuple[list[Case], dict]:
             if not worst <= TOL_SAME_NUMERICS:  # each part's error on both sides, not just the worst
                 raise CheckFailed(
                     f"error {worst:.3e} > {TOL_SAME_NUMERICS} against the XLA reference path run here "
-                    f"({_format(same_errs)}); against the f32 block: this path {_format(errs)}, the "
-                    f"reference path {_format(_errors(same(), f32()))}")
+                    f"({format_errors(same_errs)}); against the f32 block: this path {format_errors(errs)}, the "
+                    f"reference path {format_errors(_errors(same(), f32()))}")
             return worst
 
         return check

@@ -55,6 +55,7 @@ from jfp8.reference import rel_error  # noqa: E402
 from pallas_kernels import _mgpu, configs, gemm, grouped_gemm, grouped_wgrad, quantize as qk, tuning  # noqa: E402
 
 import gpu_mutants  # noqa: E402
+from _bench import on_cpu  # noqa: E402
 
 TILE = jfp8.TILE
 # The smoke shapes: two tiles on every axis and a K tail (300 = 2 chunks + 44), small enough
@@ -69,16 +70,6 @@ DENSE_TAILS = (200, 136)  # M, N: a partial tile on both axes (K = 300 has its t
 
 def say(*parts) -> None:
     print(*parts, file=sys.stderr, flush=True)
-
-
-def _cpu():
-    return jax.devices("cpu")[0]
-
-
-def _on_cpu(fn, *args, **kwargs):
-    with jax.default_device(_cpu()):
-        return fn(*jax.tree.map(lambda x: jax.device_put(x, _cpu()) if isinstance(x, jax.Array) else x,
-                                args), **kwargs)
 
 
 def _to_device(tree):
@@ -116,8 +107,8 @@ BF16_ROUNDING = 2.0**-9
 def _dense(rng, interpret: bool, config: gemm.GemmConfig | None, *, m=M, n=N, k=K, b_block=(TILE, TILE),
            out_dtype=jnp.float32) -> Check:
     x, w = _gaussian(rng, (m, k)), _gaussian(rng, (n, k))
-    a = _on_cpu(jfp8.quantize, x, (1, TILE))
-    b = _on_cpu(jfp8.quantize, w, b_block)
+    a = on_cpu(jfp8.quantize, x, (1, TILE))
+    b = on_cpu(jfp8.quantize, w, b_block)
     b_rows = b_block[0]
     if config is None:  # the library's own choice (`tuning.dense_config`), through the front door
         out = jfp8.scaled_matmul(_to_device(a), _to_device(b), out_dtype=jnp.float32, impl="mosaic",
@@ -126,7 +117,7 @@ def _dense(rng, interpret: bool, config: gemm.GemmConfig | None, *, m=M, n=N, k=
         da, db = _to_device(a), _to_device(b)
         out = gemm.scaled_matmul(da.data, da.scale, db.data, db.scale, n=n, b_block_rows=b_rows,
                                  out_dtype=out_dtype, config=config)
-    ref = _on_cpu(jfp8.scaled_matmul_reference, a, b, jnp.float32)
+    ref = on_cpu(jfp8.scaled_matmul_reference, a, b, jnp.float32)
     rounding = BF16_ROUNDING if jnp.dtype(out_dtype) == jnp.bfloat16 else 0.0
     return Check("rel_fro", rel_error(jnp.asarray(out, jnp.float32), ref),
                  accumulation.hardware_error_bound(a, b) + rounding,
@@ -153,8 +144,8 @@ def _dense_one_cta(rng, interpret: bool, config: gemm.GemmConfig, out_dtype=jnp.
     either slot, and the consumers' K loop runs its first loop, its rounds of static slots and
     its leftover steps (`_mainloop._static_slot_chunks`), which one tile per CTA never does."""
     x, w = _gaussian(rng, (M, K)), _gaussian(rng, (N, K))
-    a = _on_cpu(jfp8.quantize, x, (1, TILE))
-    b = _on_cpu(jfp8.quantize, w, (TILE, TILE))
+    a = on_cpu(jfp8.quantize, x, (1, TILE))
+    b = on_cpu(jfp8.quantize, w, (TILE, TILE))
     da, db = _to_device(a), _to_device(b)
     scalar_b = config.scalar_b
     operands = gemm._kernel_operands(da.data, da.scale, db.data, db.scale, N, TILE, scalar_b, config.tile_n)
@@ -162,7 +153,7 @@ def _dense_one_cta(rng, interpret: bool, config: gemm.GemmConfig, out_dtype=jnp.
     call = gemm._gemm_call(configs.out_shape(M, N, out_dtype, config), out_dtype, config, tiles, num_sms=1,
                            scalar_b=scalar_b)
     out = call(*operands)[:M, :N]
-    ref = _on_cpu(jfp8.scaled_matmul_reference, a, b, jnp.float32)
+    ref = on_cpu(jfp8.scaled_matmul_reference, a, b, jnp.float32)
     rounding = BF16_ROUNDING if jnp.dtype(out_dtype) == jnp.bfloat16 else 0.0
     return Check("rel_fro", rel_error(jnp.asarray(out, jnp.float32), ref),
                  accumulation.hardware_error_bound(a, b) + rounding,
@@ -172,13 +163,13 @@ def _dense_one_cta(rng, interpret: bool, config: gemm.GemmConfig, out_dtype=jnp.
 def _grouped(rng, config: grouped_gemm.GroupedGemmConfig | None, out_dtype=jnp.float32) -> Check:
     rows = sum(GROUP_SIZES) + 20  # rows past the groups must come out as zeros
     x, w = _gaussian(rng, (rows, K)), _gaussian(rng, (len(GROUP_SIZES), N, K))
-    a = _on_cpu(jfp8.quantize, x, (1, TILE))
-    b = _on_cpu(jfp8.quantize, w, (TILE, TILE))
+    a = on_cpu(jfp8.quantize, x, (1, TILE))
+    b = on_cpu(jfp8.quantize, w, (TILE, TILE))
     sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
     da, db, ds = _to_device((a, b, sizes))
     out = grouped_gemm.grouped_scaled_matmul(da.data, da.scale, db.data, db.scale, ds, n=N,
                                              out_dtype=out_dtype, config=config)
-    ref = _on_cpu(jfp8.grouped_scaled_matmul_reference, a, b, sizes, jnp.float32)
+    ref = on_cpu(jfp8.grouped_scaled_matmul_reference, a, b, sizes, jnp.float32)
     rounding = BF16_ROUNDING if jnp.dtype(out_dtype) == jnp.bfloat16 else 0.0
     return Check("rel_fro", rel_error(jnp.asarray(out, jnp.float32), ref),
                  accumulation.grouped_hardware_error_bound(a, b, GROUP_SIZES) + rounding,
@@ -188,13 +179,13 @@ def _grouped(rng, config: grouped_gemm.GroupedGemmConfig | None, out_dtype=jnp.f
 def _grouped_wgrad(rng, config: grouped_gemm.GroupedGemmConfig | None) -> Check:
     tokens = sum(GROUP_SIZES) + 20
     x, dy = _gaussian(rng, (tokens, K), False), _gaussian(rng, (tokens, N), False)
-    xt = _on_cpu(jfp8.quantize, x, (TILE, 1)).mT
-    dyt = _on_cpu(jfp8.quantize, dy, (TILE, 1)).mT
+    xt = on_cpu(jfp8.quantize, x, (TILE, 1)).mT
+    dyt = on_cpu(jfp8.quantize, dy, (TILE, 1)).mT
     sizes = jnp.asarray(GROUP_SIZES, jnp.int32)
     dx, ddy, ds = _to_device((xt, dyt, sizes))
     out = grouped_wgrad.grouped_wgrad(dx.data, dx.scale, ddy.data, ddy.scale, ds, t=tokens,
                                      out_dtype=jnp.float32, config=config)
-    ref = _on_cpu(jfp8.grouped_wgrad_reference, xt, dyt, sizes, jnp.float32)
+    ref = on_cpu(jfp8.grouped_wgrad_reference, xt, dyt, sizes, jnp.float32)
     return Check("rel_fro", rel_error(out, ref),
                  accumulation.grouped_wgrad_hardware_error_bound(xt, dyt, GROUP_SIZES),
                  shape=f"groups {GROUP_SIZES} of {tokens} tokens, {K} x {N}")
@@ -217,8 +208,8 @@ def _ragged_bf16(rng, interpret: bool) -> Check:
     dev = _to_device((x, w, sizes, dy))
     out = (ragged_dot(*dev[:3], impl="mosaic", interpret=interpret),
            *ragged_dot_grads(*dev, impl="mosaic", interpret=interpret))
-    ref = (_on_cpu(ragged_dot_reference, x, w, sizes), *[
-        _on_cpu(lambda *a, i=i: ragged_dot_grads_reference(*a)[i], x, w, sizes, dy) for i in (0, 1)])
+    ref = (on_cpu(ragged_dot_reference, x, w, sizes), *[
+        on_cpu(lambda *a, i=i: ragged_dot_grads_reference(*a)[i], x, w, sizes, dy) for i in (0, 1)])
     err = max(rel_error(jnp.asarray(o, jnp.float32), jnp.asarray(r, jnp.float32)) for o, r in zip(out, ref))
     return Check("rel_fro", err, 2.0**-8, shape=f"groups {GROUP_SIZES} of {rows} rows, K {k}, N {N}, bf16")
 
@@ -269,9 +260,9 @@ def _quantizer(kernel_fn, reference_fn, shape=QUANT_SHAPE, dtype=jnp.bfloat16, p
     def run(rng, interpret: bool) -> Check:
         x = _gaussian(rng, shape, row_spread).astype(dtype)
         if prepare is not None:
-            x = _on_cpu(prepare, x)
+            x = on_cpu(prepare, x)
         got = kernel_fn(_to_device(x), interpret)
-        want = _on_cpu(reference_fn, x)
+        want = on_cpu(reference_fn, x)
         differ = _bits_differ(got, want)
         detail = _where_bits_differ(got, want) if differ else None
         return Check("bits_differ", float(differ if differ >= 0 else np.inf), 0.0, detail,
