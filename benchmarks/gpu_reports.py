@@ -186,8 +186,11 @@ def parse_sanitizer(text: str) -> dict:
 
 
 # A report compute-sanitizer prints for one finding (memcheck's "Invalid __global__ read",
-# racecheck's hazards, synccheck's "Barrier error"): the line that opens it.
-_SANITIZER_REPORT = re.compile(r"^=+\s+(Error|Warning|Invalid|Program hit|Barrier error)\b.*", re.MULTILINE)
+# racecheck's hazards, synccheck's "Barrier error"): the line that opens it. Racecheck's analysis
+# reports read "Error: Race reported ...", its per-hazard ones "ERROR: Potential RAW hazard ...",
+# and at `--racecheck-detect-level info` some are "Info"/"INFO"; the closing "ERROR SUMMARY" is not one.
+_SANITIZER_REPORT = re.compile(r"^=+\s+(?:(?i:(?:error|warning|info)\b(?!\s+summary))|Invalid|Program hit|Barrier error)\b.*",
+                               re.MULTILINE)
 _SMOKE_START = re.compile(r"^SMOKE start (\S+)", re.MULTILINE)
 
 
@@ -224,6 +227,46 @@ def racecheck_verdict(forms: dict[str, dict], mutant: str, twin: str) -> dict:
     else:
         verdict = f"racecheck sees (mutant {m['reports']}, twin {t['reports']}); the kernels are clean"
     return {"mutant_flagged": sees, "kernels_clean": sees and not any(real.values()), "verdict": verdict}
+
+
+def racecheck_blindness(forms: dict[str, dict]) -> dict:
+    """Why racecheck saw or missed the planted race, from its controls (`sanitizer_by_form`'s
+    forms): the plain-CUDA hazards of `hopper/racecheck_controls.cu` (`control_*`) and the Mosaic
+    mutant with no barrier at all (`mutant_unsynchronized`), each against its clean twin. Each
+    finding is True / False, or None where its forms did not run; `reading` says what follows."""
+    def flagged(racy: str, clean: str) -> bool | None:
+        r, c = forms.get(racy), forms.get(clean)
+        return None if r is None or c is None else r["reports"] > c["reports"]
+
+    def reports(name: str) -> int | None:
+        return forms[name]["reports"] if name in forms else None
+
+    out = {"plain_race_seen": flagged("control_unsynced", "control_synced"),
+           "mbarrier_race_seen": flagged("control_early_release", "control_clean_release"),
+           "mbarrier_twin_flagged": (reports("control_clean_release") or 0) > 0 if "control_clean_release" in forms else None,
+           "mosaic_instrumented": flagged("mutant_unsynchronized", "mutant_clean_release"),
+           "mosaic_mutant_seen": flagged("mutant_early_release", "mutant_clean_release")}
+    if out["plain_race_seen"] is None:
+        reading = "the plain-CUDA controls did not run: why racecheck is silent cannot be told"
+    elif not out["plain_race_seen"]:
+        reading = ("racecheck flagged not even a shared-memory race with no barrier in plain CUDA: it is blind "
+                   "on this machine (tool, driver or options), and nothing it says about any kernel counts")
+    elif out["mosaic_instrumented"] is False:
+        reading = ("racecheck sees the plain-CUDA race but not the same race in a Mosaic GPU kernel: it does not "
+                   "instrument Mosaic GPU's kernels, and its silence on jfp8's kernels means nothing")
+    elif out["mbarrier_twin_flagged"]:
+        reading = ("racecheck flags the clean mbarrier pipeline in plain CUDA: it does not count mbarrier phases "
+                   "as synchronization, so its reports on mbarrier-ordered kernels are not findings")
+    elif out["mbarrier_race_seen"] is False:
+        reading = ("racecheck sees races with no barrier, in plain CUDA and in Mosaic kernels, but not a stage "
+                   "released early between mbarrier phases: it cannot judge the lean release, whose question "
+                   "is exactly that; the interpreter's race detector stays the check")
+    elif out["mosaic_mutant_seen"]:
+        reading = "racecheck sees every planted race, plain CUDA and Mosaic, mbarrier-ordered included: its verdict on the kernels counts"
+    else:
+        reading = ("racecheck sees the mbarrier race in plain CUDA but not in the Mosaic mutant: read the two "
+                   "reports side by side before trusting its silence on the kernels")
+    return {**out, "reading": reading}
 
 
 # The first line that names a CUDA failure, as the driver, the runtime, XLA or jax print it.

@@ -187,12 +187,19 @@ SANITIZER_KERNELS = ("gemm_default_tails", "grouped_fprop", "grouped_wgrad", "qu
                      "quantize_block_tails", "quantize_weight_tails", "quantize_grad_tails",
                      "quantize_column_t_tails", "retile_tails", "quantize_activation_tails")
 MUTANT, MUTANT_TWIN = "mutant_early_release", "mutant_clean_release"
+# A race with no barrier at all, in a Mosaic kernel: flagged if racecheck instruments Mosaic GPU's
+# kernels (on the H100 it flagged neither mutant).
+MUTANT_UNSYNCHRONIZED = "mutant_unsynchronized"
+MUTANT_FORMS = (MUTANT, MUTANT_TWIN, MUTANT_UNSYNCHRONIZED)
+# The same hazards in plain CUDA (hopper/racecheck_controls.cu, built here and carried like
+# DeepGEMM's harness): whether racecheck sees anything on the machine, and mbarrier ordering.
+RACECHECK_CONTROLS = BENCHMARKS / "hopper" / "bin" / "racecheck_controls"
 # Issue 45's lean main loop (no per-block fence on the consumers) becomes a default only after
 # racecheck is clean on it, in clusters too (a multicast refill lands in the other CTA's stage).
 LEAN_FORMS = ("gemm_lean_release", "grouped_fprop_lean_release", "gemm_lean_release_128x192_cluster_m",
               "gemm_lean_release_256x128_cluster_n",  # these two: released after the second wave
               "grouped_fprop_lean_release_256x128_cluster_n")
-SANITIZED = {"racecheck": ("racecheck", (MUTANT, MUTANT_TWIN, *SANITIZER_KERNELS, *LEAN_FORMS)),
+SANITIZED = {"racecheck": ("racecheck", (*MUTANT_FORMS, *SANITIZER_KERNELS, *LEAN_FORMS)),
              "memcheck": ("memcheck", SANITIZER_KERNELS),
              "synccheck": ("synccheck", SANITIZER_KERNELS)}
 # The record's training check: FP8 steps with the kernels against the reference, same GPU.
@@ -688,6 +695,7 @@ def summarize(stage: Stage, text: str, ctx: Session, since: float) -> dict:
         summary["filter"] = next((line for line in text.splitlines() if line.startswith("SANITIZER ")), None)
         if stage.name == "racecheck":
             summary.update(gpu_reports.racecheck_verdict(summary["forms"], MUTANT, MUTANT_TWIN))
+            summary["blindness"] = gpu_reports.racecheck_blindness(summary["forms"])
         return summary
     if stage.name == "train_check":
         rows = [json.loads(line[len("TRAIN_CHECK "):]) for line in text.splitlines() if line.startswith("TRAIN_CHECK ")]
@@ -963,6 +971,10 @@ def run_command(command: str, args, gpu: Gpu) -> int:
                     extra = f"\n    $ {' '.join(s.argv)}"
                     if s.kind == "smoke":
                         extra += f"\n    kernels, in order: {', '.join(s.summary['kernels'])}"
+                    if s.name == "racecheck":
+                        extra += ("\n    plain-CUDA controls: " + (str(RACECHECK_CONTROLS) if RACECHECK_CONTROLS.is_file() else
+                                  "NOT BUILT (python benchmarks/hopper/racecheck_controls.py --build, then carry "
+                                  "benchmarks/hopper/bin)"))
                 print(stage_line(s) + extra, flush=True)
                 ctx.save()
     finally:
@@ -1087,12 +1099,75 @@ def worker_sanitizer(tool: str, kernels: list[str]) -> int:
         return 2
     help_text = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=30).stdout
     flt = _kernel_filter(help_text, "sanitizer")
-    print(f"SANITIZER {tool} on {', '.join(kernels)}, filter {' '.join(flt) or 'none (not in --help)'}", flush=True)
+    extra = racecheck_options(help_text) if tool == "racecheck" else []
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
            "XLA_FLAGS": "--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="}
-    argv = [exe, "--tool", tool, "--print-limit", "50", *flt, _python(),
-            str(BENCHMARKS / "gpu_smoke.py"), *(a for k in kernels for a in ("--kernel", k)), "--seed", "0"]
-    return subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
+    base = [exe, "--tool", tool, "--print-limit", "50", *extra]
+    rc = 0
+    if tool == "racecheck":
+        # First what tells a blind racecheck apart: the plain-CUDA controls, then the Mosaic
+        # mutants with nothing filtered (so that a silent mutant cannot be the filter's doing).
+        probe = [exe, "--tool", tool, "--print-limit", "50", *racecheck_options(help_text, probe=True)]
+        rc |= _racecheck_controls(probe)
+        mutants = [k for k in kernels if k in MUTANT_FORMS]
+        kernels = [k for k in kernels if k not in MUTANT_FORMS]
+        if mutants:
+            print(f"SANITIZER_MUTANTS {tool} on {', '.join(mutants)}, no filter, {' '.join(probe[5:]) or 'default options'}",
+                  flush=True)
+            argv = [*probe, _python(), str(BENCHMARKS / "gpu_smoke.py"), *(a for k in mutants for a in ("--kernel", k)),
+                    "--seed", "0"]
+            rc |= subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
+    if kernels:
+        print(f"SANITIZER {tool} on {', '.join(kernels)}, filter {' '.join(flt) or 'none (not in --help)'}"
+              f"{', ' + ' '.join(extra) if extra else ''}", flush=True)
+        argv = [*base, *flt, _python(), str(BENCHMARKS / "gpu_smoke.py"),
+                *(a for k in kernels for a in ("--kernel", k)), "--seed", "0"]
+        rc |= subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
+    return rc
+
+
+def racecheck_options(help_text: str, probe: bool = False) -> list[str]:
+    """racecheck's most sensitive reporting, in the options this version's --help lists (an option
+    it does not list is left out rather than failing the run): every hazard detected and reported,
+    info level included (the default hides it: compute-sanitizer's manual), and 64 mbarriers
+    tracked per block (the count otherwise comes from nvcc's compiler information, which Mosaic
+    GPU's kernels, built by ptxas from Mosaic's PTX, may not carry). `probe` (the controls and the
+    planted races, small kernels): info-level hazards also printed, and every synchronization
+    event traced into the log, which shows whether racecheck saw a kernel's barriers at all."""
+    options = []
+    for flag, value, probe_only in (("--racecheck-detect-level", "info", False), ("--racecheck-report", "all", False),
+                                    ("--num-cuda-barriers", "64", False), ("--print-level", "info", True),
+                                    ("--racecheck-trace-sync", "yes", True)):
+        if flag in help_text and (probe or not probe_only):
+            options += [flag, value]
+    return options
+
+
+def _racecheck_controls(base: list[str], binary: pathlib.Path = RACECHECK_CONTROLS, timeout: float = 60) -> int:
+    """Each plain-CUDA control under racecheck (`base`: the tool's argv), in a process of its own,
+    its output announced as a smoke form (`control_<kernel>`) so that its reports are charged to
+    it, and its own verdict (a clean twin's output must be exact) as that form's result."""
+    sys.path.insert(0, str(BENCHMARKS / "hopper"))
+    import racecheck_controls
+
+    if not binary.is_file():
+        print(f"RACECHECK_CONTROLS missing: no {binary} (build it with "
+              "benchmarks/hopper/racecheck_controls.py --build and carry benchmarks/hopper/bin)", flush=True)
+        return 0  # the verdict says the controls did not run; the mutants and kernels still do
+    rc = 0
+    for kernel, _racy in racecheck_controls.KERNELS:
+        print(f"SMOKE start control_{kernel} seed=0", flush=True)
+        try:
+            r = subprocess.run([*base, str(binary), kernel], capture_output=True, text=True, timeout=timeout,
+                               stdin=subprocess.DEVNULL)
+            text, code = r.stdout + r.stderr, r.returncode
+        except subprocess.TimeoutExpired as e:
+            text, code = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout:.0f} s", 124
+        print(text, end="" if text.endswith("\n") else "\n", flush=True)
+        result = racecheck_controls.parse(text) or {"kernel": kernel, "ok": False, "error": f"exit {code}, no result line"}
+        print("SMOKE result " + json.dumps({**result, "kernel": f"control_{kernel}"}), flush=True)
+        rc |= code != 0 and not result.get("ok", False)
+    return rc
 
 
 def worker_ncu() -> int:

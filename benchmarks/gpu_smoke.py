@@ -452,14 +452,14 @@ SANITIZER_FORMS = {
 }
 
 
-def _release(early: bool):
+def _release(early: bool | None):
     """`gpu_mutants.release_pipeline`: the clean twin must pass its values through unchanged; the
-    mutant passes whatever it read (its verdict is the race detector's, not the output's)."""
+    mutants (early release, None: unsynchronized) pass whatever they read (its verdict is the race detector's, not the output's)."""
     def run(rng, interpret: bool) -> Check:
         x = _gaussian(rng, (gpu_mutants.STEPS, gpu_mutants.ROWS, gpu_mutants.COLS), False)
         out = gpu_mutants.release_pipeline(_to_device(x), early_release=early)
         differ = _bits_differ(out, x)
-        return Check("bits_differ", float(differ if differ >= 0 else np.inf), np.inf if early else 0.0,
+        return Check("bits_differ", float(differ if differ >= 0 else np.inf), 0.0 if early is False else np.inf,
                      shape="x".join(map(str, x.shape)) + " float32")
 
     return run
@@ -468,6 +468,8 @@ def _release(early: bool):
 MUTANTS = {
     "mutant_early_release": ("racy on purpose: a stage released before it is read (gpu_mutants.py)", _release(True)),
     "mutant_clean_release": ("the mutant's clean twin: released after it is read", _release(False)),
+    "mutant_unsynchronized": ("racy on purpose, with no barrier at all between the stage's writes and reads",
+                              _release(None)),
 }
 
 

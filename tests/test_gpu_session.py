@@ -77,8 +77,10 @@ def test_the_mutant_races_and_its_twin_does_not():
     assert not races and np.array_equal(np.asarray(out), np.asarray(x))
     _, races = interpret_detecting_races(lambda x: mutants.release_pipeline(x, early_release=True), x)
     assert races
-    # and both lower for Hopper (so racecheck can run them there)
-    for early in (False, True):
+    _, races = interpret_detecting_races(lambda x: mutants.release_pipeline(x, early_release=None), x)
+    assert races  # the unsynchronized one: no barrier at all
+    # and all three lower for Hopper (so racecheck can run them there)
+    for early in (False, True, None):
         text = mutants.release_pipeline.trace(x, early_release=early).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
 
@@ -223,6 +225,64 @@ def test_sanitizer_reports_are_charged_to_their_forms(reports):
     blind = reports.racecheck_verdict(forms, "mutant_early_release", "mutant_clean_release")
     assert not blind["mutant_flagged"] and not blind["kernels_clean"] and "proves nothing" in blind["verdict"]
     assert not reports.racecheck_verdict({}, "mutant_early_release", "mutant_clean_release")["mutant_flagged"]
+    # racecheck's per-hazard and info-level reports count too; the closing summaries do not
+    hazards = "\n".join(["SMOKE start control_unsynced seed=0",
+                         "========= ERROR: Potential RAW hazard detected at __shared__ 0x0 in block (0,0,0) :",
+                         "========= INFO: Potential WAW hazard detected at __shared__ 0x8 in block (0,0,0) :",
+                         "========= Info: Race reported between Write access at 0x90",
+                         "========= ERROR SUMMARY: 0 errors", "========= Error SUMMARY: 1 error",
+                         "========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 0 warnings)"])
+    assert reports.sanitizer_by_form(hazards)["control_unsynced"]["reports"] == 3
+
+
+def _forms(**reports_by_form):
+    return {name: {"reports": n, "first": None, "ok": True} for name, n in reports_by_form.items()}
+
+
+def test_racecheck_blindness_says_which_explanation_holds(reports):
+    """Each way racecheck can be blind reads from its controls: the plain-CUDA hazards, the
+    Mosaic mutant with no barrier, and their clean twins."""
+    seeing = dict(control_unsynced=3, control_synced=0, control_early_release=2, control_clean_release=0,
+                  mutant_unsynchronized=4, mutant_clean_release=0, mutant_early_release=1)
+    every = reports.racecheck_blindness(_forms(**seeing))
+    assert every["plain_race_seen"] and every["mosaic_instrumented"] and every["mosaic_mutant_seen"]
+    assert "counts" in every["reading"]
+    assert "did not run" in reports.racecheck_blindness(_forms(mutant_early_release=0, mutant_clean_release=0))["reading"]
+    blind = reports.racecheck_blindness(_forms(**{**seeing, "control_unsynced": 0}))
+    assert blind["plain_race_seen"] is False and "blind on this machine" in blind["reading"]
+    no_mosaic = reports.racecheck_blindness(_forms(**{**seeing, "mutant_unsynchronized": 0, "mutant_early_release": 0}))
+    assert no_mosaic["mosaic_instrumented"] is False and "does not instrument Mosaic" in no_mosaic["reading"]
+    no_phases = reports.racecheck_blindness(_forms(**{**seeing, "control_early_release": 0, "mutant_early_release": 0}))
+    assert no_phases["mbarrier_race_seen"] is False and "lean release" in no_phases["reading"]
+    false_alarm = reports.racecheck_blindness(_forms(**{**seeing, "control_clean_release": 2, "control_early_release": 4}))
+    assert false_alarm["mbarrier_twin_flagged"] and "not findings" in false_alarm["reading"]
+
+
+def test_racecheck_controls_run_as_forms_of_their_own(session, reports, tmp_path, capsys):
+    """The racecheck stage's plain-CUDA controls: each in a process of its own under the tool,
+    announced as a form so that its reports are charged to it; a missing binary says how to build
+    it. A stand-in binary (a script) plays a racecheck that flags the racy ones."""
+    assert session._racecheck_controls([], binary=tmp_path / "absent") == 0
+    assert "racecheck_controls.py --build" in capsys.readouterr().out
+    fake = tmp_path / "controls"
+    fake.write_text("#!/bin/sh\n"
+                    'case "$1" in unsynced|early_release) echo "========= Error: Race reported between Write access";; esac\n'
+                    'echo "RACECHECK_CONTROL {\\"kernel\\": \\"$1\\", \\"ok\\": true}"\n')
+    fake.chmod(0o755)
+    assert session._racecheck_controls([], binary=fake) == 0
+    forms = reports.sanitizer_by_form(capsys.readouterr().out)
+    assert {k: v["reports"] for k, v in forms.items()} == {
+        "control_unsynced": 1, "control_synced": 0, "control_early_release": 1, "control_clean_release": 0}
+    assert all(v["ok"] for v in forms.values())
+    found = reports.racecheck_blindness({**forms, **_forms(mutant_unsynchronized=0, mutant_clean_release=0)})
+    assert found["plain_race_seen"] and found["mbarrier_race_seen"] and found["mosaic_instrumented"] is False
+    help_text = ("--racecheck-detect-level <level>  --racecheck-report <mode>  --num-cuda-barriers <n>"
+                 "  --print-level <level>  --racecheck-trace-sync <yes|no>")
+    assert session.racecheck_options(help_text) == [
+        "--racecheck-detect-level", "info", "--racecheck-report", "all", "--num-cuda-barriers", "64"]
+    assert session.racecheck_options(help_text, probe=True)[6:] == [
+        "--print-level", "info", "--racecheck-trace-sync", "yes"]
+    assert session.racecheck_options("usage", probe=True) == []  # an option --help does not list is left out
 
 
 def test_first_cuda_error(reports):
@@ -275,8 +335,8 @@ def test_dry_run_plans_the_record_then_the_speed(session, tmp_path, capsys):
     assert check["budget_s"] == session.BUDGETS["check"]
     race = check["stages"][0]["argv"]
     kernels = [race[i + 1] for i, a in enumerate(race) if a == "--kernel"]
-    # the planted race first, then its twin, then the kernels it vouches for
-    assert kernels == [session.MUTANT, session.MUTANT_TWIN, *session.SANITIZER_KERNELS, *session.LEAN_FORMS]
+    # the planted races first (and the twin), then the kernels racecheck vouches for
+    assert kernels == [*session.MUTANT_FORMS, *session.SANITIZER_KERNELS, *session.LEAN_FORMS]
     train = check["stages"][3]["argv"]
     assert train[1].endswith("gpu_train_check.py") and train[train.index("--presets") + 1:][:2] == ["tiny", "gpu"]
     first = json.loads(next(tmp_path.glob("gpu_session-*-smoke.json")).read_text())
