@@ -1143,13 +1143,14 @@ def racecheck_options(help_text: str, probe: bool = False) -> list[str]:
     return options
 
 
-def _racecheck_controls(base: list[str], binary: pathlib.Path = RACECHECK_CONTROLS, timeout: float = 60) -> int:
+def _racecheck_controls(base: list[str], binary: pathlib.Path | None = None, timeout: float = 60) -> int:
     """Each plain-CUDA control under racecheck (`base`: the tool's argv), in a process of its own,
     its output announced as a smoke form (`control_<kernel>`) so that its reports are charged to
     it, and its own verdict (a clean twin's output must be exact) as that form's result."""
     sys.path.insert(0, str(BENCHMARKS / "hopper"))
     import racecheck_controls
 
+    binary = RACECHECK_CONTROLS if binary is None else binary
     if not binary.is_file():
         print(f"RACECHECK_CONTROLS missing: no {binary} (build it with "
               "benchmarks/hopper/racecheck_controls.py --build and carry benchmarks/hopper/bin)", flush=True)

@@ -285,6 +285,62 @@ def test_racecheck_controls_run_as_forms_of_their_own(session, reports, tmp_path
     assert session.racecheck_options("usage", probe=True) == []  # an option --help does not list is left out
 
 
+def test_the_racecheck_worker_runs_controls_then_mutants_then_kernels(session, reports, tmp_path, monkeypatch, capfd):
+    """The racecheck stage's three processes, with a stand-in compute-sanitizer on PATH that lists
+    the options of a real one's --help and, run on a program, prints its own argv and a smoke
+    line per form: the controls first, then the planted races unfiltered with the probe's
+    options, then the kernels filtered, each option one that --help listed."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    tool = bindir / "compute-sanitizer"
+    tool.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--help" ]; then echo "  --kernel-name <name>  --racecheck-detect-level <l>  --racecheck-report <m>'
+        '  --num-cuda-barriers <n>  --print-level <l>  --racecheck-trace-sync <yes|no>"; exit 0; fi\n'
+        'echo "FAKE_SANITIZER $*"\n'
+        'case "$*" in *--kernel*) ;; *) shift $(($# - 2)); exec "$@";; esac\n'  # a control: run it
+        'for a in "$@"; do if [ "$prev" = "--kernel" ]; then echo "SMOKE start $a seed=0"; '
+        'echo "SMOKE result {\\"kernel\\": \\"$a\\", \\"ok\\": true}"; fi; prev="$a"; done\n')
+    tool.chmod(0o755)
+    controls = tmp_path / "controls"
+    controls.write_text('#!/bin/sh\necho "RACECHECK_CONTROL {\\"kernel\\": \\"$1\\", \\"ok\\": true}"\n')
+    controls.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{__import__('os').environ['PATH']}")
+    monkeypatch.setattr(session, "RACECHECK_CONTROLS", controls)
+    kernels = [*session.MUTANT_FORMS, "gemm_default_tails", "quantize_tile_tails"]
+    assert session.worker_sanitizer("racecheck", kernels) == 0
+    out = capfd.readouterr().out
+    runs = [line.split()[1:] for line in out.splitlines() if line.startswith("FAKE_SANITIZER ")]
+    assert len(runs) == 4 + 2  # four controls, the mutants, the kernels
+    probe = ["--racecheck-detect-level", "info", "--racecheck-report", "all", "--num-cuda-barriers", "64",
+             "--print-level", "info", "--racecheck-trace-sync", "yes"]
+    for run, (kernel, _) in zip(runs[:4], _control_kernels()):
+        assert run[:4] == ["--tool", "racecheck", "--print-limit", "50"] and run[4:-2] == probe
+        assert run[-2:] == [str(controls), kernel]
+    mutants, real = runs[4], runs[5]
+    assert mutants[4:4 + len(probe)] == probe and "--kernel-name" not in mutants
+    assert [mutants[i + 1] for i, a in enumerate(mutants) if a == "--kernel"] == list(session.MUTANT_FORMS)
+    assert "--kernel-name" in real and "--print-level" not in real and "--racecheck-trace-sync" not in real
+    assert [real[i + 1] for i, a in enumerate(real) if a == "--kernel"] == ["gemm_default_tails", "quantize_tile_tails"]
+    forms = reports.sanitizer_by_form(out)
+    assert list(forms)[:4] == [f"control_{k}" for k, _ in _control_kernels()], forms
+    assert all(f["ok"] for f in forms.values()), forms
+    summary_filter = next(line for line in out.splitlines() if line.startswith("SANITIZER "))
+    assert "gemm_default_tails" in summary_filter and "mutant" not in summary_filter
+
+
+def _control_kernels():
+    """`racecheck_controls.KERNELS` (benchmarks/hopper/, not a package)."""
+    import sys
+
+    folder = str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "hopper")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import racecheck_controls
+
+    return racecheck_controls.KERNELS
+
+
 def test_first_cuda_error(reports):
     text = ("SMOKE start gemm_default seed=3\nsome jax warning\n"
             "jaxlib.xla_extension.XlaRuntimeError: INTERNAL: CUDA_ERROR_MISALIGNED_ADDRESS: misaligned address\n"
