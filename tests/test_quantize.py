@@ -163,6 +163,48 @@ def test_batch_axes_are_independent():
                 np.testing.assert_array_equal(np.asarray(q.scale[i, j]), np.asarray(qi.scale))
 
 
+@pytest.mark.parametrize("bk", [TILE, 64])
+def test_row_tiles_with_a_k_tail_equal_the_padded_quantization(bk):
+    """1 x bk tiles over a K that bk does not divide (K < bk: the logical columns quantized and the
+    E4M3 bytes padded, issue 44; longer K: x padded): the same scales and bytes as quantizing x
+    padded with zeros, NaN and ±Inf rows (whose padding encodes to NaN), all-zero tails,
+    power-of-two scales, every dtype and batch axes included."""
+    rng, seed = _rng()
+    for trial in range(12):
+        m, k = int(rng.integers(1, 40)), int(rng.integers(1, 3 * bk if trial % 2 else bk))  # K < bk: one tile
+        k += k % bk == 0
+        dtype = [jnp.bfloat16, jnp.float32, jnp.float16][trial % 3]
+        x = rng.standard_normal((2, m, k)) * np.exp(3 * rng.normal(size=(2, m, 1)))
+        if trial % 2 == 0:
+            x[0, 0, -1], x[1, -1, 0], x[0, -1, k // 2] = np.nan, np.inf, -np.inf
+        if trial % 4 == 1:
+            x[..., -min(k, 3):] = 0
+        x = jnp.asarray(x, dtype)
+        kp = -(-k // bk) * bk
+        for pow2 in (False, True):
+            got = quantize(x, (1, bk), pow2_scale=pow2)
+            want = quantize(jnp.pad(x, ((0, 0), (0, 0), (0, kp - k))), (1, bk), pow2_scale=pow2)
+            assert got.logical == (m, k) and got.data.shape == want.data.shape, (seed, trial)
+            np.testing.assert_array_equal(np.asarray(got.data).view(np.uint8), np.asarray(want.data).view(np.uint8),
+                                          err_msg=f"seed {seed} trial {trial} {m}x{k} {dtype.__name__} pow2={pow2}")
+            np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+
+
+def test_a_fused_producer_keeps_its_rounding_before_the_quantizer():
+    """Inside jit, x's producer must not fuse into the quantizer and lose its rounding to x's dtype
+    to XLA's excess precision (a bf16 product, computed in f32 on the CPU, reaches the quantizer
+    unrounded): the quantization of a K-tail activation under one jit equals the quantization of
+    the materialized activation (without the tail path's barrier it does not)."""
+    rng, seed = _rng()
+    x = jnp.asarray(rng.standard_normal((512, 64)), jnp.bfloat16)
+    scaled = lambda x: x * jnp.bfloat16(1.37)  # noqa: E731
+    fused = jax.jit(lambda x: quantize(scaled(x), (1, TILE)))(x)
+    apart = quantize(jax.jit(scaled)(x), (1, TILE))
+    np.testing.assert_array_equal(np.asarray(fused.data).view(np.uint8), np.asarray(apart.data).view(np.uint8),
+                                  err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(fused.scale), np.asarray(apart.scale), err_msg=f"seed {seed}")
+
+
 def test_column_layout_transposes_exactly():
     rng, _ = _rng()
     x = jnp.asarray(rng.standard_normal((300, 70)), jnp.float32)
