@@ -188,9 +188,17 @@ def parse_sanitizer(text: str) -> dict:
 # A report compute-sanitizer prints for one finding (memcheck's "Invalid __global__ read",
 # racecheck's hazards, synccheck's "Barrier error"): the line that opens it. Racecheck's analysis
 # reports read "Error: Race reported ...", its per-hazard ones "ERROR: Potential RAW hazard ...",
-# and at `--racecheck-detect-level info` some are "Info"/"INFO"; the closing "ERROR SUMMARY" is not one.
-_SANITIZER_REPORT = re.compile(r"^=+\s+(?:(?i:(?:error|warning|info)\b(?!\s+summary))|Invalid|Program hit|Barrier error)\b.*",
-                               re.MULTILINE)
+# at `--racecheck-detect-level info` some are "Info"/"INFO", and a race at a cluster's entry or
+# exit "Potential invalid __shared__ read"; the closing "ERROR SUMMARY" is not one, nor are the
+# tool's notes about itself (`_SANITIZER_STATUS`). One line each: the prefix never crosses a newline.
+_SANITIZER_REPORT = re.compile(
+    r"^=+[ \t]+(?:(?i:(?:error|warning|info)\b(?!\s+summary))|Invalid|Potential invalid|Program hit|Barrier error)\b.*",
+    re.MULTILINE)
+# What compute-sanitizer says about the run rather than the kernel: a process that did not end
+# well, more mbarriers than it tracks (then it may miss or invent hazards).
+_SANITIZER_STATUS = re.compile(r"process didn't terminate successfully|Detected overflow of tracked", re.IGNORECASE)
+# A line that starts the next process's output in one stage's log: a form's section ends there.
+_PROCESS_HEADER = re.compile(r"^(?:SANITIZER |SANITIZER_MUTANTS |RACECHECK_CONTROLS )", re.MULTILINE)
 _SMOKE_START = re.compile(r"^SMOKE start (\S+)", re.MULTILINE)
 
 
@@ -199,10 +207,14 @@ def sanitizer_by_form(text: str) -> dict[str, dict]:
     for a sanitizer run over several smoke forms in one process, each report charged to the form
     whose `SMOKE start` line came last before it (the forms run one after another)."""
     starts = list(_SMOKE_START.finditer(text))
+    headers = [h.start() for h in _PROCESS_HEADER.finditer(text)]
     forms = {}
     for i, m in enumerate(starts):
-        segment = text[m.end(): starts[i + 1].start() if i + 1 < len(starts) else len(text)]
-        reports = [r.group(0).strip() for r in _SANITIZER_REPORT.finditer(segment)]
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
+        end = min([end, *(h for h in headers if m.end() <= h < end)])  # nor past its process's output
+        segment = text[m.end(): end]
+        found = [r.group(0).strip() for r in _SANITIZER_REPORT.finditer(segment)]
+        reports = [r for r in found if not _SANITIZER_STATUS.search(r)]
         result = next((line for line in segment.splitlines() if line.startswith("SMOKE result ")), None)
         ok = None
         if result is not None:
@@ -210,15 +222,27 @@ def sanitizer_by_form(text: str) -> dict[str, dict]:
                 ok = json.loads(result[len("SMOKE result "):]).get("ok")
             except ValueError:
                 pass
-        forms[m.group(1)] = {"reports": len(reports), "first": reports[0] if reports else None, "ok": ok}
+        forms[m.group(1)] = {"reports": len(reports), "first": reports[0] if reports else None, "ok": ok,
+                             "status": [r for r in found if _SANITIZER_STATUS.search(r)]}
     return forms
+
+
+def last_process(text: str) -> str:
+    """The part of a stage's log that the last `SANITIZER ` process wrote (the real kernels'; the
+    racecheck stage runs its controls and planted races first): the whole text if none says so."""
+    starts = [m.start() for m in re.finditer(r"^SANITIZER ", text, re.MULTILINE)]
+    return text[starts[-1]:] if starts else text
+
+
+# Forms that are racecheck's probes, racy on purpose or their twins, never a kernel it vouches for.
+PROBE_PREFIXES = ("control_", "mutant_")
 
 
 def racecheck_verdict(forms: dict[str, dict], mutant: str, twin: str) -> dict:
     """Whether racecheck saw the planted race (more reports on the mutant than on its clean twin),
     and, only then, whether the real kernels were clean."""
     m, t = forms.get(mutant), forms.get(twin)
-    real = {k: v["reports"] for k, v in forms.items() if k not in (mutant, twin)}
+    real = {k: v["reports"] for k, v in forms.items() if k not in (mutant, twin) and not k.startswith(PROBE_PREFIXES)}
     sees = bool(m and t and m["reports"] > t["reports"])
     if not sees:
         verdict = "racecheck did not flag the planted race: its silence on the kernels proves nothing"
@@ -230,42 +254,56 @@ def racecheck_verdict(forms: dict[str, dict], mutant: str, twin: str) -> dict:
 
 
 def racecheck_blindness(forms: dict[str, dict]) -> dict:
-    """Why racecheck saw or missed the planted race, from its controls (`sanitizer_by_form`'s
-    forms): the plain-CUDA hazards of `hopper/racecheck_controls.cu` (`control_*`) and the Mosaic
-    mutant with no barrier at all (`mutant_unsynchronized`), each against its clean twin. Each
-    finding is True / False, or None where its forms did not run; `reading` says what follows."""
+    """Why racecheck saw or missed the planted race, from its probes (`sanitizer_by_form`'s forms):
+    the plain-CUDA hazards of `hopper/racecheck_controls.cu` (`control_*`), each against its clean
+    twin, and the three Mosaic mutants. Each finding is True / False, or None where its forms did
+    not run or did not finish (a probe whose own result is not ok tells nothing); `reading` says
+    what follows, from what did run."""
+    def ran(name: str) -> dict | None:
+        f = forms.get(name)
+        return f if f is not None and f.get("ok") is True else None
+
     def flagged(racy: str, clean: str) -> bool | None:
-        r, c = forms.get(racy), forms.get(clean)
+        r, c = ran(racy), ran(clean)
         return None if r is None or c is None else r["reports"] > c["reports"]
 
-    def reports(name: str) -> int | None:
-        return forms[name]["reports"] if name in forms else None
-
+    mosaic = [ran(k) for k in ("mutant_unsynchronized", "mutant_early_release", "mutant_clean_release")]
+    clean_twin = ran("control_clean_release")
     out = {"plain_race_seen": flagged("control_unsynced", "control_synced"),
            "mbarrier_race_seen": flagged("control_early_release", "control_clean_release"),
-           "mbarrier_twin_flagged": (reports("control_clean_release") or 0) > 0 if "control_clean_release" in forms else None,
-           "mosaic_instrumented": flagged("mutant_unsynchronized", "mutant_clean_release"),
+           "mbarrier_twin_flagged": None if clean_twin is None else clean_twin["reports"] > 0,
+           # any report on a Mosaic probe shows that racecheck instruments Mosaic kernels
+           "mosaic_instrumented": None if all(f is None for f in mosaic) else any(f and f["reports"] for f in mosaic),
            "mosaic_mutant_seen": flagged("mutant_early_release", "mutant_clean_release")}
-    if out["plain_race_seen"] is None:
-        reading = "the plain-CUDA controls did not run: why racecheck is silent cannot be told"
-    elif not out["plain_race_seen"]:
+    p, b, twin, i, m = (out[k] for k in ("plain_race_seen", "mbarrier_race_seen", "mbarrier_twin_flagged",
+                                         "mosaic_instrumented", "mosaic_mutant_seen"))
+    if p is False and (i or m):
+        reading = ("racecheck flagged the Mosaic probes but not the plain-CUDA race with no barrier: a "
+                   "contradiction; read the controls' output before trusting either")
+    elif p is False:
         reading = ("racecheck flagged not even a shared-memory race with no barrier in plain CUDA: it is blind "
                    "on this machine (tool, driver or options), and nothing it says about any kernel counts")
-    elif out["mosaic_instrumented"] is False:
-        reading = ("racecheck sees the plain-CUDA race but not the same race in a Mosaic GPU kernel: it does not "
-                   "instrument Mosaic GPU's kernels, and its silence on jfp8's kernels means nothing")
-    elif out["mbarrier_twin_flagged"]:
+    elif m:
+        reading = "racecheck sees the planted Mosaic race: its verdict on the kernels counts" + (
+            "; but it also flags the clean mbarrier pipeline in plain CUDA (false alarms possible)" if twin else "")
+    elif i is False:
+        reading = ("racecheck reported nothing on any Mosaic probe, the race with no barrier included: it does "
+                   "not instrument Mosaic GPU's kernels, and its silence on jfp8's kernels means nothing" + (
+                       "" if p else " (the plain-CUDA controls did not run: it may be blind altogether)"))
+    elif twin:
         reading = ("racecheck flags the clean mbarrier pipeline in plain CUDA: it does not count mbarrier phases "
                    "as synchronization, so its reports on mbarrier-ordered kernels are not findings")
-    elif out["mbarrier_race_seen"] is False:
-        reading = ("racecheck sees races with no barrier, in plain CUDA and in Mosaic kernels, but not a stage "
-                   "released early between mbarrier phases: it cannot judge the lean release, whose question "
-                   "is exactly that; the interpreter's race detector stays the check")
-    elif out["mosaic_mutant_seen"]:
-        reading = "racecheck sees every planted race, plain CUDA and Mosaic, mbarrier-ordered included: its verdict on the kernels counts"
-    else:
+    elif b is False:
+        reading = ("racecheck " + ("sees a race with no barrier in plain CUDA but " if p else "") +
+                   "misses a stage released early between mbarrier phases in plain CUDA: it cannot judge the "
+                   "lean release, whose question is exactly that; the interpreter's race detector stays the check")
+    elif b and m is False:
         reading = ("racecheck sees the mbarrier race in plain CUDA but not in the Mosaic mutant: read the two "
                    "reports side by side before trusting its silence on the kernels")
+    else:
+        ran_names = sorted(k for k in forms if k.startswith(PROBE_PREFIXES) and ran(k))
+        reading = ("too few probes ran to tell why racecheck is silent" +
+                   (f" (ran: {', '.join(ran_names)})" if ran_names else " (none ran)"))
     return {**out, "reading": reading}
 
 

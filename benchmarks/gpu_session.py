@@ -194,6 +194,9 @@ MUTANT_FORMS = (MUTANT, MUTANT_TWIN, MUTANT_UNSYNCHRONIZED)
 # The same hazards in plain CUDA (hopper/racecheck_controls.cu, built here and carried like
 # DeepGEMM's harness): whether racecheck sees anything on the machine, and mbarrier ordering.
 RACECHECK_CONTROLS = BENCHMARKS / "hopper" / "bin" / "racecheck_controls"
+# --print-limit for the probes (controls, planted races): every report of one probe printed (a
+# planted race may report every byte of its stage); the kernels' process keeps 50.
+PROBE_PRINT_LIMIT = 10000
 # Issue 45's lean main loop (no per-block fence on the consumers) becomes a default only after
 # racecheck is clean on it, in clusters too (a multicast refill lands in the other CTA's stage).
 LEAN_FORMS = ("gemm_lean_release", "grouped_fprop_lean_release", "gemm_lean_release_128x192_cluster_m",
@@ -690,7 +693,7 @@ def summarize(stage: Stage, text: str, ctx: Session, since: float) -> dict:
             regions = gpu_reports.summarize_profile(json.loads(path.read_text()))
         return {"traces": len(traces), "regions": regions}
     if stage.name in SANITIZED:
-        summary = gpu_reports.parse_sanitizer(text)
+        summary = gpu_reports.parse_sanitizer(gpu_reports.last_process(text))  # the kernels' process
         summary["forms"] = gpu_reports.sanitizer_by_form(text)
         summary["filter"] = next((line for line in text.splitlines() if line.startswith("SANITIZER ")), None)
         if stage.name == "racecheck":
@@ -786,6 +789,8 @@ def stage_line(s: Stage) -> str:
         note = f"errors {sm.get('errors', '?')}" + (f", hazards {sm['hazards']}" if "hazards" in sm else "")
         if "verdict" in sm:
             note += f"; {sm['verdict']}"
+        if sm.get("blindness"):
+            note += f"; controls: {sm['blindness']['reading']}"
     elif s.name == "train_check" and sm.get("rows"):
         note = "; ".join(f"{r['preset']}: {'ok' if r.get('ok') else 'FAILED'}"
                          + (f" (rel. loss diff {r['rel_diff'][0]:.1e} .. {r['rel_diff'][-1]:.1e})" if r.get("rel_diff") else
@@ -1107,16 +1112,16 @@ def worker_sanitizer(tool: str, kernels: list[str]) -> int:
     if tool == "racecheck":
         # First what tells a blind racecheck apart: the plain-CUDA controls, then the Mosaic
         # mutants with nothing filtered (so that a silent mutant cannot be the filter's doing).
-        probe = [exe, "--tool", tool, "--print-limit", "50", *racecheck_options(help_text, probe=True)]
+        # A probe's reports must not be cut short by another's (--print-limit counts per process):
+        # each runs in a process of its own, with room for every report it may print.
+        probe = [exe, "--tool", tool, "--print-limit", str(PROBE_PRINT_LIMIT), *racecheck_options(help_text, probe=True)]
         rc |= _racecheck_controls(probe)
-        mutants = [k for k in kernels if k in MUTANT_FORMS]
-        kernels = [k for k in kernels if k not in MUTANT_FORMS]
-        if mutants:
-            print(f"SANITIZER_MUTANTS {tool} on {', '.join(mutants)}, no filter, {' '.join(probe[5:]) or 'default options'}",
+        for mutant in [k for k in kernels if k in MUTANT_FORMS]:
+            print(f"SANITIZER_MUTANTS {tool} on {mutant}, no filter, {' '.join(probe[5:]) or 'default options'}",
                   flush=True)
-            argv = [*probe, _python(), str(BENCHMARKS / "gpu_smoke.py"), *(a for k in mutants for a in ("--kernel", k)),
-                    "--seed", "0"]
+            argv = [*probe, _python(), str(BENCHMARKS / "gpu_smoke.py"), "--kernel", mutant, "--seed", "0"]
             rc |= subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
+        kernels = [k for k in kernels if k not in MUTANT_FORMS]
     if kernels:
         print(f"SANITIZER {tool} on {', '.join(kernels)}, filter {' '.join(flt) or 'none (not in --help)'}"
               f"{', ' + ' '.join(extra) if extra else ''}", flush=True)
@@ -1162,8 +1167,9 @@ def _racecheck_controls(base: list[str], binary: pathlib.Path | None = None, tim
             r = subprocess.run([*base, str(binary), kernel], capture_output=True, text=True, timeout=timeout,
                                stdin=subprocess.DEVNULL)
             text, code = r.stdout + r.stderr, r.returncode
-        except subprocess.TimeoutExpired as e:
-            text, code = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout:.0f} s", 124
+        except subprocess.TimeoutExpired as e:  # its output comes as bytes here, whatever `text` said
+            out = b"".join(x if isinstance(x, bytes) else (x or "").encode() for x in (e.stdout, e.stderr))
+            text, code = f"{out.decode(errors='replace')}\ntimed out after {timeout:.0f} s", 124
         print(text, end="" if text.endswith("\n") else "\n", flush=True)
         result = racecheck_controls.parse(text) or {"kernel": kernel, "ok": False, "error": f"exit {code}, no result line"}
         print("SMOKE result " + json.dumps({**result, "kernel": f"control_{kernel}"}), flush=True)

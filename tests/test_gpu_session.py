@@ -233,6 +233,11 @@ def test_sanitizer_reports_are_charged_to_their_forms(reports):
                          "========= ERROR SUMMARY: 0 errors", "========= Error SUMMARY: 1 error",
                          "========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 0 warnings)"])
     assert reports.sanitizer_by_form(hazards)["control_unsynced"]["reports"] == 3
+    two = ("RACECHECK_CONTROLS x\n========= RACECHECK SUMMARY: 7 hazards displayed (7 errors, 0 warnings)\n"
+           "SANITIZER racecheck on k\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n")
+    assert reports.parse_sanitizer(reports.last_process(two)) == {"errors": 0, "hazards": 0}  # the kernels' own
+    # a bare separator line does not make the application's next line a report
+    assert reports.sanitizer_by_form("SMOKE start a\n=========\nINFO:absl: a log line\nWarning: x\n")["a"]["reports"] == 0
 
 
 def _forms(**reports_by_form):
@@ -240,22 +245,36 @@ def _forms(**reports_by_form):
 
 
 def test_racecheck_blindness_says_which_explanation_holds(reports):
-    """Each way racecheck can be blind reads from its controls: the plain-CUDA hazards, the
-    Mosaic mutant with no barrier, and their clean twins."""
+    """Each way racecheck can be blind reads from its probes: the plain-CUDA hazards, the Mosaic
+    mutants and their clean twins; a probe that did not run or did not finish tells nothing."""
     seeing = dict(control_unsynced=3, control_synced=0, control_early_release=2, control_clean_release=0,
                   mutant_unsynchronized=4, mutant_clean_release=0, mutant_early_release=1)
-    every = reports.racecheck_blindness(_forms(**seeing))
+    read = lambda **kw: reports.racecheck_blindness(_forms(**kw))  # noqa: E731
+    every = read(**seeing)
     assert every["plain_race_seen"] and every["mosaic_instrumented"] and every["mosaic_mutant_seen"]
-    assert "counts" in every["reading"]
-    assert "did not run" in reports.racecheck_blindness(_forms(mutant_early_release=0, mutant_clean_release=0))["reading"]
-    blind = reports.racecheck_blindness(_forms(**{**seeing, "control_unsynced": 0}))
+    assert "counts" in every["reading"] and "false alarms" not in every["reading"]
+    blind = read(**{**seeing, "control_unsynced": 0, "mutant_unsynchronized": 0, "mutant_early_release": 0})
     assert blind["plain_race_seen"] is False and "blind on this machine" in blind["reading"]
-    no_mosaic = reports.racecheck_blindness(_forms(**{**seeing, "mutant_unsynchronized": 0, "mutant_early_release": 0}))
+    odd = read(**{**seeing, "control_unsynced": 0})  # plain race missed, Mosaic ones seen
+    assert "contradiction" in odd["reading"]
+    no_mosaic = read(**{**seeing, "mutant_unsynchronized": 0, "mutant_early_release": 0})
     assert no_mosaic["mosaic_instrumented"] is False and "does not instrument Mosaic" in no_mosaic["reading"]
-    no_phases = reports.racecheck_blindness(_forms(**{**seeing, "control_early_release": 0, "mutant_early_release": 0}))
+    no_phases = read(**{**seeing, "control_early_release": 0, "mutant_early_release": 0})
     assert no_phases["mbarrier_race_seen"] is False and "lean release" in no_phases["reading"]
-    false_alarm = reports.racecheck_blindness(_forms(**{**seeing, "control_clean_release": 2, "control_early_release": 4}))
+    false_alarm = read(**{**seeing, "control_clean_release": 2, "control_early_release": 4, "mutant_early_release": 0})
     assert false_alarm["mbarrier_twin_flagged"] and "not findings" in false_alarm["reading"]
+    flooded = read(**{**seeing, "mutant_clean_release": 9, "mutant_unsynchronized": 9})  # twin ties: still instrumented
+    assert flooded["mosaic_instrumented"] and flooded["mosaic_mutant_seen"] is False
+    # what did not run tells nothing
+    assert "none ran" in reports.racecheck_blindness({})["reading"]
+    only_controls = read(**{k: v for k, v in seeing.items() if k.startswith("control_")})
+    assert only_controls["mosaic_instrumented"] is None and only_controls["mosaic_mutant_seen"] is None
+    assert "too few probes" in only_controls["reading"] and "control_unsynced" in only_controls["reading"]
+    only_mutants = read(**{k: 0 for k in seeing if k.startswith("mutant_")})
+    assert only_mutants["plain_race_seen"] is None and "may be blind altogether" in only_mutants["reading"]
+    failed = _forms(**seeing)
+    failed["control_unsynced"]["ok"] = False  # the control did not run to its end: no finding
+    assert reports.racecheck_blindness(failed)["plain_race_seen"] is None
 
 
 def test_racecheck_controls_run_as_forms_of_their_own(session, reports, tmp_path, capsys):
@@ -300,7 +319,10 @@ def test_the_racecheck_worker_runs_controls_then_mutants_then_kernels(session, r
         'echo "FAKE_SANITIZER $*"\n'
         'case "$*" in *--kernel*) ;; *) shift $(($# - 2)); exec "$@";; esac\n'  # a control: run it
         'for a in "$@"; do if [ "$prev" = "--kernel" ]; then echo "SMOKE start $a seed=0"; '
-        'echo "SMOKE result {\\"kernel\\": \\"$a\\", \\"ok\\": true}"; fi; prev="$a"; done\n')
+        'case "$a" in mutant_early*|mutant_unsync*) echo "========= Error: Race reported between Write access";; esac; '
+        'echo "SMOKE result {\\"kernel\\": \\"$a\\", \\"ok\\": true}"; fi; prev="$a"; done\n'
+        # what a process's end may print: not a finding, and not the next form's
+        'echo "========= Error: process didn\'t terminate successfully"\n')
     tool.chmod(0o755)
     controls = tmp_path / "controls"
     controls.write_text('#!/bin/sh\necho "RACECHECK_CONTROL {\\"kernel\\": \\"$1\\", \\"ok\\": true}"\n')
@@ -311,20 +333,33 @@ def test_the_racecheck_worker_runs_controls_then_mutants_then_kernels(session, r
     assert session.worker_sanitizer("racecheck", kernels) == 0
     out = capfd.readouterr().out
     runs = [line.split()[1:] for line in out.splitlines() if line.startswith("FAKE_SANITIZER ")]
-    assert len(runs) == 4 + 2  # four controls, the mutants, the kernels
+    assert len(runs) == 4 + 3 + 1  # four controls, each mutant, the kernels
     probe = ["--racecheck-detect-level", "info", "--racecheck-report", "all", "--num-cuda-barriers", "64",
              "--print-level", "info", "--racecheck-trace-sync", "yes"]
+    limit = ["--tool", "racecheck", "--print-limit", str(session.PROBE_PRINT_LIMIT)]
     for run, (kernel, _) in zip(runs[:4], _control_kernels()):
-        assert run[:4] == ["--tool", "racecheck", "--print-limit", "50"] and run[4:-2] == probe
+        assert run[:4] == limit and run[4:-2] == probe
         assert run[-2:] == [str(controls), kernel]
-    mutants, real = runs[4], runs[5]
-    assert mutants[4:4 + len(probe)] == probe and "--kernel-name" not in mutants
-    assert [mutants[i + 1] for i, a in enumerate(mutants) if a == "--kernel"] == list(session.MUTANT_FORMS)
+    for run, mutant in zip(runs[4:7], session.MUTANT_FORMS):
+        assert run[:4] == limit and run[4:4 + len(probe)] == probe and "--kernel-name" not in run
+        assert [run[i + 1] for i, a in enumerate(run) if a == "--kernel"] == [mutant]
+    real = runs[7]
+    assert real[:4] == ["--tool", "racecheck", "--print-limit", "50"]
     assert "--kernel-name" in real and "--print-level" not in real and "--racecheck-trace-sync" not in real
     assert [real[i + 1] for i, a in enumerate(real) if a == "--kernel"] == ["gemm_default_tails", "quantize_tile_tails"]
     forms = reports.sanitizer_by_form(out)
     assert list(forms)[:4] == [f"control_{k}" for k, _ in _control_kernels()], forms
     assert all(f["ok"] for f in forms.values()), forms
+    # each form keeps its own reports: a process's closing lines are status, not the next form's
+    assert {k: v["reports"] for k, v in forms.items()} == {
+        **{f"control_{k}": 0 for k, _ in _control_kernels()}, "mutant_early_release": 1, "mutant_clean_release": 0,
+        "mutant_unsynchronized": 1, "gemm_default_tails": 0, "quantize_tile_tails": 0}
+    assert forms["mutant_clean_release"]["status"] and not forms["control_clean_release"]["status"]
+    verdict = reports.racecheck_verdict(forms, session.MUTANT, session.MUTANT_TWIN)
+    assert verdict["kernels_clean"], verdict  # the probes' own reports are not the kernels'
+    assert reports.racecheck_blindness(forms)["mosaic_mutant_seen"]
+    assert reports.parse_sanitizer(reports.last_process(out + "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)")) == {
+        "errors": 0, "hazards": 0}
     summary_filter = next(line for line in out.splitlines() if line.startswith("SANITIZER "))
     assert "gemm_default_tails" in summary_filter and "mutant" not in summary_filter
 

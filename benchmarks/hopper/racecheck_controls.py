@@ -1,6 +1,6 @@
 """Plain-CUDA positive controls for compute-sanitizer's racecheck (issue 42, item 3).
 
-    # on a machine with nvcc 12.8+ (no GPU needed): an x86-64 executable, CUDA runtime linked statically
+    # on a machine with nvcc 12 or later (no GPU needed): an x86-64 executable, CUDA runtime linked statically
     python benchmarks/hopper/racecheck_controls.py --build
     python benchmarks/hopper/racecheck_controls.py --check        # on the GPU machine: device and driver
 
@@ -10,7 +10,8 @@ and the Mosaic mutant's pipeline written in CUDA with mbarriers, released before
 (`early_release`) and after it (`clean_release`). The GPU session's racecheck stage runs each
 under racecheck in a process of its own before jfp8's kernels (`gpu_session.worker_sanitizer`), so
 that a silent racecheck can be told apart: blind on this machine, blind to mbarrier ordering, or
-blind to Mosaic GPU's kernels (`gpu_reports.racecheck_verdict`).
+blind to Mosaic GPU's kernels (`gpu_reports.racecheck_blindness`). Built with CUDA 13's nvcc, the
+binary needs a driver of the R580 series or later (the H100 of 2026-11-28 had 580.159).
 
 The binary lands in `benchmarks/hopper/bin/` (ignored by git, like DeepGEMM's harness): the
 session carries it to the GPU machine (run's carry: ["benchmarks/hopper/bin"]).
@@ -40,7 +41,7 @@ def find_nvcc(nvcc: str | None = None) -> str:
     for candidate in (nvcc, shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
         if candidate and pathlib.Path(candidate).is_file():
             return str(candidate)
-    raise SystemExit("no nvcc found: install the CUDA toolkit (12.8 or later, for sm_90a) or pass --nvcc PATH")
+    raise SystemExit("no nvcc found: install the CUDA toolkit (12.0 or later, for sm_90a) or pass --nvcc PATH")
 
 
 def build(out: pathlib.Path = BINARY, nvcc: str | None = None, timeout: int = 300) -> dict:
