@@ -179,7 +179,7 @@ def quantize(
 
     bm, bk = block
     mp, kp = _round_up(m, bm), _round_up(k, bk)
-    if bm == 1 and k < bk:
+    if bm == 1 and 0 < k < bk:
         return _one_partial_row_tile(x, bk, pow2_scale, amax_floor)
     pad = [(0, 0)] * len(batch) + [(0, mp - m), (0, kp - k)]
     # The barrier keeps x's producer (an RMSNorm, say) out of the pad: XLA:CPU fused it into the
