@@ -4,9 +4,9 @@
 # writes runs/parity-tiny/{summary.json,parity.png}, and reads the gap against the committed band
 # (seeds and machines). Each run shows a progress bar for training, then one for its evaluation on
 # the whole validation split.
-# Wall time on the 2-core CPU machine, nothing else running (2026-11-28, commit 138d52e): 1 min 55 s
+# Wall time on the 2-core CPU machine, nothing else running (2026-11-28, commit be47d59): 1 min 43 s
 # for a first run from a fresh clone with an empty compile cache, creating .venv included (pip's
-# cache warm; 1 min 44 s the night before); 54 s for a second run, whose compiled steps come from jax's persistent cache
+# cache warm; 1 min 55 s at 138d52e); 54 s for a second run, whose compiled steps come from jax's persistent cache
 # (~/.cache/jfp8/jax-compile; JFP8_COMPILE_CACHE=0 turns it off).
 # Extra arguments go to experiments/compare_precision.py (e.g. --steps 400 --out runs/x).
 set -euo pipefail
