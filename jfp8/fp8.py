@@ -203,8 +203,9 @@ def _one_partial_row_tile(x: jax.Array, bk: int, pow2_scale: bool, amax_floor: f
     with the row's scale (E4M3 +0, or NaN in a row that holds a NaN or ±Inf), appended to the
     E4M3 bytes. On the CPU the pad copied x (bf16) before the quantizer could read it; now only
     the quantized bytes are padded (issue 44: `tiny`'s d_model 64 padded to 128 in every FP8
-    GEMM; its eval step 5.9-6.4 -> 5.1-5.6 ms). Where K also has whole tiles, encoding the pieces
-    and joining them was slower than the pad (`small`'s eval step +12-17 %), so those keep it.
+    GEMM; its eval step 5.7-6.4 -> 5.0-5.5 ms, docs/results.md). Where K also has whole tiles,
+    encoding the pieces and joining them was slower than the pad (`small`'s eval step +12-17 %),
+    so those keep it.
     `tests/test_quantize.py` checks both against quantizing the padded x, bit for bit.
     """
     *batch, m, k = x.shape
