@@ -1114,10 +1114,11 @@ def worker_sanitizer(tool: str, kernels: list[str]) -> int:
         # mutants with nothing filtered (so that a silent mutant cannot be the filter's doing).
         # A probe's reports must not be cut short by another's (--print-limit counts per process):
         # each runs in a process of its own, with room for every report it may print.
-        probe = [exe, "--tool", tool, "--print-limit", str(PROBE_PRINT_LIMIT), *racecheck_options(help_text, probe=True)]
+        probe_options = racecheck_options(help_text, probe=True)
+        probe = [exe, "--tool", tool, "--print-limit", str(PROBE_PRINT_LIMIT), *probe_options]
         rc |= _racecheck_controls(probe)
         for mutant in [k for k in kernels if k in MUTANT_FORMS]:
-            print(f"SANITIZER_MUTANTS {tool} on {mutant}, no filter, {' '.join(probe[5:]) or 'default options'}",
+            print(f"SANITIZER_MUTANTS {tool} on {mutant}, no filter, {' '.join(probe_options) or 'default options'}",
                   flush=True)
             argv = [*probe, _python(), str(BENCHMARKS / "gpu_smoke.py"), "--kernel", mutant, "--seed", "0"]
             rc |= subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode
@@ -1152,7 +1153,8 @@ def _racecheck_controls(base: list[str], binary: pathlib.Path | None = None, tim
     """Each plain-CUDA control under racecheck (`base`: the tool's argv), in a process of its own,
     its output announced as a smoke form (`control_<kernel>`) so that its reports are charged to
     it, and its own verdict (a clean twin's output must be exact) as that form's result."""
-    sys.path.insert(0, str(BENCHMARKS / "hopper"))
+    if str(BENCHMARKS / "hopper") not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS / "hopper"))
     import racecheck_controls
 
     binary = RACECHECK_CONTROLS if binary is None else binary

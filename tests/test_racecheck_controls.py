@@ -18,7 +18,7 @@ import racecheck_controls as rc  # noqa: E402
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     try:
-        nvcc = rc.find_nvcc()
+        nvcc = rc.anchors.find_tool("nvcc")
     except SystemExit as e:
         pytest.skip(f"needs nvcc to build the controls: {e}")
     out = tmp_path_factory.mktemp("controls") / "racecheck_controls"

@@ -23,11 +23,12 @@ import argparse
 import json
 import pathlib
 import shlex
-import shutil
 import subprocess
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import anchors  # noqa: E402  (the Hopper build's tool lookup: CUDA_HOME, the toolchain, PATH)
 SOURCE = HERE / "racecheck_controls.cu"
 BINARY = HERE / "bin" / "racecheck_controls"
 # (kernel, racy): the racy ones must be flagged, their twins must not.
@@ -36,25 +37,16 @@ FLAGS = ("-O2", "-lineinfo", "-gencode=arch=compute_90a,code=sm_90a", "-cudart",
 LINE = "RACECHECK_CONTROL "
 
 
-def find_nvcc(nvcc: str | None = None) -> str:
-    """`nvcc` as given, else on PATH, else CUDA's usual places; SystemExit with what to do."""
-    for candidate in (nvcc, shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if candidate and pathlib.Path(candidate).is_file():
-            return str(candidate)
-    raise SystemExit("no nvcc found: install the CUDA toolkit (12.0 or later, for sm_90a) or pass --nvcc PATH")
-
-
 def build(out: pathlib.Path = BINARY, nvcc: str | None = None, timeout: int = 300) -> dict:
     """Compile the controls into `out`; returns the command and nvcc's version, also written next
     to the binary as JSON."""
-    nvcc = find_nvcc(nvcc)
+    nvcc = anchors.find_tool("nvcc", nvcc)
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [nvcc, str(SOURCE), "-o", str(out), *FLAGS]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode:
         raise SystemExit(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
-    info = {"binary": str(out), "command": shlex.join(cmd), "nvcc": version.splitlines()[-1] if version else None}
+    info = {"binary": str(out), "command": shlex.join(cmd), "nvcc": anchors.tool_version(nvcc)}
     out.with_suffix(".json").write_text(json.dumps(info, indent=1) + "\n")
     return info
 
@@ -83,7 +75,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build", action="store_true", help="compile the controls (needs nvcc, no GPU)")
     p.add_argument("--check", action="store_true", help="run the binary's device check (needs the GPU)")
-    p.add_argument("--nvcc", help="nvcc to use (default: PATH, then /usr/local/cuda/bin)")
+    p.add_argument("--nvcc", help="nvcc to use (default: $CUDA_HOME/bin, the Hopper toolchain, PATH)")
     p.add_argument("--out", type=pathlib.Path, default=BINARY)
     args = p.parse_args(argv)
     if not (args.build or args.check):
