@@ -127,7 +127,8 @@ PYTEST_TEST_TIMEOUT = 60
 MIN_STAGE_SECONDS = 15
 # The test files with `gpu`-marked tests, each run in a process of its own (`worker_pytest_gpu`),
 # quantizers first: the cheapest, and the swizzled layouts only hardware checks.
-GPU_TEST_FILES = ("test_quantize_kernels.py", "test_gemm_kernel.py", "test_grouped_kernel.py", "test_ragged.py")
+GPU_TEST_FILES = ("test_quantize_kernels.py", "test_gemm_kernel.py", "test_grouped_kernel.py", "test_ragged.py",
+                  "test_attention.py")
 # A call's wall clock. The record's two calls are 5 and 3 minutes with their starts (~30 s each on
 # an H100, 2026-11-26); the speed calls follow in what is left of a window's 15 minutes. pytest -m
 # gpu gets 200 s (its 90 s covered one file of four on the H100, 2026-11-28): a smoke of the

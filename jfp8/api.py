@@ -51,6 +51,17 @@ def is_hopper(device: jax.Device | None = None) -> bool:
     return str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
+def traced_for_hopper() -> bool:
+    """True when what is traced now will run on a Hopper GPU, as far as tracing can tell: a
+    deviceless build for one (`pallas_kernels._mgpu.build_target`, an abstract H100 mesh), or this
+    process's default device. For choices made when tracing (`jfp8.attention`); the kernels here
+    choose later, when the computation is lowered."""
+    kind = _mgpu.deviceless_gpu_kind()
+    if kind is not None:
+        return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
+    return is_hopper(jax.devices()[0])
+
+
 def _local_non_hopper_gpu() -> jax.Device | None:
     """A GPU of this machine that cannot run the kernels, or None (Hopper GPUs, or none at all)."""
     try:

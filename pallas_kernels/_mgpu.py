@@ -121,6 +121,15 @@ def num_sms() -> int:
     return H100_NUM_SMS
 
 
+def deviceless_gpu_kind() -> str | None:
+    """The GPU a computation traced now is built for without one present: the build target's
+    kind (`build_target`), the abstract GPU mesh's, or None (no such target: a real device decides)."""
+    if (target := _TARGET.get()) is not None:
+        return target[0]
+    abstract = _abstract_gpu()
+    return abstract.device_kind if abstract is not None else None
+
+
 def device_kind() -> str:
     """The GPU model the kernels are built for, the same way as `num_sms`."""
     if (target := _TARGET.get()) is not None:

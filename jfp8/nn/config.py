@@ -8,6 +8,7 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from jfp8.attention import ATTENTION_IMPLS
 from jfp8.recipe import Fp8Recipe
 
 _COMPUTE_DTYPES = ("bfloat16", "float32")
@@ -96,6 +97,9 @@ class ModelConfig:
       gate_init_std: standard deviation of the MoE gate's initialisation (DeepSeek-V3 §4.2: 0.006).
       dtype: compute dtype, "bfloat16" or "float32" (a jnp dtype is accepted and normalised).
       recipe: the `Fp8Recipe` of every FP8 projection.
+      attention: how MLA's attention core runs (`jfp8.attention`): "auto" (cuDNN's fused kernel
+        where the step is traced for a Hopper GPU that takes the heads, XLA's reference elsewhere,
+        the same on a CPU bit for bit), "xla" or "cudnn".
     """
 
     vocab_size: int = 256
@@ -132,6 +136,7 @@ class ModelConfig:
     gate_init_std: float = DEEPSEEK_V3_INIT_STD
     dtype: str = "bfloat16"
     recipe: Fp8Recipe = dataclasses.field(default_factory=Fp8Recipe.deepseek)
+    attention: str = "auto"
 
     def __post_init__(self):
         try:
@@ -172,6 +177,8 @@ class ModelConfig:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
         if not 0 <= self.bias_freeze_frac < 1:
             raise ValueError(f"bias_freeze_frac={self.bias_freeze_frac} must lie in [0, 1) (0: never freeze)")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
         if not isinstance(self.recipe, Fp8Recipe):
             raise TypeError(f"recipe must be an Fp8Recipe (e.g. Fp8Recipe.off()), got {type(self.recipe)}")
 

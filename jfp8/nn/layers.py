@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jfp8.attention import causal_attention
 from jfp8.nn.config import ModelConfig
 from jfp8.ops import fp8_linear
 from jfp8.recipe import Fp8Recipe
@@ -120,21 +121,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------------ attention
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
-    """softmax(q kᵀ · scale + causal mask) v, kept out of FP8 (DeepSeek-V3 §3.3.2).
-
-    q [B, T, H, Dqk], k [B, T, H, Dqk], v [B, T, H, Dv] -> [B, T, H, Dv] in v's dtype. Scores and
-    softmax in FP32; the probabilities multiply v in v's dtype with an FP32 accumulator.
-    """
-    t = q.shape[1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [Tq, Tk]: query t sees keys <= t
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)  # [B, H, Tq, Tk]
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.astype(v.dtype)
-
-
 class MLA(nnx.Module):
     """Multi-head Latent Attention (DeepSeek-V2/V3, V3 report §2.1.1, eq. 1-11).
 
@@ -175,5 +161,5 @@ class MLA(nnx.Module):
         k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rope, (b, t, h, rope))], axis=-1)
         v = kv[..., nope:]  # [B, T, H, dv]
 
-        out = causal_attention(q, k, v, scale=cfg.qk_head_dim**-0.5)  # [B, T, H, dv]
+        out = causal_attention(q, k, v, scale=cfg.qk_head_dim**-0.5, impl=cfg.attention)  # [B, T, H, dv]
         return self.wo(out.reshape(b, t, h * dv))
