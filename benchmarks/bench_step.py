@@ -40,6 +40,8 @@ gradient norm. The BF16 step's routed experts run `jfp8.api.ragged_dot` (`Fp8Rec
 on Hopper jax's Mosaic GPU ragged dots (`pallas_kernels.ragged`), where the expert widths are
 multiples of 128, else the reference's scan over (row tile, expert) work items, which the
 deviceless step model prices at seconds per step on a GPU: the record says which (`bf16_experts`).
+Attention runs the model's `attention` ("auto": cuDNN's fused kernel on a Hopper, in both
+precisions; `--model attention=xla` for XLA's): each row's `attention` says which ran.
 `--max-seconds` caps one precision's
 steps after its first: a slow step ends the precision early and the median is taken over the steps
 that ran (`timed_steps` says which). Record: `<out>/bench_step-<device>-<date>.json`.
@@ -235,9 +237,13 @@ def run_precision(config: TrainConfig, batches: list, timed_from: int, max_secon
     compiled = lowered.compile()
     t3 = time.perf_counter()
     out["first_jit_s"] = dict(trace=t1 - t0, lower=t2 - t1, compile=t3 - t2, total=t3 - t0)
-    out["mosaic_calls"] = lowered.as_text().count(MOSAIC_CALL)
+    text = lowered.as_text()
+    out["mosaic_calls"] = text.count(MOSAIC_CALL)
+    # MLA's attention core (`jfp8.attention`, the model's `attention`, "auto" by default): cuDNN's
+    # fused kernel where the step runs on a Hopper that passed its first check, else XLA's
+    out["attention"] = "cudnn" if "@__cudnn$fmha" in text else "xla"
     out["xla_memory"] = _xla_memory(compiled)
-    del traced, lowered
+    del traced, lowered, text
 
     losses, norms, times = [], [], []
     stopped = None

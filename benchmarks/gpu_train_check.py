@@ -62,7 +62,8 @@ def _config(preset: str, batch: int, steps: int, impl: str | None, interpret: bo
 def losses(config: TrainConfig, batches: list[np.ndarray], count_kernels: bool = False) -> dict:
     """The steps of `config` on `batches`: {"loss": per step, "first_step_s" (with its lowering and
     compile), "step_s" (the others' median), "mosaic_calls" (with `count_kernels`: the Mosaic GPU
-    calls in the lowered step, from the one lowering that is compiled and run; else None)}."""
+    calls in the lowered step, from the one lowering that is compiled and run; else None), "attention"
+    (with `count_kernels`: "cudnn" or "xla", which attention that step runs; else None)}."""
     setup = build(config)
     device = jax.devices()[0]
     # Every argument committed to the device, as the step returns them: else step 2 compiles again.
@@ -70,10 +71,12 @@ def losses(config: TrainConfig, batches: list[np.ndarray], count_kernels: bool =
     opt_state = jax.device_put(setup.tx.init(params), device)
     batches = [jax.device_put(tokens, device) for tokens in batches]
     t0 = time.perf_counter()
-    step, calls = setup.train_step, None
+    step, calls, attention = setup.train_step, None, None
     if count_kernels:
         lowered = setup.train_step.trace(params, rest, opt_state, batches[0]).lower()
-        calls = lowered.as_text().count(MOSAIC_CALL)
+        text = lowered.as_text()
+        calls = text.count(MOSAIC_CALL)
+        attention = "cudnn" if "@__cudnn$fmha" in text else "xla"  # `jfp8.attention`: both sides run the same
         step = lowered.compile()
     out, times = [], []
     for tokens in batches:
@@ -82,7 +85,8 @@ def losses(config: TrainConfig, batches: list[np.ndarray], count_kernels: bool =
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
     return {"loss": out, "first_step_s": round(times[0], 3),
-            "step_s": float(np.median(times[1:])) if len(times) > 1 else math.nan, "mosaic_calls": calls}
+            "step_s": float(np.median(times[1:])) if len(times) > 1 else math.nan, "mosaic_calls": calls,
+            "attention": attention}
 
 
 def corpus() -> tuple[np.ndarray, str]:
@@ -113,7 +117,9 @@ def check(preset: str, steps: int, batch: int, interpret: bool) -> dict:
         row["kernels"] = losses(_config(preset, batch, steps, None, interpret), batches, count_kernels=count)
         row["xla"] = losses(base, batches)
         row["mosaic_calls"] = row["kernels"].pop("mosaic_calls")
+        row["attention"] = row["kernels"].pop("attention", None)
         row["xla"].pop("mosaic_calls")
+        row["xla"].pop("attention", None)
         rel = [abs(k - r) / abs(r) if r else math.inf for k, r in zip(row["kernels"]["loss"], row["xla"]["loss"])]
         row["rel_diff"] = rel
         finite = all(map(math.isfinite, row["kernels"]["loss"] + row["xla"]["loss"]))

@@ -430,20 +430,33 @@ def _child(name: str, target: str, result_path: str) -> int:
 # ------------------------------------------------------------------------------ the parent
 
 
-def toolchain() -> pathlib.Path:
-    """The toolchain's directory (installed by scripts/hopper_toolchain.sh), or SystemExit."""
-    r = subprocess.run(["bash", str(REPO / "scripts" / "hopper_toolchain.sh")], capture_output=True, text=True)
+def toolchain(cudnn: bool = False) -> pathlib.Path:
+    """The toolchain's directory (installed by scripts/hopper_toolchain.sh), or SystemExit; with
+    `cudnn`, cuDNN beside it too (`cudnn_dir`)."""
+    env = dict(os.environ, JFP8_HOPPER_CUDNN="1") if cudnn else None
+    r = subprocess.run(["bash", str(REPO / "scripts" / "hopper_toolchain.sh")], capture_output=True, text=True,
+                       env=env)
     if r.returncode:
         raise SystemExit(f"the Hopper build toolchain is not available: {r.stderr.strip()}")
     return pathlib.Path(r.stdout.strip().splitlines()[-1])
 
 
-def child_env(tools: pathlib.Path) -> dict:
+def cudnn_dir(tools: pathlib.Path) -> pathlib.Path:
+    """Where `toolchain(cudnn=True)` installs cuDNN: beside the toolchain."""
+    return tools.with_name(tools.name + "-cudnn")
+
+
+def child_env(tools: pathlib.Path, cudnn: bool = False) -> dict:
     """The compiling process's environment: the toolchain on PATH (ptxas) and PYTHONPATH (jax's
-    CUDA plugin), nvdisasm for Mosaic's SASS dump, and the dumps on stdout."""
+    CUDA plugin), nvdisasm for Mosaic's SASS dump, and the dumps on stdout; with `cudnn`, cuDNN on
+    PYTHONPATH too (jax's plugin finds it there), so that a step's attention can be cuDNN's."""
     cuda = tools / "nvidia" / "cu13"
+    if cudnn and not (cudnn_dir(tools) / ".installed").exists():
+        raise SystemExit(f"no cuDNN beside the Hopper toolchain ({cudnn_dir(tools)}): run "
+                         "JFP8_HOPPER_CUDNN=1 bash scripts/hopper_toolchain.sh")
+    paths = [str(tools), str(cudnn_dir(tools)) if cudnn else None, os.environ.get("PYTHONPATH")]
     env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PATH=f"{cuda / 'bin'}:{os.environ['PATH']}",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(tools), os.environ.get("PYTHONPATH")])),
+               PYTHONPATH=os.pathsep.join(filter(None, paths)),
                CUDA_ROOT=str(cuda), MOSAIC_GPU_CUDA_ROOT=str(cuda), TF_CPP_MIN_LOG_LEVEL="2",
                MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_RESOURCES="1")
     for name in ("XLA_FLAGS", "MOSAIC_GPU_DUMP_TO"):  # the test suite's host devices; files

@@ -173,11 +173,30 @@ def _hlo_census(hlo: str) -> dict:
             "instructions": len(re.findall(r"^\s+(?:ROOT )?%?[\w.-]+ = ", hlo, re.M))}
 
 
+def for_target(target: str):
+    """The context a step is traced in for `target`: for a deviceless Hopper target, its kernels built
+    for that GPU and jax's cuDNN attention checks answering for a Hopper (`jfp8.attention`)."""
+    import contextlib
+
+    from jfp8 import attention
+    from pallas_kernels import _mgpu
+
+    if target not in TARGETS:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(_mgpu.build_target(TARGETS[target], HOPPER_SMS))
+    stack.enter_context(attention.deviceless_hopper())
+    return stack
+
+
+def attention_of(custom_calls: dict) -> str:
+    """Which attention a compiled step runs, from its custom calls' targets: "cudnn" or "xla"."""
+    return "cudnn" if any(t.startswith("__cudnn$fmha") for t in custom_calls) else "xla"
+
+
 def compile_step(preset: str, precision: str, step: str, target: str, batch: int | None = None,
                  census: bool = True) -> dict:
     """Trace, lower and compile one step for `target` in this process."""
-    import contextlib
-
     import jax
 
     from jfp8 import precompile
@@ -190,7 +209,7 @@ def compile_step(preset: str, precision: str, step: str, target: str, batch: int
         target, lambda: _topology_device(target))()
     fn, args = abstract_step(preset, precision, step, batch, device)
     t0 = time.perf_counter()
-    with _mgpu.build_target(TARGETS[target], HOPPER_SMS) if target in TARGETS else contextlib.nullcontext():
+    with for_target(target):
         traced = fn.trace(*args)
         t1 = time.perf_counter()
         lowered = traced.lower()
@@ -225,8 +244,10 @@ def compile_step(preset: str, precision: str, step: str, target: str, batch: int
     except Exception as e:  # noqa: BLE001 - XLA reports none for some programs
         row["cost"] = {"unavailable": f"{type(e).__name__}: {e}"[:200]}
     row["hlo"] = _hlo_census(compiled.as_text())
+    row["attention"] = attention_of(row["hlo"]["custom_calls"])
     if step == "train":
-        row["residual_bytes"] = saved_residuals(preset, precision, batch)
+        with for_target(target):
+            row["residual_bytes"] = saved_residuals(preset, precision, batch)
     row["precompile"] = {**precompile.stats(), "enabled": precompile.enabled()}
     return row
 
@@ -250,11 +271,17 @@ def _child(spec: str, target: str, result_path: str) -> int:
 # ------------------------------------------------------------------------------ the parent
 
 
-def build_env(tools: pathlib.Path | None, cache_dir: str | None = None, precompile: bool = True) -> dict:
+def build_env(tools: pathlib.Path | None, cache_dir: str | None = None, precompile: bool = True,
+              cudnn: bool | None = None) -> dict:
     """The compiling process's environment: `hopper_build`'s, without the kernel dumps (they
-    cost compile time), and with a persistent compilation cache when `cache_dir` is given."""
+    cost compile time), and with a persistent compilation cache when `cache_dir` is given. With
+    `cudnn` (default: JFP8_HOPPER_CUDNN=1 in this environment), cuDNN beside the toolchain, so that
+    "auto" attention compiles as on a Hopper GPU, through cuDNN; without it the step's attention
+    is XLA's (each row's `attention` says which)."""
+    if cudnn is None:
+        cudnn = os.environ.get("JFP8_HOPPER_CUDNN") == "1"
     # No toolchain (targets "cpu" and "local"): this environment's jax, as it is.
-    env = child_env(tools) if tools is not None else {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env(tools, cudnn) if tools is not None else {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     for name in ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_RESOURCES"):
         env.pop(name, None)
     for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE"):

@@ -88,6 +88,11 @@ class Rates:
     quantizers: tuple[tuple[str, tuple[tuple[int, float], ...]], ...]
     launch: Rate  # seconds per kernel launch, added to every op
     quantizer_source: str
+    # cuDNN's fused attention (forward and backward), TFLOP/s of the FLOPs it computes (causal:
+    # the half of QKᵀ it does not mask). Not measured on our GPU yet.
+    attention: Rate = Rate(400.0, "TFLOP/s", "assumed, not measured: cuDNN 9 fused attention on an H100, "
+                           "bf16, causal, forward and backward alike (published FlashAttention-3/cuDNN rows "
+                           "are 400-650 forward, less backward)")
 
     def quantizer_gbs(self, kind: str, elements: int) -> float:
         """The measured rate of `kind` at the measured tensor size nearest `elements` (log scale)."""
@@ -269,6 +274,7 @@ CATEGORIES = (
     ("quantize: retile", "cached E4M3 x re-tiled for Wgrad (dequantize, transpose, requantize)"),
     ("mosaic: other", "a Mosaic kernel the classifier does not know"),
     ("xla gemm (bf16)", "XLA dots: Triton GEMM fusions, cuBLAS calls"),
+    ("attention: cudnn fused", "cuDNN's fused (flash) attention, forward and backward (jfp8.attention)"),
     ("xla fusion: triton", "XLA's Triton-emitted fusions (softmax-like, normalizations)"),
     ("xla transpose/copy", "copies and transposes, fused or not"),
     ("xla cast", "fusions that only convert dtypes"),
@@ -409,6 +415,21 @@ def _cublas_flops(instr: Instr, module: Module) -> tuple[float, tuple]:
     return 2.0 * out.elements * k, (1, out.elements // out.dims[-1], out.dims[-1], k)
 
 
+def cudnn_attention_flops(instr: Instr, target: str) -> float:
+    """FLOPs of one cuDNN fused-attention call from its q, k, v operands ([B, T, H, D] in
+    `operand_layout_constraints`): the forward's QKᵀ and PV; the backward's QKᵀ again, dP = dO·Vᵀ,
+    dV = Pᵀ·dO, dQ = dS·K and dK = dSᵀ·Q. A causal mask halves the T×T products (the blocks
+    above the diagonal are skipped)."""
+    key = "operand_layout_constraints="
+    start = instr.attrs.index(key) + len(key)
+    q, _, v = arrays(instr.attrs[start:_close(instr.attrs, start)])[:3]
+    b, t, h, dqk = q.dims
+    dv = v.dims[-1]
+    pairs = b * h * t * t * (0.5 if '"CAUSAL"' in instr.attrs else 1.0)
+    per_pair = (3 * dqk + 2 * dv) if "Backward" in target else (dqk + dv)
+    return 2.0 * pairs * per_pair
+
+
 def _fusion_category(instr: Instr, body: list[Instr]) -> str:
     ops = collections.Counter(i.opcode for i in body)
     real = {o for o in ops if o not in ("parameter", "bitcast", "tuple", "get-tuple-element", "constant",
@@ -448,6 +469,8 @@ def classify(instr: Instr, module: Module) -> Op | None:
             return Op("xla gemm (bf16)", instr.name, flops, nbytes, mnk)
         if "sort" in target.lower():
             return Op("xla sort/gather/scatter", instr.name, 0.0, nbytes)
+        if target.startswith("__cudnn$fmha"):
+            return Op("attention: cudnn fused", instr.name, cudnn_attention_flops(instr, target), nbytes)
         return Op("other", instr.name, 0.0, nbytes)
     if op in ("fusion", "fusion-start"):
         body = module.computations.get(_called(instr, "calls")[0], []) if _called(instr, "calls") else []
@@ -558,6 +581,8 @@ def op_seconds(op: Op, rates: Rates = H100_RATES) -> float:
         if g is None and op.name.endswith("as one grouped GEMM"):
             rate = rates.bf16_grouped
         compute = gemm_seconds(g, rate, rates) if g else op.flops / (rate.tflops * 1e12)
+    elif c == "attention: cudnn fused":
+        compute = op.flops / (rates.attention.value * 1e12)
     elif c.startswith("quantize"):
         kind = {"quantize: 1x128": "tile", "quantize: both orientations": "grad",
                 "quantize: weight 128x128": "block-t", "quantize: retile": "retile"}[c]
@@ -634,40 +659,43 @@ def model_hlo(text: str, rates: Rates = H100_RATES) -> dict:
 def _child(spec: str, target: str, out: str) -> int:
     """Compile one (preset, precision) train step for `target`; write its stripped HLO (gz) and
     XLA's memory analysis."""
-    from hopper_build import HOPPER_SMS, TARGETS
-    from hopper_train_build import _topology_device, abstract_step
-
-    from pallas_kernels import _mgpu
+    from hopper_train_build import _topology_device, abstract_step, for_target
 
     preset, precision, batch, overrides = spec.split(":", 3)
     device = _topology_device(target)
     fn, args = abstract_step(preset, precision, "train", int(batch) or None, device,
                              tuple(json.loads(overrides).items()))
-    with _mgpu.build_target(TARGETS[target], HOPPER_SMS):
+    with for_target(target):
         lowered = fn.trace(*args).lower()
     compiled = lowered.compile()
     mem = compiled.memory_analysis()
     memory = {f: getattr(mem, f"{f}_size_in_bytes") for f in ("argument", "output", "alias", "temp")}
     memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     out = pathlib.Path(out)
-    (out / "hlo.txt.gz").write_bytes(gzip.compress(strip_payloads(compiled.as_text()).encode()))
+    text = compiled.as_text()
+    (out / "hlo.txt.gz").write_bytes(gzip.compress(strip_payloads(text).encode()))
     tokens = args[-1].shape
-    (out / "meta.json").write_text(json.dumps({"batch_size": tokens[0], "seq_len": tokens[1], "memory": memory}))
+    attention = "cudnn" if "__cudnn$fmha" in text else "xla"
+    (out / "meta.json").write_text(json.dumps({"batch_size": tokens[0], "seq_len": tokens[1], "memory": memory,
+                                               "attention": attention}))
     return 0
 
 
 def compile_hlo(preset: str, precision: str, target: str, batch: int = 0, timeout: float = 3600,
                 overrides: dict | None = None) -> tuple[str, dict]:
-    """(stripped optimized HLO text, {batch_size, seq_len, memory}) of a train step (the preset's
-    model with `overrides` of its ModelConfig), compiled in a fresh process with the Hopper
-    toolchain."""
+    """(stripped optimized HLO text, {batch_size, seq_len, memory, attention}) of a train step (the
+    preset's model with `overrides` of its ModelConfig), compiled in a fresh process with the Hopper
+    toolchain and cuDNN beside it (installed on first use), so that the attention is what a Hopper
+    runs by default: cuDNN's fused kernel (`jfp8.attention`; `attention=xla` in `overrides` models
+    XLA's)."""
     from hopper_build import toolchain
     from hopper_train_build import build_env
 
+    cudnn = (overrides or {}).get("attention", "auto") != "xla"
     with tempfile.TemporaryDirectory(prefix="step-model-") as tmp:
         spec = f"{preset}:{precision}:{batch}:{json.dumps(overrides or {})}"
         p = subprocess.run([sys.executable, __file__, "--child", spec, "--target", target,
-                            "--result", tmp], env=build_env(toolchain()), capture_output=True, text=True,
+                            "--result", tmp], env=build_env(toolchain(cudnn), cudnn=cudnn), capture_output=True, text=True,
                            timeout=timeout, cwd=REPO)
         hlo = pathlib.Path(tmp) / "hlo.txt.gz"
         if p.returncode or not hlo.exists():

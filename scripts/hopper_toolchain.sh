@@ -4,6 +4,8 @@
 # It goes to a cache shared by every clone, keyed by the pins (set JFP8_HOPPER_TOOLCHAIN to choose
 # the directory), so CI installs it once per machine. Needs scripts/env.sh's .venv (its Python
 # picks the plugin's wheel). Exit status 1, with the reason on stderr, when it cannot install.
+# JFP8_HOPPER_CUDNN=1 also installs cuDNN (benchmarks/hopper/requirements-cudnn.txt) into
+# "<directory>-cudnn" beside it, for a deviceless step with cuDNN's fused attention.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 reqs="$repo/benchmarks/hopper/requirements.txt"
@@ -26,5 +28,18 @@ if [ ! -f "$dir/.installed" ]; then
     rm -rf "$dir"
     mv "$dir.tmp" "$dir"
     touch "$dir/.installed"
+fi
+if [ "${JFP8_HOPPER_CUDNN:-0}" = 1 ] && [ ! -f "$dir-cudnn/.installed" ]; then
+    echo "installing cuDNN for the Hopper build into $dir-cudnn (~900 MB, once) ..." >&2
+    rm -rf "$dir-cudnn.tmp"
+    if ! "$py" -m pip install -q --no-deps --target "$dir-cudnn.tmp" -r "$repo/benchmarks/hopper/requirements-cudnn.txt" \
+            >"$dir-cudnn.log" 2>&1; then
+        echo "could not install cuDNN for the Hopper build (see $dir-cudnn.log): $(grep -m1 -i error "$dir-cudnn.log" || true)" >&2
+        rm -rf "$dir-cudnn.tmp"
+        exit 1
+    fi
+    rm -rf "$dir-cudnn"
+    mv "$dir-cudnn.tmp" "$dir-cudnn"
+    touch "$dir-cudnn/.installed"
 fi
 echo "$dir"
