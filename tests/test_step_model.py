@@ -221,3 +221,34 @@ def test_quantizers_at_the_goal_is_a_what_if_on_the_quantizers_only():
     assert sm.op_seconds(gemm, fast) == sm.op_seconds(gemm, r)
     doc = json.loads((sm.OUT / "wide-h100_sxm.json").read_text())["precisions"]["fp8"]
     assert doc["with_quantizers_at_goal"]["seconds"] < doc["total"]["seconds"]  # every quantizer is slower today
+
+
+CUDNN = """\
+HloModule attn
+
+ENTRY %main (q: bf16[2,256,4,192], k: bf16[2,256,4,192], v: bf16[2,256,4,128]) -> bf16[2,4,256,128] {
+  %q = bf16[2,256,4,192]{3,2,1,0} parameter(0)
+  %k = bf16[2,256,4,192]{3,2,1,0} parameter(1)
+  %v = bf16[2,256,4,128]{3,2,1,0} parameter(2)
+  %fwd = (bf16[2,4,256,128]{3,1,2,0}, f32[2,4,256]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={bf16[2,256,4,192]{3,2,1,0}, bf16[2,256,4,192]{3,2,1,0}, bf16[2,256,4,128]{3,2,1,0}}, api_version=API_VERSION_STATUS_RETURNING, backend_config={"cudnn_fmha_backend_config": {"mask_type": "CAUSAL"}}
+  %lse = f32[2,4,256]{2,1,0} get-tuple-element(%fwd), index=1
+  %out = bf16[2,4,256,128]{3,1,2,0} get-tuple-element(%fwd), index=0
+  %bwd = (bf16[2,4,256,192]{3,1,2,0}, bf16[2,4,256,192]{3,1,2,0}, bf16[2,4,256,128]{3,1,2,0}, u8[0]{0}) custom-call(%q, %k, %v, %lse, %out, %out), custom_call_target="__cudnn$fmhaSoftmaxBackward", operand_layout_constraints={bf16[2,256,4,192]{3,2,1,0}, bf16[2,256,4,192]{3,2,1,0}, bf16[2,256,4,128]{3,2,1,0}, f32[2,4,256]{2,1,0}, bf16[2,256,4,128]{3,2,1,0}, bf16[2,256,4,128]{3,2,1,0}}, api_version=API_VERSION_STATUS_RETURNING, backend_config={"cudnn_fmha_backend_config": {"mask_type": "NO_MASK"}}
+  ROOT %r = bf16[2,4,256,128]{3,1,2,0} copy(%out)
+}
+"""
+
+
+def test_cudnn_attention_counted_by_hand_and_priced_at_its_rate():
+    """cuDNN's fused attention: the forward's QKᵀ and PV, the backward's five T×T products, the
+    causal mask halving them; priced at the attention rate (compute-bound here)."""
+    ops = _by_name(sm.step_ops(sm.parse_module(CUDNN)))
+    pairs = 2 * 4 * 256 * 256
+    fwd, bwd = ops["fwd"], ops["bwd"]
+    assert fwd.category == bwd.category == "attention: cudnn fused"
+    assert fwd.flops == 2 * pairs / 2 * (192 + 128)  # causal: half the pairs
+    assert bwd.flops == 2 * pairs * (3 * 192 + 2 * 128)  # no mask: all of them
+    r = sm.H100_RATES
+    assert sm.op_seconds(bwd, r) == pytest.approx(
+        max(bwd.flops / (r.attention.value * 1e12), bwd.bytes / (r.copy.value * 1e9)) + r.launch.value)
+    assert "assumed" in r.attention.source
