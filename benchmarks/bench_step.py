@@ -62,6 +62,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jfp8 import attention as jfp8_attention
 from jfp8.api import is_hopper
 from jfp8.nn import ModelConfig, param_counts
 from jfp8.train import data
@@ -241,7 +242,7 @@ def run_precision(config: TrainConfig, batches: list, timed_from: int, max_secon
     out["mosaic_calls"] = text.count(MOSAIC_CALL)
     # MLA's attention core (`jfp8.attention`, the model's `attention`, "auto" by default): cuDNN's
     # fused kernel where the step runs on a Hopper that passed its first check, else XLA's
-    out["attention"] = "cudnn" if "@__cudnn$fmha" in text else "xla"
+    out["attention"] = jfp8_attention.ran(text)
     out["xla_memory"] = _xla_memory(compiled)
     del traced, lowered, text
 

@@ -33,6 +33,7 @@ import time
 import jax
 import numpy as np
 
+from jfp8 import attention as jfp8_attention
 from jfp8.train import data
 from jfp8.train.config import PRESET_TRAINING, TrainConfig
 from jfp8.train.step import build
@@ -76,7 +77,7 @@ def losses(config: TrainConfig, batches: list[np.ndarray], count_kernels: bool =
         lowered = setup.train_step.trace(params, rest, opt_state, batches[0]).lower()
         text = lowered.as_text()
         calls = text.count(MOSAIC_CALL)
-        attention = "cudnn" if "@__cudnn$fmha" in text else "xla"  # `jfp8.attention`: both sides run the same
+        attention = jfp8_attention.ran(text)  # both sides run the same attention
         step = lowered.compile()
     out, times = [], []
     for tokens in batches:

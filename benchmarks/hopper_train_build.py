@@ -189,17 +189,12 @@ def for_target(target: str):
     return stack
 
 
-def attention_of(custom_calls: dict) -> str:
-    """Which attention a compiled step runs, from its custom calls' targets: "cudnn" or "xla"."""
-    return "cudnn" if any(t.startswith("__cudnn$fmha") for t in custom_calls) else "xla"
-
-
 def compile_step(preset: str, precision: str, step: str, target: str, batch: int | None = None,
                  census: bool = True) -> dict:
     """Trace, lower and compile one step for `target` in this process."""
     import jax
 
-    from jfp8 import precompile
+    from jfp8 import attention, precompile
     from pallas_kernels import _mgpu, kernel_cache
 
     # "cpu": the same step compiled for this machine's CPU, where jfp8 runs the reference (the
@@ -243,8 +238,9 @@ def compile_step(preset: str, precision: str, step: str, target: str, batch: int
         row["cost"] = {k: cost[k] for k in ("flops", "bytes accessed", "transcendentals") if cost and k in cost}
     except Exception as e:  # noqa: BLE001 - XLA reports none for some programs
         row["cost"] = {"unavailable": f"{type(e).__name__}: {e}"[:200]}
-    row["hlo"] = _hlo_census(compiled.as_text())
-    row["attention"] = attention_of(row["hlo"]["custom_calls"])
+    text = compiled.as_text()
+    row["hlo"] = _hlo_census(text)
+    row["attention"] = attention.ran(text)
     if step == "train":
         with for_target(target):
             row["residual_bytes"] = saved_residuals(preset, precision, batch)

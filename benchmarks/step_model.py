@@ -661,6 +661,8 @@ def _child(spec: str, target: str, out: str) -> int:
     XLA's memory analysis."""
     from hopper_train_build import _topology_device, abstract_step, for_target
 
+    from jfp8 import attention
+
     preset, precision, batch, overrides = spec.split(":", 3)
     device = _topology_device(target)
     fn, args = abstract_step(preset, precision, "train", int(batch) or None, device,
@@ -675,9 +677,8 @@ def _child(spec: str, target: str, out: str) -> int:
     text = compiled.as_text()
     (out / "hlo.txt.gz").write_bytes(gzip.compress(strip_payloads(text).encode()))
     tokens = args[-1].shape
-    attention = "cudnn" if "__cudnn$fmha" in text else "xla"
     (out / "meta.json").write_text(json.dumps({"batch_size": tokens[0], "seq_len": tokens[1], "memory": memory,
-                                               "attention": attention}))
+                                               "attention": attention.ran(text)}))
     return 0
 
 

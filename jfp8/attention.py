@@ -205,6 +205,12 @@ def _real_hopper() -> bool:
     return api.is_hopper(jax.devices()[0])
 
 
+def ran(program_text: str) -> Literal["xla", "cudnn"]:
+    """Which attention a lowered (StableHLO) or compiled (HLO) program's text runs: "cudnn" where it
+    calls cuDNN's fused attention, else "xla". For records of what a step ran."""
+    return "cudnn" if "__cudnn$fmha" in program_text else "xla"
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
                      impl: AttentionImpl = "xla") -> jax.Array:
     """Causal softmax attention by `impl` (module docstring); shapes as `xla_causal_attention`'s."""

@@ -63,7 +63,7 @@ def test_auto_is_the_reference_on_a_cpu_bit_for_bit(dtype):
     for a, b in zip(jax.tree.leaves(auto(q, k, v)), jax.tree.leaves(xla(q, k, v))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     text = auto.lower(q, k, v).as_text()
-    assert "cudnn" not in text and text == xla.lower(q, k, v).as_text()
+    assert "cudnn" not in text and text == xla.lower(q, k, v).as_text() and attention.ran(text) == "xla"
 
 
 def test_the_model_config_picks_the_attention_and_checks_it():
@@ -159,7 +159,8 @@ DEVICELESS = textwrap.dedent("""
             text = f.trace(q, q, v).lower().as_text()
         outside = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, v).lower().as_text()
         out[f"{dqk}/{dv}"] = {"fwd": text.count("@__cudnn$fmhaSoftmax("), "bwd": text.count("@__cudnn$fmhaSoftmaxBackward("),
-                              "causal": "CAUSAL" in text, "outside": outside.count("cudnn")}
+                              "causal": "CAUSAL" in text, "outside": outside.count("cudnn"),
+                              "ran": [attention.ran(text), attention.ran(outside)]}
     print(json.dumps(out))
 """)
 
@@ -176,7 +177,7 @@ def test_deviceless_h100_build_lowers_mla_heads_to_cudnn(toolchain):
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     for dqk, dv in PRESET_HEADS:
-        assert got[f"{dqk}/{dv}"] == {"fwd": 1, "bwd": 1, "causal": True, "outside": 0}, got
+        assert got[f"{dqk}/{dv}"] == {"fwd": 1, "bwd": 1, "causal": True, "outside": 0, "ran": ["cudnn", "xla"]}, got
 
 
 # ------------------------------------------------------------------------------ on a Hopper GPU
