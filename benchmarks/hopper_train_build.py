@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import json
 import os
@@ -173,20 +174,18 @@ def _hlo_census(hlo: str) -> dict:
             "instructions": len(re.findall(r"^\s+(?:ROOT )?%?[\w.-]+ = ", hlo, re.M))}
 
 
+@contextlib.contextmanager
 def for_target(target: str):
     """The context a step is traced in for `target`: for a deviceless Hopper target, its kernels built
     for that GPU and jax's cuDNN attention checks answering for a Hopper (`jfp8.attention`)."""
-    import contextlib
-
     from jfp8 import attention
     from pallas_kernels import _mgpu
 
     if target not in TARGETS:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(_mgpu.build_target(TARGETS[target], HOPPER_SMS))
-    stack.enter_context(attention.deviceless_hopper())
-    return stack
+        yield
+        return
+    with _mgpu.build_target(TARGETS[target], HOPPER_SMS), attention.deviceless_hopper():
+        yield
 
 
 def compile_step(preset: str, precision: str, step: str, target: str, batch: int | None = None,

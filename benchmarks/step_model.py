@@ -88,11 +88,13 @@ class Rates:
     quantizers: tuple[tuple[str, tuple[tuple[int, float], ...]], ...]
     launch: Rate  # seconds per kernel launch, added to every op
     quantizer_source: str
-    # cuDNN's fused attention (forward and backward), TFLOP/s of the FLOPs it computes (causal:
-    # the half of QKᵀ it does not mask). Not measured on our GPU yet.
-    attention: Rate = Rate(400.0, "TFLOP/s", "assumed, not measured: cuDNN 9 fused attention on an H100, "
-                           "bf16, causal, forward and backward alike (published FlashAttention-3/cuDNN rows "
-                           "are 400-650 forward, less backward)")
+    # cuDNN's fused attention, TFLOP/s of the FLOPs it computes (causal: the half of the T x T
+    # products it does not mask). Not measured on our GPU yet.
+    attention: Rate = Rate(400.0, "TFLOP/s", "assumed, not measured: cuDNN 9 fused attention forward on an "
+                           "H100, bf16, causal (published FlashAttention-3/cuDNN forward rows at head dim 128 "
+                           "are 400-650)")
+    attention_backward: Rate = Rate(280.0, "TFLOP/s", "assumed, not measured: 0.7x the forward's rate "
+                                    "(flash attention's backward runs at about 0.6-0.8x its forward)")
 
     def quantizer_gbs(self, kind: str, elements: int) -> float:
         """The measured rate of `kind` at the measured tensor size nearest `elements` (log scale)."""
@@ -274,7 +276,8 @@ CATEGORIES = (
     ("quantize: retile", "cached E4M3 x re-tiled for Wgrad (dequantize, transpose, requantize)"),
     ("mosaic: other", "a Mosaic kernel the classifier does not know"),
     ("xla gemm (bf16)", "XLA dots: Triton GEMM fusions, cuBLAS calls"),
-    ("attention: cudnn fused", "cuDNN's fused (flash) attention, forward and backward (jfp8.attention)"),
+    ("attention: cudnn forward", "cuDNN's fused (flash) attention, forward (jfp8.attention)"),
+    ("attention: cudnn backward", "cuDNN's fused attention, backward: dq, dk, dv"),
     ("xla fusion: triton", "XLA's Triton-emitted fusions (softmax-like, normalizations)"),
     ("xla transpose/copy", "copies and transposes, fused or not"),
     ("xla cast", "fusions that only convert dtypes"),
@@ -470,7 +473,8 @@ def classify(instr: Instr, module: Module) -> Op | None:
         if "sort" in target.lower():
             return Op("xla sort/gather/scatter", instr.name, 0.0, nbytes)
         if target.startswith("__cudnn$fmha"):
-            return Op("attention: cudnn fused", instr.name, cudnn_attention_flops(instr, target), nbytes)
+            kind = "backward" if "Backward" in target else "forward"
+            return Op(f"attention: cudnn {kind}", instr.name, cudnn_attention_flops(instr, target), nbytes)
         return Op("other", instr.name, 0.0, nbytes)
     if op in ("fusion", "fusion-start"):
         body = module.computations.get(_called(instr, "calls")[0], []) if _called(instr, "calls") else []
@@ -581,8 +585,9 @@ def op_seconds(op: Op, rates: Rates = H100_RATES) -> float:
         if g is None and op.name.endswith("as one grouped GEMM"):
             rate = rates.bf16_grouped
         compute = gemm_seconds(g, rate, rates) if g else op.flops / (rate.tflops * 1e12)
-    elif c == "attention: cudnn fused":
-        compute = op.flops / (rates.attention.value * 1e12)
+    elif c.startswith("attention: cudnn"):
+        rate = rates.attention_backward if c.endswith("backward") else rates.attention
+        compute = op.flops / (rate.value * 1e12)
     elif c.startswith("quantize"):
         kind = {"quantize: 1x128": "tile", "quantize: both orientations": "grad",
                 "quantize: weight 128x128": "block-t", "quantize: retile": "retile"}[c]

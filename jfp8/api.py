@@ -53,12 +53,22 @@ def is_hopper(device: jax.Device | None = None) -> bool:
 
 def traced_for_hopper() -> bool:
     """True when what is traced now will run on a Hopper GPU, as far as tracing can tell: a
-    deviceless build for one (`pallas_kernels._mgpu.build_target`, an abstract H100 mesh), or this
+    deviceless build for one (`pallas_kernels._mgpu.build_target`, an abstract H100 mesh), else
+    the abstract mesh's devices (a CPU mesh: False), else `jax.default_device`'s, else this
     process's default device. For choices made when tracing (`jfp8.attention`); the kernels here
-    choose later, when the computation is lowered."""
+    choose later, when the computation is lowered. A jit placed elsewhere by its arguments or by
+    `jax.jit(..., device=...)` is not seen: pass impl="xla" there."""
     kind = _mgpu.deviceless_gpu_kind()
     if kind is not None:
         return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None and abstract.platform not in ("gpu", "cuda"):
+        return False  # a mesh of CPU devices (shard_map on a host), whatever the default device is
+    default = jax.config.jax_default_device  # `jax.default_device(...)`: where an unplaced jit runs
+    if default is not None:
+        if isinstance(default, str):
+            return default in ("gpu", "cuda") and is_hopper(jax.devices(default)[0])
+        return is_hopper(default)
     return is_hopper(jax.devices()[0])
 
 

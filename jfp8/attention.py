@@ -19,14 +19,16 @@ blockwise, with an online softmax), so they agree to the inputs' precision, not 
   no cuDNN, a dtype or head width cuDNN does not take).
 - "auto": chosen when the attention is traced: cuDNN where the computation is traced for a Hopper
   GPU whose cuDNN takes the heads and, on a real GPU, passes a first check against the reference
-  (`_cudnn_agrees`, once per process and head shape; a failure warns and keeps XLA); XLA
-  elsewhere. On a CPU host nothing changes: "auto" is "xla", bit for bit.
+  (`_cudnn_agrees`: one sequence of the step's length and heads, forward and backward, once per
+  process and shape; a failure warns and keeps XLA); XLA elsewhere. On a CPU host nothing
+  changes: "auto" is "xla", bit for bit. The check runs the kernel by itself, not inside the
+  step's program: a cuDNN failure that only the step's compile meets (another batch size, say)
+  is not caught by it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from typing import Literal, TypeAlias
 
@@ -118,11 +120,7 @@ def deviceless_hopper():
     hold the heads to a pre-Hopper GPU's (width <= 128, no MLA). For deviceless builds only:
     where a GPU is present, jax's own answer stands."""
     fa = _jax_cudnn()
-    try:
-        has_gpu = bool(jax.devices("gpu"))
-    except RuntimeError:
-        has_gpu = False
-    if fa is None or has_gpu:
+    if fa is None or _has_gpu():
         yield
         return
     capability = lambda c: tuple(int(x) for x in c.split("."))  # noqa: E731
@@ -136,8 +134,10 @@ def deviceless_hopper():
 
 
 # The tolerance of `_cudnn_agrees`: the largest difference against the reference, over the largest
-# magnitude of the reference's output or gradient. bf16 inputs round at 2^-8 relative; both sides
-# round the probabilities to bf16 and sum in different orders.
+# magnitude of the reference's output or gradient. A guard against a kernel that fails or computes
+# something else (a wrong mask, scale or block), not a precision test: bf16 inputs round at 2^-8
+# relative, both sides round the probabilities to bf16 and sum in different orders.
+# `tests/test_attention.py` holds cuDNN to the float64 oracle on a GPU.
 PROBE_TOLERANCE = 3e-2
 
 
@@ -146,26 +146,36 @@ def _max_rel(a: jax.Array, b: jax.Array) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
+class _CannotCheckHere(Exception):
+    """The check could not run eagerly where it was asked (inside a trace that keeps its values
+    abstract, e.g. an eager `shard_map`): no verdict."""
+
+
 def _probe(run, reference, q_shape: tuple, v_shape: tuple, dtype) -> str | None:
     """Run `run` and `reference` (each (q, k, v) -> out) forward and backward on random inputs of
-    these shapes, eagerly (also while a caller is being traced); None when they agree, else why not."""
+    these shapes, eagerly (also while a caller is being jitted); None when they agree, else why not.
+    Raises `_CannotCheckHere` where the values stay abstract."""
     with jax.ensure_compile_time_eval():
         kq, kk, kv, kg = jax.random.split(jax.random.key(0), 4)
         q = jax.random.normal(kq, q_shape, jnp.float32).astype(dtype)
         k = jax.random.normal(kk, q_shape, jnp.float32).astype(dtype)
         v = jax.random.normal(kv, v_shape, jnp.float32).astype(dtype)
         g = jax.random.normal(kg, v_shape, jnp.float32).astype(dtype)
+        if any(isinstance(x, jax.core.Tracer) for x in (q, k, v, g)):
+            raise _CannotCheckHere("the check's inputs are traced here")
 
         def fwd_bwd(fn):
             out, vjp = jax.vjp(fn, q, k, v)
             return (out, *vjp(g))
 
         try:
-            got = jax.jit(lambda: fwd_bwd(run))()
-            jax.block_until_ready(got)
+            want = jax.block_until_ready(jax.jit(lambda: fwd_bwd(reference))())
+        except Exception as e:  # noqa: BLE001 - the reference failing says nothing about the candidate
+            raise _CannotCheckHere(f"the reference failed: {type(e).__name__}: {str(e)[:300]}") from e
+        try:
+            got = jax.block_until_ready(jax.jit(lambda: fwd_bwd(run))())
         except Exception as e:  # noqa: BLE001 - any failure of the candidate is the answer
             return f"it failed: {type(e).__name__}: {str(e)[:300]}"
-        want = jax.jit(lambda: fwd_bwd(reference))()
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             err = _max_rel(a, b)
             if not err <= PROBE_TOLERANCE:
@@ -173,18 +183,28 @@ def _probe(run, reference, q_shape: tuple, v_shape: tuple, dtype) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _cudnn_agrees(dqk: int, dv: int, dtype_name: str, heads: int) -> str | None:
-    """cuDNN's attention against the reference at these heads, once per process: None when it
-    runs and agrees, else why not (and a warning). At 2 × 256 tokens: two causal blocks of cuDNN's
-    tiling, a diagonal and a full one."""
+_VERDICTS: dict[tuple, str | None] = {}
+
+
+def _cudnn_agrees(dqk: int, dv: int, dtype_name: str, seq_len: int, heads: int) -> str | None:
+    """cuDNN's attention against the reference at one sequence of the step's length and heads,
+    once per process and shape: None when it runs and agrees, else why not (and a warning). Where
+    the check cannot run (`_CannotCheckHere`) the answer is "not checked", not kept, and XLA runs."""
+    key = (dqk, dv, dtype_name, seq_len, heads)
+    if key in _VERDICTS:
+        return _VERDICTS[key]
     scale = dqk**-0.5
-    why = _probe(lambda q, k, v: cudnn_causal_attention(q, k, v, scale),
-                 lambda q, k, v: xla_causal_attention(q, k, v, scale),
-                 (2, 256, heads, dqk), (2, 256, heads, dv), jnp.dtype(dtype_name))
+    try:
+        why = _probe(lambda q, k, v: cudnn_causal_attention(q, k, v, scale),
+                     lambda q, k, v: xla_causal_attention(q, k, v, scale),
+                     (1, seq_len, heads, dqk), (1, seq_len, heads, dv), jnp.dtype(dtype_name))
+    except _CannotCheckHere as e:
+        return f"not checked: {e}"
+    _VERDICTS[key] = why
     if why is not None:
-        warnings.warn(f"cuDNN's fused attention at head widths {dqk}/{dv} ({dtype_name}) did not pass its first "
-                      f"check, so attention runs in XLA (impl='auto'): {why}", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"cuDNN's fused attention at head widths {dqk}/{dv} ({dtype_name}, {seq_len} tokens, {heads} "
+                      f"heads) did not pass its first check, so attention runs in XLA (impl='auto'): {why}",
+                      RuntimeWarning, stacklevel=4)
     return why
 
 
@@ -195,14 +215,21 @@ def resolve(impl: AttentionImpl, q: jax.Array, k: jax.Array, v: jax.Array) -> Li
         return impl
     if cudnn_unsupported(q, k, v) is not None:
         return "xla"
-    if _real_hopper() and _cudnn_agrees(q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).name, min(q.shape[2], 2)):
+    if _real_hopper() and _cudnn_agrees(q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).name, q.shape[1], q.shape[2]):
         return "xla"
     return "cudnn"
 
 
 def _real_hopper() -> bool:
-    """A Hopper GPU is this process's default device (not a deviceless build)."""
-    return api.is_hopper(jax.devices()[0])
+    """A real Hopper GPU is where this is traced to run (not a deviceless build)."""
+    return api.traced_for_hopper() and api.is_hopper(jax.devices("gpu")[0]) if _has_gpu() else False
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
 
 
 def ran(program_text: str) -> Literal["xla", "cudnn"]:
