@@ -232,6 +232,12 @@ def _has_gpu() -> bool:
         return False
 
 
+def cudnn_failure(error: BaseException) -> bool:
+    """Whether `error` (from compiling or running a step) names cuDNN: what a caller may retry
+    with attention="xla" (`benchmarks/bench_step.py`, `gpu_train_check.py`)."""
+    return "cudnn" in f"{type(error).__name__}: {error}".lower()
+
+
 def ran(program_text: str) -> Literal["xla", "cudnn"]:
     """Which attention a lowered (StableHLO) or compiled (HLO) program's text runs: "cudnn" where it
     calls cuDNN's fused attention, else "xla". For records of what a step ran."""

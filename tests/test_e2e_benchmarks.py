@@ -196,3 +196,33 @@ def test_cpu_pace_ratios_are_medians_over_processes():
     got = pace._ratios(rows, "tiny")
     assert got["fp8"]["train_step_s"] == 4.0 and got["bf16"]["eval_compile_s"] == 2.0
     assert got["fp8_over_bf16"] == {m: 2.0 for m in pace.METRICS}
+
+
+def test_a_cudnn_failure_in_the_step_retries_with_xla_attention(tmp_path, monkeypatch, step_bench, fresh_steps):
+    """cuDNN's attention failing at the step's own compile (its first check passed at one
+    sequence): the precision runs again with attention=xla and its row says why; another error is
+    the precision's failure, with no second try."""
+    real = step_bench.run_precision
+    tried = []
+
+    def cudnn_fails(config, *args, **kwargs):
+        tried.append(config.model_config().attention)
+        if config.model_config().attention != "xla":
+            raise RuntimeError("INTERNAL: cuDNN graph: CUDNN_STATUS_NOT_SUPPORTED (no valid engine)")
+        return real(config, *args, **kwargs)
+
+    monkeypatch.setattr(step_bench, "run_precision", cudnn_fails)
+    assert step_bench.main([*STEP, "--precisions", "bf16", "--out", str(tmp_path)]) == 0
+    (row,) = _record(tmp_path, "bench_step")["rows"]
+    assert tried == ["auto", "xla"] and "CUDNN_STATUS_NOT_SUPPORTED" in row["attention_fallback"]
+    assert row["attention"] == "xla" and row["step_ms"] > 0
+
+    def other_error(config, *args, **kwargs):
+        tried.append(config.model_config().attention)
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(step_bench, "run_precision", other_error)
+    out = tmp_path / "second"
+    assert step_bench.main([*STEP, "--precisions", "bf16", "--out", str(out)]) == 1
+    record = _record(out, "bench_step")
+    assert tried[2:] == ["auto"] and not record["rows"] and "out of memory" in record["failed"][0]["error"]

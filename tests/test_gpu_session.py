@@ -546,6 +546,32 @@ def test_the_training_check_fails_a_kernel_that_drifts(monkeypatch):
     assert run([2.0, 1.9], [2.0, 1.9], mosaic_calls=12)["ok"] is True
 
 
+def test_the_training_check_retries_both_sides_with_xla_attention_after_a_cudnn_failure(monkeypatch):
+    """cuDNN's attention failing in the kernels' step: both sides again with attention=xla (the
+    kernels are what the check is about), the row saying why; another error fails the row."""
+    check = _load("gpu_train_check")
+    seen = []
+
+    def losses(config, batches, count_kernels=False):
+        attention = config.model_config().attention
+        seen.append((config.recipe_overrides, attention))
+        if attention != "xla":
+            raise RuntimeError("cuDNN: CUDNN_STATUS_EXECUTION_FAILED")
+        return {"loss": [2.0, 1.9], "first_step_s": 1.0, "step_s": 0.1, "mosaic_calls": 12, "attention": "xla"}
+
+    monkeypatch.setattr(check, "losses", losses)
+    row = check.check("tiny", 2, 2, interpret=False)
+    assert row["ok"] is True and "CUDNN_STATUS_EXECUTION_FAILED" in row["attention_fallback"]
+    assert [a for _, a in seen] == ["auto", "xla", "xla"] and seen[-1][0] == (("impl", "xla"),)
+
+    def oom(config, batches, count_kernels=False):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(check, "losses", oom)
+    row = check.check("tiny", 2, 2, interpret=False)
+    assert row["ok"] is False and "out of memory" in row["failure"] and "attention_fallback" not in row
+
+
 def test_rehearsal_of_the_e2e_call(session, tmp_path):
     """The end-to-end call's plumbing: the layer-shape stage's record is bench_linear's, found,
     read and tabulated (the block and the step are rehearsed by their own tests)."""
