@@ -181,6 +181,31 @@ def test_grouped_dispatch_combine_matches_per_token_loop():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"seed {seed}")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_combine_backward_is_autodiffs_scatter_bit_for_bit(dtype):
+    """combine's backward gathers the cotangent's rows by `order` (no zeroed [T*K, d] buffer to
+    scatter into), with the bits autodiff's scatter-add into zeros gives: negative zeros, zero
+    gates and zero cotangent rows included."""
+    rng, seed = _rng()
+    t, e, k, d = 48, 6, 3, 16
+    experts, weights = top_k_routing(_scores(rng, t, e), jnp.zeros(e, jnp.float32), k)
+    weights = weights.at[0, 0].set(0.0)
+    _, _, order = dispatch(jnp.zeros((t, d)), experts, e)
+    y_sorted = jnp.asarray(rng.standard_normal((t * k, d)), dtype)
+    dout = jnp.asarray(rng.standard_normal((t, d)), dtype).at[1].set(-0.0).at[2, :5].set(0.0).at[3, 0].set(jnp.nan)
+
+    def autodiff_combine(y_sorted, order, weights):  # combine as it was: jnp.take's own transpose
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        y = jnp.take(y_sorted, inverse, axis=0).reshape(t, k, -1)
+        return jnp.einsum("tk,tkd->td", weights, y.astype(jnp.float32)).astype(y_sorted.dtype)
+
+    for run in (lambda f: f, jax.jit):
+        got, want = (run(lambda y, w, f=f: (lambda o, vjp: (o, *vjp(dout)))(*jax.vjp(lambda y, w: f(y, order, w), y, w)))(
+            y_sorted, weights) for f in (combine, autodiff_combine))
+        for a, b in zip(got, want):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"seed {seed}"
+
+
 @pytest.mark.parametrize("routing", [{}, dict(n_routed=8, n_group=4, topk_group=2, route_scale=2.5)])
 def test_moe_module_matches_per_token_loop(routing):
     """The MoE module (BF16-baseline recipe, FP32 compute) equals shared + Σ_k g_k SwiGLU_{e_k}

@@ -151,9 +151,33 @@ def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Ar
     """
     t, k = weights.shape
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    y = jnp.take(y_sorted, inverse, axis=0).reshape(t, k, -1)  # [T, K, d]: assignment order
+    y = _unsort_rows(y_sorted, order, inverse).reshape(t, k, -1)  # [T, K, d]: assignment order
     out = jnp.einsum("tk,tkd->td", weights, y.astype(jnp.float32))
     return out.astype(y_sorted.dtype)
+
+
+@jax.custom_vjp
+def _unsort_rows(y_sorted: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+    """y_sorted[inverse]: the rows back in assignment order (`inverse` is `order`'s inverse).
+
+    Autodiff would transpose the gather into a scatter-add into a zeroed [T*K, d] buffer, which
+    XLA:GPU hoists: the deviceless wide4k step at batch 16 held the four MoE layers' zeroed
+    buffers live together from the start of the backward (6.4 GB). A permutation's transpose is
+    the inverse permutation: the cotangent's rows gathered by `order`, with -0 turned to +0 as
+    adding into zeros does (the same bits)."""
+    return jnp.take(y_sorted, inverse, axis=0)
+
+
+def _unsort_rows_fwd(y_sorted, order, inverse):
+    return jnp.take(y_sorted, inverse, axis=0), order
+
+
+def _unsort_rows_bwd(order, g):
+    dy = jnp.take(g, order, axis=0)
+    return jnp.where(dy == 0, jnp.zeros_like(dy), dy), None, None
+
+
+_unsort_rows.defvjp(_unsort_rows_fwd, _unsort_rows_bwd)
 
 
 def expert_loads(experts: jax.Array, n_experts: int) -> jax.Array:
