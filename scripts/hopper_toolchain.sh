@@ -16,30 +16,25 @@ if [ ! -x "$py" ]; then
 fi
 key="$( (cat "$reqs"; "$py" -c 'import sys; print(sys.version_info[:2])') | sha256sum | cut -c1-12)"
 dir="${JFP8_HOPPER_TOOLCHAIN:-${XDG_CACHE_HOME:-$HOME/.cache}/jfp8/hopper-toolchain-$key}"
-if [ ! -f "$dir/.installed" ]; then
-    echo "installing the Hopper build toolchain into $dir (~270 MB, once) ..." >&2
-    mkdir -p "$(dirname "$dir")"
-    rm -rf "$dir.tmp"
-    if ! "$py" -m pip install -q --no-deps --target "$dir.tmp" -r "$reqs" >"$dir.log" 2>&1; then
-        echo "could not install the Hopper build toolchain (see $dir.log): $(grep -m1 -i error "$dir.log" || true)" >&2
-        rm -rf "$dir.tmp"
+# install_into DIR REQUIREMENTS WHAT: pip-installs REQUIREMENTS into DIR once (DIR/.installed),
+# through DIR.tmp so that an interrupted install leaves nothing half-done.
+install_into() {
+    local target="$1" requirements="$2" what="$3"
+    [ -f "$target/.installed" ] && return 0
+    echo "installing $what into $target, once ..." >&2
+    mkdir -p "$(dirname "$target")"
+    rm -rf "$target.tmp"
+    if ! "$py" -m pip install -q --no-deps --target "$target.tmp" -r "$requirements" >"$target.log" 2>&1; then
+        echo "could not install $what (see $target.log): $(grep -m1 -i error "$target.log" || true)" >&2
+        rm -rf "$target.tmp"
         exit 1
     fi
-    rm -rf "$dir"
-    mv "$dir.tmp" "$dir"
-    touch "$dir/.installed"
-fi
-if [ "${JFP8_HOPPER_CUDNN:-0}" = 1 ] && [ ! -f "$dir-cudnn/.installed" ]; then
-    echo "installing cuDNN for the Hopper build into $dir-cudnn (~900 MB, once) ..." >&2
-    rm -rf "$dir-cudnn.tmp"
-    if ! "$py" -m pip install -q --no-deps --target "$dir-cudnn.tmp" -r "$repo/benchmarks/hopper/requirements-cudnn.txt" \
-            >"$dir-cudnn.log" 2>&1; then
-        echo "could not install cuDNN for the Hopper build (see $dir-cudnn.log): $(grep -m1 -i error "$dir-cudnn.log" || true)" >&2
-        rm -rf "$dir-cudnn.tmp"
-        exit 1
-    fi
-    rm -rf "$dir-cudnn"
-    mv "$dir-cudnn.tmp" "$dir-cudnn"
-    touch "$dir-cudnn/.installed"
+    rm -rf "$target"
+    mv "$target.tmp" "$target"
+    touch "$target/.installed"
+}
+install_into "$dir" "$reqs" "the Hopper build toolchain (~270 MB)"
+if [ "${JFP8_HOPPER_CUDNN:-0}" = 1 ]; then
+    install_into "$dir-cudnn" "$repo/benchmarks/hopper/requirements-cudnn.txt" "cuDNN for the Hopper build (~900 MB)"
 fi
 echo "$dir"

@@ -122,12 +122,12 @@ def test_the_first_check_catches_a_wrong_or_failing_kernel_while_a_step_is_trace
 def test_auto_takes_cudnn_only_where_it_passed_its_check(monkeypatch):
     q, k, v = _qkv(0, 1, 8, 2, 96, 64)
     monkeypatch.setattr(attention, "cudnn_unsupported", lambda *a: None)
-    monkeypatch.setattr(attention, "_real_hopper", lambda: True)
+    monkeypatch.setattr(attention, "_has_gpu", lambda: True)
     monkeypatch.setattr(attention, "_cudnn_agrees", lambda *a: "its dq is 0.5 off the reference")
     assert attention.resolve("auto", q, k, v) == "xla"
     monkeypatch.setattr(attention, "_cudnn_agrees", lambda *a: None)
     assert attention.resolve("auto", q, k, v) == "cudnn"
-    monkeypatch.setattr(attention, "_real_hopper", lambda: False)  # deviceless: nothing to run a check on
+    monkeypatch.setattr(attention, "_has_gpu", lambda: False)  # deviceless: nothing to run a check on
     monkeypatch.setattr(attention, "_cudnn_agrees", lambda *a: pytest.fail("checked without a GPU"))
     assert attention.resolve("auto", q, k, v) == "cudnn"
     assert attention.resolve("xla", q, k, v) == "xla"
