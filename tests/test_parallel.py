@@ -77,8 +77,15 @@ def _sharded_opt_state(tx, params, mesh):
     return meshes.shard_params(tx.init(params), mesh)
 
 
+def _copies(tree):
+    """Copies of a cached run's arrays, placed as they are: the step donates (deletes) its state,
+    and the cached run's is shared by several tests."""
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False), tree)
+
+
 def _sharded_step(data, expert, precision="fp8", overrides=()):
     mesh, (_, _, params, rest, tx, _, step, _) = _sharded_run(data, expert, precision, overrides)
+    params, rest = _copies((params, rest))
     return step(params, rest, _sharded_opt_state(tx, params, mesh), meshes.shard_batch(_tokens(), mesh))
 
 
@@ -133,6 +140,15 @@ def test_one_device_mesh_is_bit_exact():
     assert float(got[3]["loss"]) == float(ref[3]["loss"])
     assert float(got[3]["grad_norm"]) == float(ref[3]["grad_norm"])
     assert _max_rel(ref[0], got[0]) == 0.0
+
+
+def test_sharded_step_donates_its_state():
+    """Like the single-device step (`test_train_parts`): every parameter, router bias and moment
+    is written over in place (read from the lowering; nothing compiled)."""
+    mesh, (_, _, params, rest, tx, _, step, _) = _sharded_run(1, 1)
+    state = (params, rest, _sharded_opt_state(tx, params, mesh))
+    text = step.lower(*state, meshes.shard_batch(_tokens(), mesh)).as_text()
+    assert text.count("tf.aliasing_output") == len(jax.tree.leaves(state))
 
 
 @pytest.mark.slow
@@ -246,6 +262,7 @@ def test_few_steps_on_2x4_mesh_decrease_loss():
     mesh, (_, _, params, rest, tx, _, step, _) = _sharded_run(2, 4)
     # Placed like test_sharded_fp8_step_matches_single_device[2-4]'s state: all three steps run
     # the program that test compiled.
+    params, rest = _copies((params, rest))
     opt_state, tokens, losses = _sharded_opt_state(tx, params, mesh), meshes.shard_batch(_tokens(1), mesh), []
     for _ in range(3):
         params, rest, opt_state, m = step(params, rest, opt_state, tokens)

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jfp8.mesh import BATCH_AXES, param_specs, shard_params
 from jfp8.nn.expert_parallel import ParallelOptions, install_expert_parallel
 from jfp8.nn.model import loss_from_outputs
-from jfp8.train.step import TrainSetup, bias_gamma_schedule, build, optimizer_step
+from jfp8.train.step import STATE_ARGNUMS, TrainSetup, bias_gamma_schedule, build, optimizer_step
 
 def sharded_loss_fn(graphdef, mesh: Mesh, params, rest, options: ParallelOptions = ParallelOptions()):
     """`(params, rest, tokens) -> (loss, parts)` equal to `model_loss` on the global batch.
@@ -39,14 +39,15 @@ def sharded_loss_fn(graphdef, mesh: Mesh, params, rest, options: ParallelOptions
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs)
 
 def make_sharded_train_step(graphdef, tx, mesh: Mesh, params, rest, options: ParallelOptions = ParallelOptions(),
-                            loss_scale: float = 1.0, bias_gamma=None):
+                            loss_scale: float = 1.0, bias_gamma=None, *, donate: bool = True):
     """The jitted sharded counterpart of `jfp8.train.step.build`'s `train_step`.
 
     `step(params, rest, opt_state, tokens) -> (params, rest, opt_state, metrics)`, tokens a global
     [B, T] batch (placed with `shard_batch`), params/rest placed with `shard_params`. Gradients of
     replicated parameters are summed over all devices by autodiff of the shard_map; the router
     biases move by the global expert loads, with γ_t from `bias_gamma` (step -> γ_t,
-    `jfp8.train.step.bias_gamma_schedule`; None: the config's constant γ).
+    `jfp8.train.step.bias_gamma_schedule`; None: the config's constant γ). `donate`: the step
+    donates params, rest and opt_state, as the single-device one does (`jfp8.train.step.TrainSetup`).
     """
     loss_fn = sharded_loss_fn(graphdef, mesh, params, rest, options)
     p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
@@ -60,7 +61,7 @@ def make_sharded_train_step(graphdef, tx, mesh: Mesh, params, rest, options: Par
         rest = jax.lax.with_sharding_constraint(rest, r_shard)
         return params, rest, opt_state, metrics
 
-    return jax.jit(step)
+    return jax.jit(step, donate_argnums=STATE_ARGNUMS if donate else ())
 
 def check_no_drops(metrics: dict) -> None:
     """Raise when a step with a finite `capacity_factor` dropped token assignments."""
@@ -71,14 +72,15 @@ def check_no_drops(metrics: dict) -> None:
             "dropped this step; raise ParallelOptions.capacity_factor or use None (dropless)"
         )
 
-def build_sharded(config, mesh: Mesh, options: ParallelOptions = ParallelOptions()):
-    """`jfp8.train.step.build(config)` on a mesh: the same 8-tuple (model_cfg, graphdef, params,
-    rest, tx, schedule, train_step, eval_step), with params/rest placed on `mesh` and sharded steps.
-    Feed the steps batches placed with `shard_batch(tokens, mesh)`."""
-    model_cfg, graphdef, params, rest, tx, schedule, _, _ = build(config)  # same model, init, optimizer
+def build_sharded(config, mesh: Mesh, options: ParallelOptions = ParallelOptions(), *, donate: bool = True):
+    """`jfp8.train.step.build(config, donate=donate)` on a mesh: the same 8-tuple (model_cfg,
+    graphdef, params, rest, tx, schedule, train_step, eval_step), with params/rest placed on `mesh`
+    and sharded steps. Feed the steps batches placed with `shard_batch(tokens, mesh)`."""
+    model_cfg, graphdef, params, rest, tx, schedule, _, _ = build(config, donate=donate)  # same model, init, optimizer
     params, rest = shard_params(params, mesh), shard_params(rest, mesh)
     gamma = bias_gamma_schedule(model_cfg, config.optimizer, config.steps)
-    train_step = make_sharded_train_step(graphdef, tx, mesh, params, rest, options, config.loss_scale, gamma)
+    train_step = make_sharded_train_step(graphdef, tx, mesh, params, rest, options, config.loss_scale, gamma,
+                                         donate=donate)
     loss_fn = sharded_loss_fn(graphdef, mesh, params, rest, options)
     eval_step = jax.jit(lambda params, rest, tokens: loss_fn(params, rest, tokens)[1]["ce"])
     return TrainSetup(model_cfg, graphdef, params, rest, tx, schedule, train_step, eval_step)

@@ -17,10 +17,19 @@ from jfp8.train.config import TrainConfig
 from jfp8.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer, update_count
 
 
+# `train_step`'s arguments that it donates: params, rest, opt_state (not the batch).
+STATE_ARGNUMS = (0, 1, 2)
+
+
 class TrainSetup(NamedTuple):
     """What `build` returns: the model, its state and the run's jitted steps.
     `train_step(params, rest, opt_state, tokens) -> (params, rest, opt_state, metrics)`;
-    `eval_step(params, rest, tokens) -> CE`."""
+    `eval_step(params, rest, tokens) -> CE`.
+
+    `train_step` donates its params, rest and opt_state (unless built with `donate=False`): the
+    new state is written over the old one's device buffers, so a step holds one copy of the
+    parameters and optimizer state, not two, and the arrays passed in are deleted by the call
+    (use the ones it returns; pass copies, `jax.tree.map(jnp.copy, state)`, to keep a state)."""
 
     model_cfg: ModelConfig
     graphdef: object
@@ -38,20 +47,24 @@ def _split(model: Transformer):
     return nnx.split(model, nnx.Param, ...)
 
 
-def build(config: TrainConfig) -> TrainSetup:
-    """The model's initial (params, rest) and the run's jitted step functions."""
+def build(config: TrainConfig, *, donate: bool = True) -> TrainSetup:
+    """The model's initial (params, rest) and the run's jitted step functions; `donate`: whether
+    `train_step` donates the state it is given (`TrainSetup`)."""
     model_cfg = config.model_config()
     graphdef, params, rest = _split(Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
     return TrainSetup(model_cfg, graphdef, params, rest,
-                      *_step_functions(graphdef, model_cfg, config.optimizer, config.steps, config.loss_scale))
+                      *_step_functions(graphdef, model_cfg, config.optimizer, config.steps, config.loss_scale,
+                                       donate))
 
 
 @functools.lru_cache(maxsize=8)
 def _step_functions(
-    graphdef, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int, loss_scale: float = 1.0
+    graphdef, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int, loss_scale: float = 1.0,
+    donate: bool = True,
 ):
     """(tx, schedule, train_step, eval_step), cached so that runs of the same model and schedule in
-    one process (a resume, the two halves of a comparison) compile once."""
+    one process (a resume, the two halves of a comparison) compile once. `donate`: `train_step`
+    donates params, rest and opt_state (`TrainSetup`)."""
     tx = make_optimizer(opt_cfg, total_steps)
     schedule = learning_rate_schedule(opt_cfg, total_steps)
     gamma = bias_gamma_schedule(model_cfg, opt_cfg, total_steps)
@@ -59,7 +72,7 @@ def _step_functions(
     def loss_fn(params, rest, tokens):
         return model_loss(nnx.merge(graphdef, params, rest), tokens)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=STATE_ARGNUMS if donate else ())
     def train_step(params, rest, opt_state, tokens):
         return optimizer_step(graphdef, tx, loss_fn, params, rest, opt_state, tokens, loss_scale, gamma)
 
