@@ -125,6 +125,40 @@ H100_RATES = Rates(
     quantizer_source=f"{_GPU_MD}: quantizer table (call 1), the column nearest the tensor's size",
 )
 
+# The H200 (the kind of GPU the device tool lends since 2026-11-28): no jfp8 rate has been measured
+# on one. It is the H100 SXM's die (132 SMs, the same clocks and tensor cores) with HBM3e at
+# 4.8 TB/s against HBM3's 3.35 TB/s (NVIDIA's data sheets), so its rates are assumed from the
+# H100's: GEMMs and attention (compute-bound at these shapes) unchanged; copies and the
+# quantizers, which the model prices as bandwidth-bound, scaled by 4.8 / 3.35. Whether the
+# quantizers scale is itself open (their H100 rates may be bound by occupancy, not HBM: see
+# docs/gpu.md), so the H200 record also prices them at the H100's GB/s (`with_h100_quantizers`).
+HBM_RATIO_H200 = 4.8 / 3.35
+_H200_ASSUMED = "assumed, not measured (no H200 has run jfp8): the H100's rate"
+
+
+def _h200_rates(h100: Rates) -> Rates:
+    gemm = lambda r: dataclasses.replace(  # noqa: E731
+        r, source=f"{_H200_ASSUMED}, unchanged (same SMs, clocks and tensor cores): {r.source}")
+    scaled = f"x {HBM_RATIO_H200:.3f} (HBM3e 4.8 TB/s against 3.35)"
+    return dataclasses.replace(
+        h100, device="NVIDIA H200 141GB HBM3e",
+        fp8_dense=gemm(h100.fp8_dense), fp8_grouped=gemm(h100.fp8_grouped),
+        bf16_gemm=gemm(h100.bf16_gemm), bf16_grouped=gemm(h100.bf16_grouped),
+        copy=Rate(h100.copy.value * HBM_RATIO_H200, h100.copy.unit, f"{_H200_ASSUMED} {scaled}: {h100.copy.source}"),
+        quantizers=tuple((kind, tuple((n, gbs * HBM_RATIO_H200) for n, gbs in points))
+                         for kind, points in h100.quantizers),
+        quantizer_source=f"{_H200_ASSUMED}s {scaled}: {h100.quantizer_source}",
+        launch=Rate(h100.launch.value, h100.launch.unit, f"{_H200_ASSUMED}, unchanged: {h100.launch.source}"),
+        attention=Rate(h100.attention.value, h100.attention.unit, f"{_H200_ASSUMED}, unchanged: {h100.attention.source}"),
+        attention_backward=Rate(h100.attention_backward.value, h100.attention_backward.unit,
+                                f"{_H200_ASSUMED}, unchanged: {h100.attention_backward.source}"),
+    )
+
+
+H200_RATES = _h200_rates(H100_RATES)
+# The rates each deviceless target is priced at (`--target`).
+TARGET_RATES = {"h100_sxm": H100_RATES, "h200": H200_RATES}
+
 # ------------------------------------------------------------------------------ HLO text -> instructions
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e8m0fnu": 1,
@@ -651,11 +685,15 @@ def model_hlo(text: str, rates: Rates = H100_RATES) -> dict:
     loops = gemm_loops(ops, rates)
     what_if = summarize(as_grouped_gemm(ops, rates), rates) if loops else None
     goal = summarize(ops, quantizers_at(rates, QUANTIZER_GOAL))["total"]["seconds"]
-    return {**summarize(ops, rates), "quantization_cuts": quantization_cuts(ops, rates),
-            "gemm_loops": {"loops": len(loops), **{k: sum(r[k] for r in loops.values())
-                                                    for k in ("flops", "kernels", "seconds")}},
-            "with_grouped_gemm": what_if,
-            "with_quantizers_at_goal": {"fraction_of_copy": QUANTIZER_GOAL, "seconds": goal}}
+    out = {**summarize(ops, rates), "quantization_cuts": quantization_cuts(ops, rates),
+           "gemm_loops": {"loops": len(loops), **{k: sum(r[k] for r in loops.values())
+                                                   for k in ("flops", "kernels", "seconds")}},
+           "with_grouped_gemm": what_if,
+           "with_quantizers_at_goal": {"fraction_of_copy": QUANTIZER_GOAL, "seconds": goal}}
+    if rates.quantizers != H100_RATES.quantizers:  # another device's assumed rates: bound them
+        h100_q = dataclasses.replace(rates, quantizers=H100_RATES.quantizers)
+        out["with_h100_quantizers"] = {"seconds": summarize(ops, h100_q)["total"]["seconds"]}
+    return out
 
 
 # ------------------------------------------------------------------------------ compiling (subprocess)
@@ -728,13 +766,24 @@ def record(preset: str, target: str, steps: dict[str, dict], command: str, rates
             "precisions": {p: {**s, "measured_step_s": None, "measured": MEASURED_NOT} for p, s in steps.items()}}
 
 
+def same_gpu(a: str | None, b: str | None) -> bool:
+    """Whether two device kinds name the same GPU model: 'NVIDIA H200' (a device's own name, say)
+    and 'NVIDIA H200 141GB HBM3e' (the deviceless target's) do; the H100's variants are kept apart
+    by their memory ('NVIDIA H100 80GB HBM3' is the SXM board, the PCIe one says 'PCIe')."""
+    if not a or not b:
+        return False
+    a, b = a.split(), b.split()
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+
 def attach_measured(doc: dict, bench: dict, source: str) -> list[str]:
     """Fill `doc`'s measured columns from a `bench_step.py` record (`bench`, read from `source`):
     per precision, the row of the same preset at the model's batch x seq_len on the model's device,
     its median step and, where it ran with --profile, its kernels' ms per category. Returns the
     precisions filled."""
     filled = []
-    if bench.get("device") != doc["device"]:
+    if not same_gpu(bench.get("device"), doc["device"]):
         return filled
     for precision, s in doc["precisions"].items():
         for r in bench.get("rows", []):
@@ -822,6 +871,10 @@ def markdown_table(doc: dict) -> str:
     goal = fp8.get("with_quantizers_at_goal")
     goal = (f" With the quantizers at {goal['fraction_of_copy']:.0%} of copy bandwidth (what-if): FP8 "
             f"{goal['seconds'] * 1e3:.2f} ms, {goal['seconds'] / tw['seconds']:.2f} of BF16." if goal else "")
+    h100_q = fp8.get("with_h100_quantizers")
+    if h100_q:
+        goal += (f" With the quantizers at the H100's measured GB/s instead of scaled with HBM (what-if): FP8 "
+                 f"{h100_q['seconds'] * 1e3:.2f} ms, {h100_q['seconds'] / tw['seconds']:.2f} of BF16.")
     out += ["", f"FP8/BF16 predicted: {ta['seconds'] / tb['seconds']:.2f} as compiled, "
             f"{ta['seconds'] / tw['seconds']:.2f} against BF16 with grouped GEMMs.{goal} BF16's GEMM tile loops "
             f"(the reference's scan, where jax's ragged kernels do not take the shapes): "
@@ -882,8 +935,10 @@ def variant(batch: int, overrides: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["tiny", "small", "gpu", "wide", "wide4k"])
-    p.add_argument("--target", default="h100_sxm", choices=["h100_sxm"],
-                   help="the rates are the H100's; another target needs its own measured rates")
+    p.add_argument("--target", default="h100_sxm", choices=sorted(TARGET_RATES),
+                   help="the deviceless target compiled for and priced at: h100_sxm (rates measured on an "
+                        "H100), h200 (the H100's rates, bandwidth-bound ones scaled by HBM3e's 4.8 / 3.35: "
+                        "assumed)")
     p.add_argument("--batch", type=int, default=0, help="batch size (default: the preset's)")
     p.add_argument("--model", type=_model_overrides, default={}, metavar="FIELD=VALUE,...",
                    help="ModelConfig overrides of the preset (a what-if model: its own file, "
@@ -930,7 +985,8 @@ def main(argv=None) -> int:
                    + (" --model " + ",".join(f"{k}={v}" for k, v in args.model.items()) if args.model else ""))
         steps = {}
         for precision in PRECISIONS:
-            stem = f"{preset}-{precision}-train" + variant(args.batch, args.model)
+            stem = (f"{preset}-{precision}-train" + variant(args.batch, args.model)
+                    + ("" if args.target == "h100_sxm" else f"-{args.target}"))
             if args.from_hlo and precision not in (args.compile or ()):
                 text = gzip.decompress((args.from_hlo / f"{stem}.hlo.gz").read_bytes()).decode()
                 meta = json.loads((args.from_hlo / f"{stem}.json").read_text())
@@ -940,12 +996,13 @@ def main(argv=None) -> int:
                     args.keep_hlo.mkdir(parents=True, exist_ok=True)
                     (args.keep_hlo / f"{stem}.hlo.gz").write_bytes(gzip.compress(text.encode()))
                     (args.keep_hlo / f"{stem}.json").write_text(json.dumps(meta))
-            steps[precision] = {**meta, **model_hlo(text)}
+            steps[precision] = {**meta, **model_hlo(text, TARGET_RATES[args.target])}
             t = steps[precision]["total"]
             print(f"{preset} {precision}: predicted {t['seconds'] * 1e3:.2f} ms, {t['flops'] / 1e12:.3g} TFLOP, "
                   f"{t['bytes'] / 1e9:.3g} GB, {t['kernels']:.0f} kernels, peak {meta['memory']['peak'] / 1e9:.2f} GB",
                   flush=True)
-        doc = record(preset, args.target, steps, command)
+        doc = record(preset, args.target, steps, command + ("" if args.target == "h100_sxm" else f" --target {args.target}"),
+                     TARGET_RATES[args.target])
         doc["priced_from_kept_hlo"] = ([p for p in PRECISIONS if p not in (args.compile or ())]
                                        if args.from_hlo else [])
         args.out.mkdir(parents=True, exist_ok=True)

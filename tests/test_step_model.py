@@ -158,7 +158,7 @@ def test_tiny_fp8_gemm_flops_match_the_shapes(tiny_fp8_ops):
 
 
 def test_committed_predictions_are_labelled_and_unmeasured():
-    for path in sorted(sm.OUT.glob("*-h100_sxm.json")):
+    for path in sorted(sm.OUT.glob("*-h100_sxm.json")) + sorted(sm.OUT.glob("*-h200.json")):
         doc = json.loads(path.read_text())
         assert doc["what"].startswith("predicted (model)"), path
         for precision in sm.PRECISIONS:
@@ -254,3 +254,35 @@ def test_cudnn_attention_counted_by_hand_and_priced_at_its_rate():
             max(op.flops / (rate.value * 1e12), op.bytes / (r.copy.value * 1e9)) + r.launch.value)
         assert "assumed" in rate.source
     assert r.attention_backward.value < r.attention.value
+
+
+def test_h200_rates_are_the_h100s_with_bandwidth_scaled_and_say_they_are_assumed():
+    """No H200 has run jfp8: compute-bound rates are the H100's, copies and quantizers scaled by
+    the HBM ratio, and every rate says it is assumed; the record bounds the quantizers with the
+    H100's own GB/s."""
+    h100, h200 = sm.H100_RATES, sm.TARGET_RATES["h200"]
+    for name in ("fp8_dense", "fp8_grouped", "bf16_gemm", "bf16_grouped"):
+        a, b = getattr(h100, name), getattr(h200, name)
+        assert (a.tflops, a.shape) == (b.tflops, b.shape) and b.source.startswith("assumed")
+    assert h200.copy.value == pytest.approx(h100.copy.value * 4.8 / 3.35) and "assumed" in h200.copy.source
+    for (kind, ours), (kind2, theirs) in zip(h200.quantizers, h100.quantizers, strict=True):
+        assert kind == kind2 and [g for _, g in ours] == pytest.approx([g * 4.8 / 3.35 for _, g in theirs])
+    assert (h200.attention.value, h200.launch.value) == (h100.attention.value, h100.launch.value)
+    assert all("assumed" in r.source for r in (h200.attention, h200.attention_backward, h200.launch))
+    assert "assumed" in h200.quantizer_source
+    quant = sm.Op("quantize: 1x128", "q", 0.0, 1 << 30, elements=1 << 29)
+    gemm = sm.Op("fp8 gemm: dense", "g", 2.0 * 4096**3, 1 << 20, (4096, 4096, 4096))
+    assert sm.op_seconds(gemm, h200) == sm.op_seconds(gemm, h100)
+    assert sm.op_seconds(quant, h200) < sm.op_seconds(quant, h100)
+    text = gzip.decompress(FIXTURE.read_bytes()).decode()
+    on_h100, on_h200 = sm.model_hlo(text, h100), sm.model_hlo(text, h200)
+    assert "with_h100_quantizers" not in on_h100
+    assert on_h200["total"]["seconds"] < on_h200["with_h100_quantizers"]["seconds"] < on_h100["total"]["seconds"]
+
+
+def test_measured_rows_match_the_gpu_model_not_its_exact_name():
+    assert sm.same_gpu("NVIDIA H200", "NVIDIA H200 141GB HBM3e")
+    assert sm.same_gpu("NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3")
+    assert not sm.same_gpu("NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3")
+    assert not sm.same_gpu("NVIDIA H200", "NVIDIA H100 80GB HBM3")
+    assert not sm.same_gpu(None, "NVIDIA H200")
