@@ -46,6 +46,7 @@ import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from provenance import commit_info  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "step-model"
 PRECISIONS = ("fp8", "bf16")
@@ -721,7 +722,8 @@ def _child(spec: str, target: str, out: str) -> int:
     (out / "hlo.txt.gz").write_bytes(gzip.compress(strip_payloads(text).encode()))
     tokens = args[-1].shape
     (out / "meta.json").write_text(json.dumps({"batch_size": tokens[0], "seq_len": tokens[1], "memory": memory,
-                                               "attention": attention.ran(text)}))
+                                               "attention": attention.ran(text),
+                                               "compiled_at": commit_info()}))
     return 0
 
 
@@ -763,6 +765,9 @@ def record(preset: str, target: str, steps: dict[str, dict], command: str, rates
             "what": "predicted (model): op-by-op prices of the deviceless compile's HLO at the rates below",
             "rates": rates_json(rates), "jax": jax.__version__, "date": datetime.date.today().isoformat(),
             "command": command,
+            # the tree that priced it; each precision's `compiled_at` names the tree that compiled
+            # its HLO (the same one, unless re-priced from kept HLO: `priced_from_kept_hlo`)
+            "priced_at": commit_info(),
             "precisions": {p: {**s, "measured_step_s": None, "measured": MEASURED_NOT} for p, s in steps.items()}}
 
 

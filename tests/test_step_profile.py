@@ -201,3 +201,14 @@ def test_a_thunk_that_starts_as_another_ends_is_not_its_child():
     a = _kernel(HOST, PYTHON, "dense", 0.0, 5.0)
     b = _kernel(HOST, PYTHON, "f", 5.0, 0.0)  # zero-length, at a's end: after a, not inside it
     assert [e["args"]["hlo_op"] for e in sp.innermost([a, b])] == ["dense", "f"]
+
+
+def test_an_h200_run_fills_the_h200_prediction_not_the_h100s():
+    """A GPU names itself 'NVIDIA H200' (say) where the deviceless target says 'NVIDIA H200 141GB
+    HBM3e': the same GPU; an H100's record is another."""
+    h200 = json.loads((REPO / "benchmarks/results/step-model/wide-h200.json").read_text())
+    h100 = json.loads((REPO / "benchmarks/results/step-model/wide-h100_sxm.json").read_text())
+    run = _bench_record(device="NVIDIA H200")
+    assert sorted(sm.attach_measured(h200, run, "bench_step.json")) == ["bf16", "fp8"]
+    assert h200["precisions"]["fp8"]["measured"]["device"] == "NVIDIA H200"
+    assert sm.attach_measured(h100, run, "bench_step.json") == []
