@@ -163,8 +163,12 @@ def test_einsum_attention_projection_grads_within_bound_of_f32():
     loss = lambda f: lambda o, w: jnp.sum(jnp.sin(f("btnh,nhd->btd", o, w)))  # noqa: E731
     g8 = jax.jit(jax.grad(loss(lambda s, o, w: jfp8.einsum(s, o, w, recipe=XLA)), (0, 1)))(o, w)
     g32 = jax.grad(loss(jnp.einsum), (0, 1))(o, w)
-    for a, b in zip(g8, g32):
-        assert _rel(a, b) < QUANT_BOUND, f"seed {seed}"
+    # Each gradient multiplies two E4M3-quantized operands: about sqrt(2) x E4M3's 3.6 % rms,
+    # 5.1 %. Measured over seeds 0-399 (2026-11-28): do 4.86 % mean, 5.47 % max; dw 5.37 % mean,
+    # 5.90 % at the 99th percentile, 6.15 % max (seed 1766254805 also gave 6.04 %), so QUANT_BOUND
+    # failed about 1 run in 400 for dw. Bounds about 5 standard deviations above each mean:
+    for a, b, bound in zip(g8, g32, (QUANT_BOUND, 0.065)):
+        assert _rel(a, b) < bound, f"seed {seed}"
 
 
 @pytest.mark.parametrize(
