@@ -329,15 +329,89 @@ def grouped_fp8_linear(
     return _grouped(x, w32, _vary_like(group_sizes, x, w32), recipe)
 
 
+# ------------------------------------------------------------------------------ gathered rows, summed back in order
+
+
+def _take_rows_transpose(g: jax.Array, rows: jax.Array, token_rows: jax.Array | None, n: int) -> jax.Array:
+    """The transpose of `jnp.take(·, rows, axis=0)` for an (n, ...) operand, at the cotangent g (R, ...):
+    each token's rows summed in g's dtype, in the order of `rows` (what autodiff's scatter-add
+    computes on the CPU, which applies a scatter's updates in order).
+
+    Without `token_rows`, that scatter-add. With it ((n, C): each token's rows in ascending order,
+    padded with R where a token has fewer than C),
+    a gather of each token's rows and a chain of C additions in that order, each rounded to g's
+    dtype as the scatter's combiner rounds it, from +0 (so a lone -0 becomes +0, as when added into
+    zeros): the same bits. On a GPU XLA runs a scatter-add whose indices repeat with atomic
+    additions, in an order that changes from run to run (XLA rewrites it only under
+    `--xla_gpu_exclude_nondeterministic_ops`), and it writes a zeroed (n, ...) buffer first; the
+    chain is one gather fusion, deterministic. Other dtypes than bfloat16 and float32 keep the
+    scatter."""
+    if token_rows is None or jnp.dtype(g.dtype) not in _IO_DTYPES:
+        take = lambda t: jnp.take(t, rows, axis=0)  # noqa: E731
+        (out,) = jax.linear_transpose(take, jax.ShapeDtypeStruct((n,) + g.shape[1:], g.dtype))(g)
+        return out
+    if token_rows.ndim != 2 or token_rows.shape[0] != n:
+        raise ValueError(f"token_rows must be ({n}, C), one row of row indices per token; got {token_rows.shape}")
+    if token_rows.shape[1] == 0:
+        return jnp.zeros((n,) + g.shape[1:], g.dtype)
+    # An entry R (past the last row) pads a token with fewer than C rows: it reads +0, which adds
+    # nothing (the partial sum is never -0: it starts from +0, and x + -x rounds to +0).
+    row = lambda j: jnp.take(g, token_rows[:, j], axis=0, mode="fill", fill_value=0).astype(jnp.float32)  # noqa: E731
+    acc = row(0)
+    acc = jnp.where(acc == 0, jnp.zeros_like(acc), acc)  # +0 + x: x, but +0 for a -0
+    for j in range(1, token_rows.shape[1]):
+        acc = acc + row(j)
+        if g.dtype != jnp.float32:  # the scatter's bf16 combiner rounds every partial sum
+            acc = jax.lax.reduce_precision(acc, exponent_bits=8, mantissa_bits=7)
+    return acc.astype(g.dtype)
+
+
+@jax.custom_vjp
+def _take_rows(x, rows, token_rows):
+    return jnp.take(x, rows, axis=0)
+
+
+def _take_rows_fwd(x, rows, token_rows):
+    return jnp.take(x, rows, axis=0), (rows, token_rows, jnp.zeros((x.shape[0], 0), x.dtype))
+
+
+def _take_rows_bwd(residuals, g):
+    rows, token_rows, probe = residuals
+    zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+    return _take_rows_transpose(g, rows, token_rows, probe.shape[0]), zero(rows), zero(token_rows)
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def take_rows(x: jax.Array, rows: jax.Array, token_rows: jax.Array | None = None) -> jax.Array:
+    """`jnp.take(x, rows, axis=0)` (an MoE's dispatch: token `rows[r]` copied to row r), whose
+    gradient, with `token_rows`, is a gather instead of a scatter-add: the same bits on the CPU,
+    deterministic on a GPU (`_take_rows_transpose`).
+
+    Args:
+      x: (N, ...) bfloat16/float32. rows: (R,) int32, each in [0, N).
+      token_rows: (N, C) int32, optional: for each token of x the rows r with rows[r] == it, in
+        ascending order, padded with R (every row exactly once; an MoE's top-k assignment gives
+        C = k and no padding). Without it, autodiff's scatter-add.
+    """
+    if token_rows is None:
+        return jnp.take(x, rows, axis=0)
+    token_rows = jnp.asarray(token_rows).astype(jnp.int32)
+    if token_rows.ndim != 2 or token_rows.shape[0] != x.shape[0]:
+        raise ValueError(f"token_rows must be (N, C) with N = x's {x.shape[0]} rows; got {token_rows.shape}")
+    return _take_rows(x, jnp.asarray(rows).astype(jnp.int32), token_rows)
+
+
 # ------------------------------------------------------------------------------ grouped, gathered rows
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gathered(tokens, w, rows, group_sizes, recipe: Fp8Recipe):
-    return _gathered_fwd(tokens, w, rows, group_sizes, recipe, backward=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _gathered(tokens, w, rows, token_rows, group_sizes, recipe: Fp8Recipe):
+    return _gathered_fwd(tokens, w, rows, token_rows, group_sizes, recipe, backward=False)[0]
 
 
-def _gathered_fwd(tokens, w, rows, group_sizes, recipe: Fp8Recipe, backward: bool = True):
+def _gathered_fwd(tokens, w, rows, token_rows, group_sizes, recipe: Fp8Recipe, backward: bool = True):
     """tokens [N, K], rows [R] (token of each grouped row) -> y [R, N']: the tokens quantized once,
     their FP8 rows (1x128 tiles are row-local: the same bits as quantizing the gathered rows)
     gathered into the grouped GEMM."""
@@ -347,26 +421,23 @@ def _gathered_fwd(tokens, w, rows, group_sizes, recipe: Fp8Recipe, backward: boo
     qw, qw_t = _q_weight(w, recipe)  # [G, K, N'], [G, N', K]
     y = _gmm(qx, qw_t, group_sizes, tokens.dtype, recipe)
     probe = jnp.zeros((tokens.shape[0], 0), tokens.dtype)  # carries N and the dtype of d tokens
-    return y, (qx, qw if recipe.dgrad else w, rows, group_sizes, probe)
+    return y, (qx, qw if recipe.dgrad else w, rows, token_rows, group_sizes, probe)
 
 
 def _gathered_bwd(recipe: Fp8Recipe, residuals, dy):
-    qx, w_res, rows, group_sizes, probe = residuals
+    qx, w_res, rows, token_rows, group_sizes, probe = residuals
     dx_rows, dw, _ = _grouped_bwd(recipe, (qx, w_res, group_sizes), dy)  # Wgrad re-tiles the gathered rows
-    # The gather's transpose, as autodiff of `jnp.take(tokens, rows, axis=0)` computes it (a scatter-
-    # add of each token's rows, in row order): the bits of `grouped_fp8_linear(tokens[rows], ...)`.
-    take = lambda t: jnp.take(t, rows, axis=0)  # noqa: E731
-    (dtokens,) = jax.linear_transpose(take, jax.ShapeDtypeStruct((probe.shape[0], dx_rows.shape[1]), probe.dtype))(
-        dx_rows.astype(probe.dtype))
+    dtokens = _take_rows_transpose(dx_rows.astype(probe.dtype), rows, token_rows, probe.shape[0])
     zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-    return dtokens, dw, zero(rows), zero(group_sizes)
+    return dtokens, dw, zero(rows), None if token_rows is None else zero(token_rows), zero(group_sizes)
 
 
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 def gathered_grouped_fp8_linear(
-    tokens: jax.Array, rows: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE
+    tokens: jax.Array, rows: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE,
+    *, token_rows: jax.Array | None = None,
 ) -> jax.Array:
     """`grouped_fp8_linear(jnp.take(tokens, rows, axis=0), w, group_sizes, recipe)` (an MoE's
     dispatch fused into its first expert GEMM), with each token quantized once instead of once per
@@ -377,12 +448,23 @@ def gathered_grouped_fp8_linear(
     Args:
       tokens: (N, K) bfloat16/float32. rows: (R,) int32 token of each grouped row, sorted by group.
       w, group_sizes, recipe: as `grouped_fp8_linear` (over the R gathered rows).
+      token_rows: (N, C) int32, optional: each token's rows in ascending order, padded with R
+        (`take_rows`); with
+        it, d tokens is each token's row gradients summed by a gather (the same bits,
+        deterministic on a GPU) instead of a scatter-add.
     """
     tokens, rows = jnp.asarray(tokens), jnp.asarray(rows)
     if tokens.ndim != 2 or rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
         raise ValueError(f"tokens must be (N, K) and rows (R,) integers; got {tokens.shape} and {rows.shape} {rows.dtype}")
+    if token_rows is not None:
+        token_rows = jnp.asarray(token_rows)
+        if (token_rows.ndim != 2 or token_rows.shape[0] != tokens.shape[0]
+                or not jnp.issubdtype(token_rows.dtype, jnp.integer)):
+            raise ValueError(f"token_rows must be (N, C) integers with N = tokens' {tokens.shape[0]}; got "
+                             f"{token_rows.shape} {token_rows.dtype}")
+        token_rows = token_rows.astype(jnp.int32)
     if not (recipe.fprop and recipe.wgrad and recipe.activation_block == (1, TILE)):
-        return grouped_fp8_linear(jnp.take(tokens, rows, axis=0), w, group_sizes, recipe)
+        return grouped_fp8_linear(take_rows(tokens, rows, token_rows), w, group_sizes, recipe)
     _check_float("tokens", tokens)
     _check_float("w", w)
     w, group_sizes = jnp.asarray(w), jnp.asarray(group_sizes)
@@ -392,4 +474,4 @@ def gathered_grouped_fp8_linear(
     group_sizes, rows = group_sizes.astype(jnp.int32), rows.astype(jnp.int32)
     w32 = w.astype(jnp.float32)
     tokens, w32 = _vary_like(tokens, w32, group_sizes), _vary_like(w32, tokens, group_sizes)
-    return _gathered(tokens, w32, rows, _vary_like(group_sizes, tokens, w32), recipe)
+    return _gathered(tokens, w32, rows, token_rows, _vary_like(group_sizes, tokens, w32), recipe)

@@ -155,8 +155,8 @@ def test_wrong_step_fails_its_check(tmp_path, monkeypatch, step_bench, fresh_ste
     def wrong(x, w, sizes, recipe):
         return right(x, w, sizes, recipe) * (2.0 if recipe.enabled else 1.0)
 
-    def wrong_gathered(tokens, rows, w, sizes, recipe):  # the first expert GEMM (gate/up)
-        return right_gathered(tokens, rows, w, sizes, recipe) * (2.0 if recipe.enabled else 1.0)
+    def wrong_gathered(tokens, rows, w, sizes, recipe, **kw):  # the first expert GEMM (gate/up)
+        return right_gathered(tokens, rows, w, sizes, recipe, **kw) * (2.0 if recipe.enabled else 1.0)
 
     monkeypatch.setattr(jfp8.nn.moe, "grouped_fp8_linear", wrong)
     monkeypatch.setattr(jfp8.nn.moe, "gathered_grouped_fp8_linear", wrong_gathered)

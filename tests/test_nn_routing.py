@@ -461,3 +461,34 @@ def test_sequence_balance_loss_minimum_at_perfect_balance():
         skewed = np.array([[rng.choice(e, k, replace=False, p=prefer) for _ in range(t)] for _ in range(b)])
         loss = sequence_balance_loss(consistent_scores(skewed), k, alpha)
         assert float(loss) > alpha * (1 + 1e-3), f"seed {seed}: {float(loss)} vs {alpha}"
+
+
+@pytest.mark.parametrize("recipe", [Fp8Recipe(impl="xla"), Fp8Recipe.off(impl="xla")], ids=["fp8", "bf16"])
+def test_moe_gradient_sums_token_rows_without_a_scatter(recipe):
+    """The routed experts' backward gathers: the tokens' gradient (each token's K rows summed in
+    row order) and the combine's (one gather of g·w into dispatch order) have no scatter-add, whose
+    repeated indices a GPU adds atomically, in an order that changes from run to run. (What is left
+    adds exact small integers (expert counts) or hits each element once (the top-K scores).)"""
+    cfg = ModelConfig.tiny(recipe=recipe)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(moe)
+
+    def loss(state, x):
+        y, _ = nnx.merge(graph, state)(x)
+        return y.astype(jnp.float32).sum()
+
+    x = jnp.ones((2, 16, cfg.d_model), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x).jaxpr
+    adds = [e.outvars[0].aval for e in _all_eqns(jaxpr) if e.primitive.name == "scatter-add"
+            and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)]
+    assert adds and not [a for a in adds if a.shape[-1] == cfg.d_model], adds
+
+
+def _all_eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for j in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)

@@ -434,6 +434,96 @@ def test_gathered_rows_give_the_bits_of_gathering_first(recipe):
     assert np.all(np.asarray(got[0][270:]) == 0)  # rows past the groups
 
 
+def _token_rows(rows, n: int) -> jnp.ndarray:
+    """Each token's rows in ascending order, padded with R: `take_rows`'s `token_rows`."""
+    rows = np.asarray(rows)
+    per = [np.flatnonzero(rows == t) for t in range(n)]
+    table = np.full((n, max(1, max(map(len, per)))), len(rows), np.int32)
+    for t, r in enumerate(per):
+        table[t, : len(r)] = r
+    return jnp.asarray(table)
+
+
+@pytest.mark.parametrize("recipe", [XLA, Fp8Recipe.off(impl="xla")], ids=["xla", "off"])
+def test_gathered_rows_with_token_rows_give_the_same_bits(recipe):
+    """With each token's rows given, d tokens is a gather of each token's row gradients summed in
+    row order: bit for bit autodiff's scatter-add (tokens with fewer copies than others, and with
+    none, padded), and no floating-point scatter is left in the gradient's program."""
+    rng, seed = _rng()
+    tokens, rows, w, sizes, dy = _routed_problem(rng)
+    rows = jnp.where(rows == 5, 6, jnp.where(rows == 9, 10, rows))  # tokens 5, 9: no copies; 6, 10: six
+    table = _token_rows(rows, tokens.shape[0])
+    assert len(set(np.sum(np.asarray(table) < len(rows), axis=1))) == 3  # 0, 3 or 6 copies: padding used
+
+    @jax.jit
+    def with_table(t, w, dy):
+        y, vjp = jax.vjp(lambda t, w: jfp8.ops.gathered_grouped_fp8_linear(t, rows, w, sizes, recipe, token_rows=table),
+                         t, w)
+        return (y, *vjp(dy))
+
+    got, want = with_table(tokens, w, dy), _gathered_vjp(tokens, rows, w, sizes, dy, recipe=recipe)
+    for g, v in zip(got, want):
+        assert_bitwise_equal(g, v, seed)
+    assert not _float_scatter_adds(jax.make_jaxpr(with_table)(tokens, w, dy).jaxpr)
+    assert _float_scatter_adds(jax.make_jaxpr(functools.partial(_gathered_vjp, recipe=recipe))(
+        tokens, rows, w, sizes, dy).jaxpr)  # the check sees autodiff's
+
+
+def _float_scatter_adds(jaxpr) -> list:
+    """The scatter-adds into floating-point arrays whose indices may repeat: on a GPU, atomic
+    additions in an order that changes from run to run."""
+    return [e for e in _all_eqns(jaxpr) if e.primitive.name == "scatter-add" and not e.params.get("unique_indices")
+            and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)]
+
+
+def _all_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs in its equations' parameters."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for j in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(j, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+                elif hasattr(j, "eqns"):
+                    yield from _all_eqns(j)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_take_rows_gradient_is_the_scatter_add_bit_for_bit(dtype):
+    """`take_rows`'s gradient (each token's rows gathered and added in row order, each partial sum
+    rounded to the dtype) against autodiff's scatter-add of `jnp.take`, on values where the order
+    and the rounding show: cancellations, overflow to ±Inf, NaN, -0 alone and in pairs,
+    subnormals, magnitudes 2^-30 to 2^30; rows in random order, tokens with 0 to 7 copies."""
+    rng, seed = _rng()
+    n, d = 40, 24
+    copies = rng.integers(0, 8, n)
+    rows = rng.permutation(np.repeat(np.arange(n), copies)).astype(np.int32)
+    g = rng.standard_normal((len(rows), d)) * np.exp2(rng.integers(-30, 31, (len(rows), d)))
+    big = float(jnp.finfo(dtype).max) * 0.75
+    specials = [0.0, -0.0, np.nan, np.inf, -np.inf, big, -big, float(jnp.finfo(dtype).smallest_subnormal) * 3]
+    mask = rng.random(g.shape) < 0.15
+    g[mask] = rng.choice(specials, mask.sum())
+    g[rng.integers(0, len(rows), 3)] = -0.0  # whole rows of -0
+    for t in np.flatnonzero(copies >= 2)[:4]:  # exact cancellation within a token
+        r = np.flatnonzero(rows == t)
+        g[r[1]] = -g[r[0]]
+    x = jnp.zeros((n, d), dtype)
+    g = jnp.asarray(g, dtype)
+    table = _token_rows(rows, n)
+    take = lambda x: jnp.take(x, rows, axis=0)  # noqa: E731
+    # A NaN's sign after NaN + NaN is not IEEE 754's to say (x86 keeps one operand's, and which
+    # operand comes first is the compiler's choice): every NaN is compared as the quiet +NaN.
+    canon = lambda a: np.where(np.isnan(np.asarray(a)), np.asarray(np.nan, a.dtype), np.asarray(a))  # noqa: E731
+    for run in (lambda f: f, jax.jit):
+        got = run(lambda g: jax.vjp(lambda x: jfp8.ops.take_rows(x, rows, table), x)[1](g)[0])(g)
+        want = run(lambda g: jax.vjp(take, x)[1](g)[0])(g)
+        assert np.isnan(np.asarray(want, np.float32)).any() and np.isinf(np.asarray(want, np.float32)).any()
+        assert_bitwise_equal(canon(got), canon(want), seed)
+    with pytest.raises(ValueError, match="token_rows"):
+        jfp8.ops.take_rows(x, rows, table[:5])
+
+
 def test_gathered_rows_quantize_each_token_once(monkeypatch):
     """The tokens [N, K] are quantized (x's two forms, one kernel on Hopper), not the [R, K]
     gathered copies; the call is the one a shared expert on the same tokens makes (XLA merges

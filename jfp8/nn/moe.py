@@ -26,11 +26,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jfp8.nn.config import BIAS_RULES, BiasRule, ModelConfig, check_expert_groups
 from jfp8.nn.layers import SwiGLU, normal_init, swiglu
-from jfp8.ops import gathered_grouped_fp8_linear, grouped_fp8_linear
+from jfp8.ops import gathered_grouped_fp8_linear, grouped_fp8_linear, take_rows
 
 # ------------------------------------------------------------------------------ pure routing
 
@@ -132,7 +133,9 @@ def dispatch(x: jax.Array, experts: jax.Array, n_experts: int) -> tuple[jax.Arra
       order[r] of `experts.ravel()`, i.e. token order[r] // K).
     """
     order, group_sizes = dispatch_order(experts, n_experts)
-    x_sorted = jnp.take(x, order // experts.shape[-1], axis=0)  # [T*K, d]
+    k = experts.shape[-1]
+    # Its gradient sums each token's K rows by a gather, not a scatter-add (`take_rows`).
+    x_sorted = take_rows(x, order // k, token_rows(order, k))  # [T*K, d]
     return x_sorted, group_sizes, order
 
 
@@ -149,35 +152,61 @@ def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Ar
     y_sorted [T*K, d] (rows in dispatch order), order [T*K] from `dispatch`, weights [T, K] FP32
     -> [T, d] in y_sorted's dtype (weighted sum in FP32).
     """
-    t, k = weights.shape
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    y = _unsort_rows(y_sorted, order, inverse).reshape(t, k, -1)  # [T, K, d]: assignment order
-    out = jnp.einsum("tk,tkd->td", weights, y.astype(jnp.float32))
-    return out.astype(y_sorted.dtype)
+    return _combine(y_sorted, order, inverse_order(order), weights)
+
+
+def inverse_order(order: jax.Array) -> jax.Array:
+    """The inverse permutation of `order`: row inverse[a] of the sorted tokens is assignment a."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def token_rows(order: jax.Array, k: int) -> jax.Array:
+    """[T, K] int32: the rows of the sorted tokens that hold each token, in ascending order (what
+    `jfp8.ops.gathered_grouped_fp8_linear` sums the tokens' gradients in: the same order as the
+    scatter-add autodiff would run, as a gather)."""
+    return jnp.sort(inverse_order(order).reshape(-1, k), axis=1)
+
+
+def _weighted_sum(weights: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.einsum("tk,tkd->td", weights, y.astype(jnp.float32))
 
 
 @jax.custom_vjp
-def _unsort_rows(y_sorted: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
-    """y_sorted[inverse]: the rows back in assignment order (`inverse` is `order`'s inverse).
+def _combine(y_sorted: jax.Array, order: jax.Array, inverse: jax.Array, weights: jax.Array) -> jax.Array:
+    """`combine`, with `inverse` = order's inverse permutation; its gradient is autodiff's, bit for
+    bit, computed in fewer passes.
 
-    Autodiff would transpose the gather into a scatter-add into a zeroed [T*K, d] buffer, which
-    XLA:GPU hoists: the deviceless wide4k step at batch 16 held the four MoE layers' zeroed
-    buffers live together from the start of the backward (6.4 GB). A permutation's transpose is
-    the inverse permutation: the cotangent's rows gathered by `order`, with -0 turned to +0 as
-    adding into zeros does (the same bits)."""
-    return jnp.take(y_sorted, inverse, axis=0)
-
-
-def _unsort_rows_fwd(y_sorted, order, inverse):
-    return jnp.take(y_sorted, inverse, axis=0), order
-
-
-def _unsort_rows_bwd(order, g):
-    dy = jnp.take(g, order, axis=0)
-    return jnp.where(dy == 0, jnp.zeros_like(dy), dy), None, None
+    Autodiff computes d y_sorted in two passes over [T*K, d]: the einsum's transpose writes g·w as
+    [T, K, d] in assignment order, then the unsort's transpose moves it into dispatch order (a
+    scatter-add into a zeroed buffer, which XLA:GPU hoisted: the four MoE layers' buffers, 6.4 GB,
+    live at once in the deviceless wide4k step at batch 16; a gather of the [T, K, d] copy until
+    2026-11-28). Here it is one pass, a gather of g's rows: row r of d y_sorted
+    is assignment a = order[r], weights[a] · g[a // K] in FP32 rounded to y_sorted's dtype, with -0
+    turned to +0 as adding into zeros does. d weights is the einsum's own transpose."""
+    t, k = weights.shape
+    y = jnp.take(y_sorted, inverse, axis=0).reshape(t, k, -1)  # [T, K, d]: assignment order
+    return _weighted_sum(weights, y).astype(y_sorted.dtype)
 
 
-_unsort_rows.defvjp(_unsort_rows_fwd, _unsort_rows_bwd)
+def _combine_fwd(y_sorted, order, inverse, weights):
+    return _combine(y_sorted, order, inverse, weights), (y_sorted, order, inverse, weights)
+
+
+def _combine_bwd(residuals, g):
+    y_sorted, order, inverse, weights = residuals
+    t, k = weights.shape
+    g32 = g.astype(jnp.float32)  # the transpose of the sum's cast to y_sorted's dtype
+    dy = (jnp.take(weights.reshape(-1), order).astype(jnp.float32)[:, None]
+          * jnp.take(g32, order // k, axis=0)).astype(y_sorted.dtype)
+    dy = jnp.where(dy == 0, jnp.zeros_like(dy), dy)
+    y = jnp.take(y_sorted, inverse, axis=0).reshape(t, k, -1)
+    _, weights_vjp = jax.vjp(lambda w: _weighted_sum(w, y), weights)
+    (dweights,) = weights_vjp(g32)
+    zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+    return dy, zero(order), zero(inverse), dweights
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def expert_loads(experts: jax.Array, n_experts: int) -> jax.Array:
@@ -329,8 +358,11 @@ class MoE(nnx.Module):
         (`jfp8.nn.expert_parallel.ExpertParallelMoE`)."""
         cfg = self.cfg
         order, group_sizes = dispatch_order(experts, cfg.n_routed)
-        # `dispatch` fused into the first GEMM: each token quantized once, its FP8 rows gathered.
-        rows = order // experts.shape[-1]  # [N*K]: the token of each sorted row
-        gate_up = gathered_grouped_fp8_linear(tokens, rows, self.w13[...], group_sizes, cfg.recipe)  # [N*K, 2h]
+        # `dispatch` fused into the first GEMM: each token quantized once, its FP8 rows gathered;
+        # d tokens sums each token's rows by a gather, in the scatter-add's order.
+        k = experts.shape[-1]
+        rows = order // k  # [N*K]: the token of each sorted row
+        gate_up = gathered_grouped_fp8_linear(tokens, rows, self.w13[...], group_sizes, cfg.recipe,
+                                              token_rows=token_rows(order, k))  # [N*K, 2h]
         y_sorted = grouped_fp8_linear(swiglu(gate_up), self.w2[...], group_sizes, cfg.recipe)  # [N*K, d]
         return combine(y_sorted, order, weights), group_sizes
