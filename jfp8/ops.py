@@ -1,6 +1,7 @@
 """FP8 training ops: `fp8_linear`, `grouped_fp8_linear` and `gathered_grouped_fp8_linear` (an MoE's
-dispatch fused into its first expert GEMM); `fp8_dot_general`, the drop-in for `lax.dot_general`
-and Flax, is built on `fp8_linear` in `jfp8.dot_general`.
+dispatch fused into its first expert GEMM; `take_rows`, the dispatch's gather, whose gradient is a
+gather too); `fp8_dot_general`, the drop-in for `lax.dot_general` and Flax, is built on `fp8_linear`
+in `jfp8.dot_general`.
 
 Each is a `jax.custom_vjp` whose three GEMMs follow DeepSeek-V3 §3.3 (Figure 6):
   Fprop  y  = x · W      x in 1x128 tiles, W in 128x128 blocks
@@ -338,10 +339,9 @@ def _take_rows_transpose(g: jax.Array, rows: jax.Array, token_rows: jax.Array | 
     computes on the CPU, which applies a scatter's updates in order).
 
     Without `token_rows`, that scatter-add. With it ((n, C): each token's rows in ascending order,
-    padded with R where a token has fewer than C),
-    a gather of each token's rows and a chain of C additions in that order, each rounded to g's
-    dtype as the scatter's combiner rounds it, from +0 (so a lone -0 becomes +0, as when added into
-    zeros): the same bits. On a GPU XLA runs a scatter-add whose indices repeat with atomic
+    padded with R where a token has fewer than C), a gather of each token's rows and a chain of C
+    additions in that order, each rounded to g's dtype as the scatter's combiner rounds it, from +0
+    (so a lone -0 becomes +0, as when added into zeros): the same bits. On a GPU XLA runs a scatter-add whose indices repeat with atomic
     additions, in an order that changes from run to run (XLA rewrites it only under
     `--xla_gpu_exclude_nondeterministic_ops`), and it writes a zeroed (n, ...) buffer first; the
     chain is one gather fusion, deterministic. Other dtypes than bfloat16 and float32 keep the
