@@ -773,6 +773,15 @@ class Session:
         os.replace(tmp, tarball)
 
 
+def _repeat_note(repeat: dict | None) -> str:
+    """The training check's determinism reading (`gpu_train_check.same_state`), for its line."""
+    if not repeat:
+        return ""
+    if repeat.get("same_bits"):
+        return ", step 1 repeats bit for bit"
+    return f", step 1 NOT repeatable ({repeat.get('differing')} of {repeat.get('leaves')} leaves differ)"
+
+
 def stage_line(s: Stage) -> str:
     note = s.skip if s.status == "skipped" else ""
     sm = s.summary
@@ -796,6 +805,7 @@ def stage_line(s: Stage) -> str:
         note = "; ".join(f"{r['preset']}: {'ok' if r.get('ok') else 'FAILED'}"
                          + (f" (rel. loss diff {r['rel_diff'][0]:.1e} .. {r['rel_diff'][-1]:.1e})" if r.get("rel_diff") else
                             f" ({r.get('failure', '')[:80]})")
+                         + _repeat_note(r.get("repeatable"))
                          for r in sm["rows"])
     elif s.name == "profile" and sm.get("regions"):
         note = " ".join(f"{k} {v['per_warpgroup_us']:.0f} us/wg" for k, v in sm["regions"].items())

