@@ -777,9 +777,12 @@ def _repeat_note(repeat: dict | None) -> str:
     """The training check's determinism reading (`gpu_train_check.same_state`), for its line."""
     if not repeat:
         return ""
+    if "error" in repeat:
+        return f", step 1's repeat failed ({repeat['error'][:60]})"
     if repeat.get("same_bits"):
         return ", step 1 repeats bit for bit"
-    return f", step 1 NOT repeatable ({repeat.get('differing')} of {repeat.get('leaves')} leaves differ)"
+    names = ", ".join(repeat.get("first_differing", [])[:3])
+    return f", step 1 NOT repeatable ({repeat.get('differing')} of {repeat.get('leaves')} leaves differ: {names} ...)"
 
 
 def stage_line(s: Stage) -> str:

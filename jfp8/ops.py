@@ -395,12 +395,26 @@ def take_rows(x: jax.Array, rows: jax.Array, token_rows: jax.Array | None = None
         ascending order, padded with R (every row exactly once; an MoE's top-k assignment gives
         C = k and no padding). Without it, autodiff's scatter-add.
     """
+    x, rows = jnp.asarray(x), jnp.asarray(rows)
+    if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+        raise ValueError(f"rows must be (R,) integers; got {rows.shape} {rows.dtype}")
     if token_rows is None:
         return jnp.take(x, rows, axis=0)
-    token_rows = jnp.asarray(token_rows).astype(jnp.int32)
-    if token_rows.ndim != 2 or token_rows.shape[0] != x.shape[0]:
-        raise ValueError(f"token_rows must be (N, C) with N = x's {x.shape[0]} rows; got {token_rows.shape}")
-    return _take_rows(x, jnp.asarray(rows).astype(jnp.int32), token_rows)
+    token_rows = _checked_token_rows(token_rows, x.shape[0], rows.shape[0])
+    return _take_rows(x, rows.astype(jnp.int32), token_rows)
+
+
+def _checked_token_rows(token_rows, n: int, r: int) -> jax.Array:
+    """`token_rows` as int32, or a ValueError saying what it must be. Whether it lists each of the
+    R rows exactly once cannot be checked on traced values: a wrong table gives a wrong gradient."""
+    token_rows = jnp.asarray(token_rows)
+    if token_rows.ndim != 2 or token_rows.shape[0] != n or not jnp.issubdtype(token_rows.dtype, jnp.integer):
+        raise ValueError(f"token_rows must be (N, C) integers with N = {n}, the tokens' count: each token's rows "
+                         f"in ascending order, padded with R = {r}; got {token_rows.shape} {token_rows.dtype}")
+    if token_rows.shape[0] * token_rows.shape[1] < r:
+        raise ValueError(f"token_rows {token_rows.shape} has room for {token_rows.size} rows, fewer than the {r} "
+                         "rows gathered: it must list every row once (C = k for a top-k routing)")
+    return token_rows.astype(jnp.int32)
 
 
 # ------------------------------------------------------------------------------ grouped, gathered rows
@@ -457,12 +471,7 @@ def gathered_grouped_fp8_linear(
     if tokens.ndim != 2 or rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
         raise ValueError(f"tokens must be (N, K) and rows (R,) integers; got {tokens.shape} and {rows.shape} {rows.dtype}")
     if token_rows is not None:
-        token_rows = jnp.asarray(token_rows)
-        if (token_rows.ndim != 2 or token_rows.shape[0] != tokens.shape[0]
-                or not jnp.issubdtype(token_rows.dtype, jnp.integer)):
-            raise ValueError(f"token_rows must be (N, C) integers with N = tokens' {tokens.shape[0]}; got "
-                             f"{token_rows.shape} {token_rows.dtype}")
-        token_rows = token_rows.astype(jnp.int32)
+        token_rows = _checked_token_rows(token_rows, tokens.shape[0], rows.shape[0])
     if not (recipe.fprop and recipe.wgrad and recipe.activation_block == (1, TILE)):
         return grouped_fp8_linear(take_rows(tokens, rows, token_rows), w, group_sizes, recipe)
     _check_float("tokens", tokens)

@@ -652,8 +652,6 @@ def test_the_training_check_tells_a_step_that_is_not_repeatable():
     """`same_state` reads whether a step run twice from copies of one state gives the same bits,
     and names the leaves that differ (a step that draws fresh noise each call here)."""
     check = _load("gpu_train_check")
-    import jax.numpy as jnp
-
     state = ({"w": jnp.ones(3), "b": jnp.zeros(2)}, {"bias": jnp.zeros(1)}, {"m": jnp.zeros(3)})
     calls = iter(range(10))
 
@@ -667,3 +665,17 @@ def test_the_training_check_tells_a_step_that_is_not_repeatable():
     noisy = check.same_state(lambda *a: step(*a, noisy=True), state, None)
     assert noisy["same_bits"] is False and noisy["differing"] == 2
     assert any("'w'" in name for name in noisy["first_differing"])
+    assert "NOT repeatable (2 of 5" in _load("gpu_session")._repeat_note(noisy)
+
+
+def test_a_failing_repeat_does_not_fail_the_training_check(monkeypatch):
+    """The repeat is a reading: its own failure (out of memory, say) is recorded in `repeatable`,
+    and the check's verdict stays the losses'."""
+    check = _load("gpu_train_check")
+
+    def broken(*args):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(check, "same_state", broken)
+    row = check.check("tiny", 1, 1, interpret=False)
+    assert row["ok"] is True and "out of memory" in row["repeatable"]["error"]

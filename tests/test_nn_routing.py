@@ -22,6 +22,7 @@ from jfp8.nn import (
     top_k_routing,
     update_bias,
 )
+import jfp8.nn.moe
 from jfp8.nn.config import DEEPSEEK_V3_BIAS_LR_RATIO
 from jfp8.recipe import Fp8Recipe
 from helpers import fresh_rng as _rng
@@ -464,24 +465,46 @@ def test_sequence_balance_loss_minimum_at_perfect_balance():
 
 
 @pytest.mark.parametrize("recipe", [Fp8Recipe(impl="xla"), Fp8Recipe.off(impl="xla")], ids=["fp8", "bf16"])
-def test_moe_gradient_sums_token_rows_without_a_scatter(recipe):
+def test_moe_gradient_sums_token_rows_without_a_scatter(recipe, monkeypatch):
     """The routed experts' backward gathers: the tokens' gradient (each token's K rows summed in
-    row order) and the combine's (one gather of g·w into dispatch order) have no scatter-add, whose
-    repeated indices a GPU adds atomically, in an order that changes from run to run. (What is left
-    adds exact small integers (expert counts) or hits each element once (the top-K scores).)"""
+    row order, `token_rows`) has no scatter-add, whose repeated indices a GPU adds atomically, in
+    an order that changes from run to run; and the gradients are bit for bit those of autodiff's
+    scatter-add (the module with `token_rows` taken away), on a fresh routing."""
+    rng, seed = _rng()
     cfg = ModelConfig.tiny(recipe=recipe)
-    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    moe = MoE(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     graph, state = nnx.split(moe)
 
     def loss(state, x):
         y, _ = nnx.merge(graph, state)(x)
-        return y.astype(jnp.float32).sum()
+        return (y.astype(jnp.float32) * jnp.arange(y.shape[-1])).sum()
 
-    x = jnp.ones((2, 16, cfg.d_model), jnp.bfloat16)
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x).jaxpr
-    adds = [e.outvars[0].aval for e in _all_eqns(jaxpr) if e.primitive.name == "scatter-add"
-            and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)]
-    assert adds and not [a for a in adds if a.shape[-1] == cfg.d_model], adds
+    x = jnp.asarray(rng.standard_normal((2, 24, cfg.d_model)), jnp.bfloat16)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+    def token_row_scatters():
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x).jaxpr
+        return [e.outvars[0].aval for e in _all_eqns(jaxpr) if e.primitive.name == "scatter-add"
+                and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating) and e.outvars[0].aval.shape[-1] == cfg.d_model]
+
+    assert not token_row_scatters()
+    got = grad(state, x)
+    monkeypatch.setattr(jfp8.nn.moe, "token_rows", lambda order, k: None)  # autodiff's scatter-add
+    assert token_row_scatters()  # the check sees it
+    want = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"seed {seed}"
+
+
+def test_token_rows_lists_each_tokens_rows_in_order():
+    """`token_rows(order, k)`: for each token, the rows of the sorted copies that hold it, ascending."""
+    rng, seed = _rng()
+    t, e, k = 37, 6, 3
+    experts, _ = top_k_routing(_scores(rng, t, e), jnp.zeros(e), k)
+    _, _, order = dispatch(jnp.zeros((t, 4)), experts, e)
+    rows = np.asarray(order) // k
+    want = np.stack([np.flatnonzero(rows == tok) for tok in range(t)])
+    np.testing.assert_array_equal(jfp8.nn.moe.token_rows(order, k), want, err_msg=f"seed {seed}")
 
 
 def _all_eqns(jaxpr):

@@ -520,8 +520,14 @@ def test_take_rows_gradient_is_the_scatter_add_bit_for_bit(dtype):
         want = run(lambda g: jax.vjp(take, x)[1](g)[0])(g)
         assert np.isnan(np.asarray(want, np.float32)).any() and np.isinf(np.asarray(want, np.float32)).any()
         assert_bitwise_equal(canon(got), canon(want), seed)
-    with pytest.raises(ValueError, match="token_rows"):
+    with pytest.raises(ValueError, match="token_rows must be"):
         jfp8.ops.take_rows(x, rows, table[:5])
+    with pytest.raises(ValueError, match="token_rows must be"):
+        jfp8.ops.take_rows(x, rows, table.astype(jnp.float32))
+    with pytest.raises(ValueError, match="fewer than"):
+        jfp8.ops.take_rows(x, rows, table[:, :0])
+    with pytest.raises(ValueError, match="rows must be"):
+        jfp8.ops.take_rows(x, rows[:, None], table)
 
 
 def test_gathered_rows_quantize_each_token_once(monkeypatch):
