@@ -93,3 +93,15 @@ def load_experiment(name: str):
 def load_benchmark(name: str):
     """benchmarks/<name>.py as a fresh module."""
     return _load_script(BENCHMARKS, name)
+
+
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs in its equations' parameters (cond branches,
+    loop bodies, custom-VJP calls, pjit)."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for j in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    yield from all_eqns(inner)

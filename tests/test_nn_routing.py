@@ -25,7 +25,7 @@ from jfp8.nn import (
 import jfp8.nn.moe
 from jfp8.nn.config import DEEPSEEK_V3_BIAS_LR_RATIO
 from jfp8.recipe import Fp8Recipe
-from helpers import fresh_rng as _rng
+from helpers import all_eqns, fresh_rng as _rng
 
 
 def _scores(rng, t, e):
@@ -484,7 +484,7 @@ def test_moe_gradient_sums_token_rows_without_a_scatter(recipe, monkeypatch):
 
     def token_row_scatters():
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x).jaxpr
-        return [e.outvars[0].aval for e in _all_eqns(jaxpr) if e.primitive.name == "scatter-add"
+        return [e.outvars[0].aval for e in all_eqns(jaxpr) if e.primitive.name == "scatter-add"
                 and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating) and e.outvars[0].aval.shape[-1] == cfg.d_model]
 
     assert not token_row_scatters()
@@ -505,13 +505,3 @@ def test_token_rows_lists_each_tokens_rows_in_order():
     rows = np.asarray(order) // k
     want = np.stack([np.flatnonzero(rows == tok) for tok in range(t)])
     np.testing.assert_array_equal(jfp8.nn.moe.token_rows(order, k), want, err_msg=f"seed {seed}")
-
-
-def _all_eqns(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for j in (v if isinstance(v, (tuple, list)) else (v,)):
-                inner = getattr(j, "jaxpr", j)
-                if hasattr(inner, "eqns"):
-                    yield from _all_eqns(inner)

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jfp8
 from jfp8 import GRAD_AMAX_FLOOR as GRAD_FLOOR, TILE, Fp8Recipe, fp8_linear, grouped_fp8_linear, quantize, scaled_matmul_reference
 from jfp8.reference import grouped_scaled_matmul_reference, grouped_wgrad_reference
-from helpers import assert_bitwise_equal, fresh_rng as _rng, rel_error as _rel
+from helpers import all_eqns, assert_bitwise_equal, fresh_rng as _rng, rel_error as _rel
 
 XLA = Fp8Recipe(impl="xla")
 QUANT_BOUND = 0.06  # two operands at ~2.6 % rms E4M3 error each: ~3.7 % expected
@@ -472,21 +472,8 @@ def test_gathered_rows_with_token_rows_give_the_same_bits(recipe):
 def _float_scatter_adds(jaxpr) -> list:
     """The scatter-adds into floating-point arrays whose indices may repeat: on a GPU, atomic
     additions in an order that changes from run to run."""
-    return [e for e in _all_eqns(jaxpr) if e.primitive.name == "scatter-add" and not e.params.get("unique_indices")
+    return [e for e in all_eqns(jaxpr) if e.primitive.name == "scatter-add" and not e.params.get("unique_indices")
             and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)]
-
-
-def _all_eqns(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs in its equations' parameters."""
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for j in (v if isinstance(v, (tuple, list)) else (v,)):
-                inner = getattr(j, "jaxpr", None)
-                if inner is not None and hasattr(inner, "eqns"):
-                    yield from _all_eqns(inner)
-                elif hasattr(j, "eqns"):
-                    yield from _all_eqns(j)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
