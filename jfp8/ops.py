@@ -341,11 +341,11 @@ def _take_rows_transpose(g: jax.Array, rows: jax.Array, token_rows: jax.Array | 
     Without `token_rows`, that scatter-add. With it ((n, C): each token's rows in ascending order,
     padded with R where a token has fewer than C), a gather of each token's rows and a chain of C
     additions in that order, each rounded to g's dtype as the scatter's combiner rounds it, from +0
-    (so a lone -0 becomes +0, as when added into zeros): the same bits. On a GPU XLA runs a scatter-add whose indices repeat with atomic
-    additions, in an order that changes from run to run (XLA rewrites it only under
-    `--xla_gpu_exclude_nondeterministic_ops`), and it writes a zeroed (n, ...) buffer first; the
-    chain is one gather fusion, deterministic. Other dtypes than bfloat16 and float32 keep the
-    scatter."""
+    (so a lone -0 becomes +0, as when added into zeros): the same bits. On a GPU XLA runs a
+    scatter-add whose indices repeat with atomic additions, in an order that changes from run to
+    run (XLA rewrites it only under `--xla_gpu_exclude_nondeterministic_ops`), and it writes a
+    zeroed (n, ...) buffer first; the chain is one gather fusion, deterministic. Other dtypes than
+    bfloat16 and float32 keep the scatter."""
     if token_rows is None or jnp.dtype(g.dtype) not in _IO_DTYPES:
         take = lambda t: jnp.take(t, rows, axis=0)  # noqa: E731
         (out,) = jax.linear_transpose(take, jax.ShapeDtypeStruct((n,) + g.shape[1:], g.dtype))(g)
@@ -463,9 +463,8 @@ def gathered_grouped_fp8_linear(
       tokens: (N, K) bfloat16/float32. rows: (R,) int32 token of each grouped row, sorted by group.
       w, group_sizes, recipe: as `grouped_fp8_linear` (over the R gathered rows).
       token_rows: (N, C) int32, optional: each token's rows in ascending order, padded with R
-        (`take_rows`); with
-        it, d tokens is each token's row gradients summed by a gather (the same bits,
-        deterministic on a GPU) instead of a scatter-add.
+        (`take_rows`); with it, d tokens is each token's row gradients summed by a gather (the
+        same bits, deterministic on a GPU) instead of a scatter-add.
     """
     tokens, rows = jnp.asarray(tokens), jnp.asarray(rows)
     if tokens.ndim != 2 or rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):

@@ -180,9 +180,9 @@ def _combine(y_sorted: jax.Array, order: jax.Array, inverse: jax.Array, weights:
     [T, K, d] in assignment order, then the unsort's transpose moves it into dispatch order (a
     scatter-add into a zeroed buffer, which XLA:GPU hoisted: the four MoE layers' buffers, 6.4 GB,
     live at once in the deviceless wide4k step at batch 16; a gather of the [T, K, d] copy until
-    2026-11-28). Here it is one pass, a gather of g's rows: row r of d y_sorted
-    is assignment a = order[r], weights[a] · g[a // K] in FP32 rounded to y_sorted's dtype, with -0
-    turned to +0 as adding into zeros does. d weights is the einsum's own transpose."""
+    2026-11-28). Here it is one pass, a gather of g's rows: row r of d y_sorted is assignment
+    a = order[r], weights[a] · g[a // K] in FP32 rounded to y_sorted's dtype, with -0 turned to +0
+    as adding into zeros does. d weights is the einsum's own transpose."""
     t, k = weights.shape
     y = jnp.take(y_sorted, inverse, axis=0).reshape(t, k, -1)  # [T, K, d]: assignment order
     return _weighted_sum(weights, y).astype(y_sorted.dtype)
