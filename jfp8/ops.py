@@ -350,9 +350,7 @@ def _take_rows_transpose(g: jax.Array, rows: jax.Array, token_rows: jax.Array | 
         take = lambda t: jnp.take(t, rows, axis=0)  # noqa: E731
         (out,) = jax.linear_transpose(take, jax.ShapeDtypeStruct((n,) + g.shape[1:], g.dtype))(g)
         return out
-    if token_rows.ndim != 2 or token_rows.shape[0] != n:
-        raise ValueError(f"token_rows must be ({n}, C), one row of row indices per token; got {token_rows.shape}")
-    if token_rows.shape[1] == 0:
+    if token_rows.shape[1] == 0:  # no rows at all (`_checked_token_rows` refuses C = 0 for R > 0)
         return jnp.zeros((n,) + g.shape[1:], g.dtype)
     # An entry R (past the last row) pads a token with fewer than C rows: it reads +0, which adds
     # nothing (the partial sum is never -0: it starts from +0, and x + -x rounds to +0).
