@@ -105,3 +105,35 @@ def all_eqns(jaxpr):
                 inner = getattr(j, "jaxpr", j)
                 if hasattr(inner, "eqns"):
                     yield from all_eqns(inner)
+
+
+def hard_row_gradients(rng: np.random.Generator, owners: np.ndarray, d: int, dtype) -> np.ndarray:
+    """(R, d) float64 cotangents of gathered rows, where summing each owner's rows shows its order
+    and its rounding: magnitudes 2^-30 to 2^30, cancellations (a row the negation of its owner's
+    first), overflow past `dtype`'s largest, NaN, ±Inf, -0 alone and in whole rows, subnormals.
+    owners[r]: the token row r was gathered from (any value for a row that belongs to none)."""
+    g = rng.standard_normal((len(owners), d)) * np.exp2(rng.integers(-30, 31, (len(owners), d)))
+    big = float(jax.numpy.finfo(dtype).max) * 0.75
+    specials = [0.0, -0.0, np.nan, np.inf, -np.inf, big, -big, float(jax.numpy.finfo(dtype).smallest_subnormal) * 3]
+    mask = rng.random(g.shape) < 0.15
+    g[mask] = rng.choice(specials, mask.sum())
+    g[rng.integers(0, len(owners), 3)] = -0.0  # whole rows of -0
+    tokens, counts = np.unique(owners, return_counts=True)
+    for t in tokens[counts >= 2][:4]:  # exact cancellation within a token
+        r = np.flatnonzero(owners == t)
+        g[r[1]] = -g[r[0]]
+    return g
+
+
+def nan_as_quiet(a) -> np.ndarray:
+    """`a` with every NaN the quiet +NaN: a NaN's sign after NaN + NaN is not IEEE 754's to say
+    (x86 keeps one operand's, and which operand comes first is the compiler's choice)."""
+    a = np.asarray(a)
+    return np.where(np.isnan(a), np.asarray(np.nan, a.dtype), a)
+
+
+def float_scatter_adds(jaxpr) -> list:
+    """The scatter-adds into floating-point arrays whose indices may repeat: on a GPU, atomic
+    additions in an order that changes from run to run."""
+    return [e for e in all_eqns(jaxpr) if e.primitive.name == "scatter-add" and not e.params.get("unique_indices")
+            and jax.numpy.issubdtype(e.outvars[0].aval.dtype, jax.numpy.floating)]

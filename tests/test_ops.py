@@ -14,7 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jfp8
 from jfp8 import GRAD_AMAX_FLOOR as GRAD_FLOOR, TILE, Fp8Recipe, fp8_linear, grouped_fp8_linear, quantize, scaled_matmul_reference
 from jfp8.reference import grouped_scaled_matmul_reference, grouped_wgrad_reference
-from helpers import all_eqns, assert_bitwise_equal, fresh_rng as _rng, rel_error as _rel
+from helpers import assert_bitwise_equal, float_scatter_adds, fresh_rng as _rng, hard_row_gradients, nan_as_quiet, rel_error as _rel
 
 XLA = Fp8Recipe(impl="xla")
 QUANT_BOUND = 0.06  # two operands at ~2.6 % rms E4M3 error each: ~3.7 % expected
@@ -464,16 +464,9 @@ def test_gathered_rows_with_token_rows_give_the_same_bits(recipe):
     got, want = with_table(tokens, w, dy), _gathered_vjp(tokens, rows, w, sizes, dy, recipe=recipe)
     for g, v in zip(got, want):
         assert_bitwise_equal(g, v, seed)
-    assert not _float_scatter_adds(jax.make_jaxpr(with_table)(tokens, w, dy).jaxpr)
-    assert _float_scatter_adds(jax.make_jaxpr(functools.partial(_gathered_vjp, recipe=recipe))(
+    assert not float_scatter_adds(jax.make_jaxpr(with_table)(tokens, w, dy).jaxpr)
+    assert float_scatter_adds(jax.make_jaxpr(functools.partial(_gathered_vjp, recipe=recipe))(
         tokens, rows, w, sizes, dy).jaxpr)  # the check sees autodiff's
-
-
-def _float_scatter_adds(jaxpr) -> list:
-    """The scatter-adds into floating-point arrays whose indices may repeat: on a GPU, atomic
-    additions in an order that changes from run to run."""
-    return [e for e in all_eqns(jaxpr) if e.primitive.name == "scatter-add" and not e.params.get("unique_indices")
-            and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -486,27 +479,15 @@ def test_take_rows_gradient_is_the_scatter_add_bit_for_bit(dtype):
     n, d = 40, 24
     copies = rng.integers(0, 8, n)
     rows = rng.permutation(np.repeat(np.arange(n), copies)).astype(np.int32)
-    g = rng.standard_normal((len(rows), d)) * np.exp2(rng.integers(-30, 31, (len(rows), d)))
-    big = float(jnp.finfo(dtype).max) * 0.75
-    specials = [0.0, -0.0, np.nan, np.inf, -np.inf, big, -big, float(jnp.finfo(dtype).smallest_subnormal) * 3]
-    mask = rng.random(g.shape) < 0.15
-    g[mask] = rng.choice(specials, mask.sum())
-    g[rng.integers(0, len(rows), 3)] = -0.0  # whole rows of -0
-    for t in np.flatnonzero(copies >= 2)[:4]:  # exact cancellation within a token
-        r = np.flatnonzero(rows == t)
-        g[r[1]] = -g[r[0]]
+    g = jnp.asarray(hard_row_gradients(rng, rows, d, dtype), dtype)
     x = jnp.zeros((n, d), dtype)
-    g = jnp.asarray(g, dtype)
     table = _token_rows(rows, n)
     take = lambda x: jnp.take(x, rows, axis=0)  # noqa: E731
-    # A NaN's sign after NaN + NaN is not IEEE 754's to say (x86 keeps one operand's, and which
-    # operand comes first is the compiler's choice): every NaN is compared as the quiet +NaN.
-    canon = lambda a: np.where(np.isnan(np.asarray(a)), np.asarray(np.nan, a.dtype), np.asarray(a))  # noqa: E731
     for run in (lambda f: f, jax.jit):
         got = run(lambda g: jax.vjp(lambda x: jfp8.ops.take_rows(x, rows, table), x)[1](g)[0])(g)
         want = run(lambda g: jax.vjp(take, x)[1](g)[0])(g)
         assert np.isnan(np.asarray(want, np.float32)).any() and np.isinf(np.asarray(want, np.float32)).any()
-        assert_bitwise_equal(canon(got), canon(want), seed)
+        assert_bitwise_equal(nan_as_quiet(got), nan_as_quiet(want), seed)
     with pytest.raises(ValueError, match="token_rows must be"):
         jfp8.ops.take_rows(x, rows, table[:5])
     with pytest.raises(ValueError, match="token_rows must be"):

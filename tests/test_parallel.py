@@ -26,6 +26,7 @@ from jfp8.train import sharded
 from jfp8.nn import model_loss
 from jfp8.train.loop import TrainConfig, build
 from jfp8.train.optim import OptimizerConfig
+from helpers import assert_bitwise_equal, float_scatter_adds, fresh_rng, hard_row_gradients, nan_as_quiet
 
 # One MoE layer, 8 experts (so a 1x8 mesh holds one expert per device), no MTP: small compiles.
 OVERRIDES = (("n_layers", 1), ("n_dense_layers", 0), ("mtp", False), ("n_routed", 8))
@@ -130,6 +131,75 @@ def test_plans_uneven_loads_are_dropless():
     assert int(small.dropped) == n * k - int(small.counts.sum()) > 0
     with pytest.raises(RuntimeError, match="dropped"):
         sharded.check_no_drops({"dropped_assignments": small.dropped})
+
+
+def _routing(rng, n=37, k=4, e=8):
+    """[N, K] distinct experts per token, drawn afresh: K = 4 so that a token's copies are summed
+    in an order that shows (two bf16 additions commute)."""
+    return jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_plans_list_each_tokens_slots_in_order(capacity_factor):
+    """`SendPlan.token_slots`: each token's send slots, ascending, padded with E_p*C where an
+    assignment was dropped."""
+    rng, seed = fresh_rng()
+    experts, ep, e = _routing(rng), 4, 8
+    n, k = experts.shape
+    sp = expert_parallel.send_plan(experts, e, ep, expert_parallel.capacity_for(n, k, ep, capacity_factor))
+    send_rows = np.asarray(sp.send_rows)
+    want = np.full((n, k), len(send_rows))
+    for t in range(n):
+        slots = np.flatnonzero(send_rows == t)
+        want[t, : len(slots)] = slots
+    np.testing.assert_array_equal(sp.token_slots, want, err_msg=f"seed {seed}")
+    assert (int(sp.dropped) > 0) == (capacity_factor is not None)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_token_gradients_through_the_send_buffer_are_the_scatter_add_bit_for_bit(dtype, capacity_factor):
+    """The tokens' gradient from their send slots, summed by a gather in slot order (FP8
+    dispatch's `_sum_slots`, BF16 dispatch's `_send_buffer`), against the scatter-add autodiff and
+    the code before ran, on values where order and rounding show, with empty and dropped slots."""
+    rng, seed = fresh_rng()
+    experts, ep, e, d = _routing(rng), 4, 8, 24
+    n, k = experts.shape
+    sp = expert_parallel.send_plan(experts, e, ep, expert_parallel.capacity_for(n, k, ep, capacity_factor))
+    g = jnp.asarray(hard_row_gradients(rng, np.asarray(sp.send_rows), d, dtype), dtype)  # [E_p*C, d]
+    scatter = jax.jit(lambda g: jnp.zeros((n + 1, d), dtype).at[sp.send_rows].add(g)[:n])
+    got = jax.jit(expert_parallel._sum_slots, static_argnums=2)(g, sp, n)
+    assert_bitwise_equal(nan_as_quiet(got), nan_as_quiet(scatter(g)), seed)
+
+    x = jnp.asarray(rng.standard_normal((n, d)), dtype)
+    send = lambda x: expert_parallel._send_buffer(x, sp, ep)  # noqa: E731
+    take = lambda x: jnp.take(jnp.concatenate([x, jnp.zeros((1, d), dtype)]), sp.send_rows, axis=0).reshape(ep, -1, d)  # noqa: E731
+    np.testing.assert_array_equal(send(x), take(x))
+    vjp = lambda f: jax.jit(lambda g: jax.vjp(f, x)[1](g.reshape(ep, -1, d))[0])  # noqa: E731
+    assert_bitwise_equal(nan_as_quiet(vjp(send)(g)), nan_as_quiet(vjp(take)(g)), seed)
+
+
+@pytest.mark.parametrize("dispatch", ["fp8", "bf16"])
+def test_expert_parallel_backward_has_no_token_scatter(dispatch, monkeypatch):
+    """In the sharded step's gradient the tokens' gradients from their dispatched copies are
+    gathers: no scatter-add into the tokens' rows, whose repeated indices a GPU adds atomically,
+    in an order that changes from run to run."""
+    mesh, (cfg, graphdef, params, rest, *_) = _sharded_run(2, 4)
+    tokens = meshes.shard_batch(_tokens(), mesh)
+    n = BATCH * SEQ // (2 * 4)  # tokens per device
+
+    def token_scatters():
+        loss_fn = sharded.sharded_loss_fn(graphdef, mesh, params, rest, expert_parallel.ParallelOptions(dispatch))
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, rest, tokens)[0]))(params).jaxpr
+        return [e for e in float_scatter_adds(jaxpr)
+                if e.outvars[0].aval.shape in ((n, cfg.d_model), (n + 1, cfg.d_model))]
+
+    assert not token_scatters()
+    monkeypatch.setattr(expert_parallel, "_sum_slots",
+                        lambda flat, sp, n: jnp.zeros((n + 1, flat.shape[-1]), flat.dtype).at[sp.send_rows].add(flat)[:n])
+    monkeypatch.setattr(expert_parallel, "_send_buffer", lambda rows, sp, ep: jnp.take(
+        jnp.concatenate([rows, jnp.zeros((1, *rows.shape[1:]), rows.dtype)]), sp.send_rows, axis=0).reshape(ep, -1, *rows.shape[1:]))
+    assert token_scatters()  # the check sees the scatter-add
 
 
 # ------------------------------------------------------------------------------ equivalence

@@ -15,10 +15,13 @@ Expert parallelism (DeepSeek-V3 §3.2.2, §3.3.4): inside each MoE layer, the E_
   backward             the gradient of the combine is the all-to-all of BF16 gradients (autodiff's
                        transpose of an all-to-all is the reverse all-to-all). The FP8 dispatch is
                        a custom_vjp fused with the first expert GEMM: its Dgrad output (BF16) goes
-                       back through the reverse all-to-all in BF16 and is scatter-added onto the
-                       pre-dispatch tokens, i.e. the dispatch quantization is straight-through
+                       back through the reverse all-to-all in BF16 and each token's copies are
+                       summed onto it, i.e. the dispatch quantization is straight-through
                        (d tokens = the BF16 gradient of the dequantized dispatched tokens). Wgrad
                        reuses the received FP8 copy (§3.5.2 re-tiling), like `grouped_fp8_linear`.
+                       The sum is a gather of each token's slots in slot order, in both dispatch
+                       precisions (`_sum_slots`): the bits of autodiff's scatter-add, without the
+                       atomic additions that make a GPU's result change from run to run.
 
 Buffers (static shapes, dropless): a device with N tokens and top-K routing sends, to each of the
 E_p destinations, a buffer of C = N·K rows (the worst case: all its assignments land on one device),
@@ -49,8 +52,8 @@ from jfp8.fp8 import TILE, Fp8Tensor
 from jfp8.mesh import EXPERT_AXIS
 from jfp8.nn.layers import swiglu
 from jfp8.nn.model import Transformer
-from jfp8.nn.moe import MoE, combine, expert_loads
-from jfp8.ops import _gmm, _grouped_bwd, _q, _vary_like, grouped_fp8_linear
+from jfp8.nn.moe import MoE, combine, expert_loads, inverse_order
+from jfp8.ops import _gmm, _grouped_bwd, _q, _take_rows, _take_rows_transpose, _vary_like, grouped_fp8_linear
 from jfp8.recipe import Fp8Recipe
 
 DispatchDtype = Literal["auto", "fp8", "bf16"]
@@ -64,6 +67,9 @@ class SendPlan(NamedTuple):
     order [N·K] int32: expert-sorted assignment order (as `jfp8.nn.moe.dispatch`).
     counts [E_p, E_l] int32: assignments per (destination, local expert) actually sent.
     dropped () int32: assignments past the capacity (0 when dropless).
+    token_slots [N, K] int32: each token's send slots in ascending order, E_p·C for a dropped
+      assignment: the table `jfp8.ops.take_rows` sums a token's gradient from (the order
+      `send_rows`' scatter-add would add it in, as a gather).
     """
 
     send_rows: jax.Array
@@ -71,6 +77,7 @@ class SendPlan(NamedTuple):
     order: jax.Array
     counts: jax.Array
     dropped: jax.Array
+    token_slots: jax.Array
 
 class RecvPlan(NamedTuple):
     """How the received [E_p, C] slots become rows grouped by local expert.
@@ -108,7 +115,8 @@ def send_plan(experts: jax.Array, n_experts: int, ep: int, capacity: int) -> Sen
     sent_cum = jnp.minimum(cum, capacity)
     counts = jnp.diff(sent_cum, axis=1, prepend=jnp.zeros((ep, 1), sent_cum.dtype)).astype(jnp.int32)
     dropped = jnp.sum(~kept).astype(jnp.int32)
-    return SendPlan(send_rows, flat_slot, order, counts, dropped)
+    token_slots = jnp.sort(flat_slot[inverse_order(order)].reshape(n, k), axis=1)  # [N, K]
+    return SendPlan(send_rows, flat_slot, order, counts, dropped, token_slots)
 
 def recv_plan(recv_counts: jax.Array, capacity: int) -> RecvPlan:
     """Group the received slots by local expert. recv_counts [E_p, E_l]: rows from each source per
@@ -134,9 +142,19 @@ def _from_grouped(rows: jax.Array, rp: RecvPlan, ep: int) -> jax.Array:
     return jnp.take(rows, rp.inverse, axis=0).reshape(ep, -1, *rows.shape[1:])
 
 def _send_buffer(rows: jax.Array, sp: SendPlan, ep: int) -> jax.Array:
-    """rows [N, ...] -> [E_p, C, ...] with zero rows in empty slots."""
+    """rows [N, ...] -> [E_p, C, ...] with zero rows in empty slots. Its gradient sums each row's
+    slots with a gather (`_sum_slots`), not a scatter-add."""
     padded = jnp.concatenate([rows, jnp.zeros((1, *rows.shape[1:]), rows.dtype)])  # row N = zeros
-    return jnp.take(padded, sp.send_rows, axis=0).reshape(ep, -1, *rows.shape[1:])
+    # The zero row's table row lists no slot: its gradient (which the concatenation drops) is 0.
+    table = jnp.concatenate([sp.token_slots, jnp.full((1, sp.token_slots.shape[1]), sp.send_rows.shape[0], jnp.int32)])
+    return _take_rows(padded, sp.send_rows, table).reshape(ep, -1, *rows.shape[1:])
+
+def _sum_slots(flat: jax.Array, sp: SendPlan, n: int) -> jax.Array:
+    """[E_p·C, ...] gradients of the send slots -> [N, ...]: each token's slots summed in slot
+    order, as `zeros.at[send_rows].add(flat)` sums them on the CPU (the same bits), with a gather
+    instead of the scatter-add whose atomic additions on a GPU change the result from run to run
+    (`jfp8.ops.take_rows`)."""
+    return _take_rows_transpose(flat, sp.send_rows, sp.token_slots, n)
 
 def _fp8_rows(q: Fp8Tensor) -> tuple[jax.Array, jax.Array]:
     """An (1, 128)-tiled Fp8Tensor's per-row payload: data [M, K] e4m3 (the zero padding to whole
@@ -171,7 +189,7 @@ def _dispatch_fp8_linear_bwd(axis, recipe, res, dy):
     back = _exchange(_from_grouped(dx_grouped.astype(probe.dtype), rp, ep), axis)  # [E_p, C, d]
     flat = back.reshape(-1, back.shape[-1])  # [E_p*C, d]
     # Straight-through: each token receives the BF16 gradients of its dispatched copies.
-    dtok = jnp.zeros((n + 1, flat.shape[-1]), flat.dtype).at[sp.send_rows].add(flat)[:n]
+    dtok = _sum_slots(flat, sp, n)
     return dtok, dw, None, None
 
 _dispatch_fp8_linear.defvjp(_dispatch_fp8_linear_fwd, _dispatch_fp8_linear_bwd)
