@@ -21,7 +21,7 @@ from pallas_kernels.fp8_math import (  # noqa: F401  AMAX_FLOOR, E4M3_MAX, FP8_D
     E4M3_MAX,
     FP8_DTYPE,
     TILE,
-    amax as fp8_amax,
+    abs_for_amax,
     check_amax_floor,
     encode,
     scale_from_amax,
@@ -173,7 +173,7 @@ def quantize(
     *batch, m, k = x.shape
     if block is None:
         # One scale per matrix: the amax runs over both axes, nothing is padded.
-        amax = fp8_amax(x, (-2, -1), keepdims=True)
+        amax = jnp.max(abs_for_amax(x), axis=(-2, -1), keepdims=True, initial=0.0)
         scale = scale_from_amax(amax, pow2_scale, amax_floor)
         return Fp8Tensor(encode(x, scale), scale, None, (m, k))
 
@@ -188,7 +188,7 @@ def quantize(
     # processes each, 300 calls; same bits). Nothing is padded at the GPU presets' widths.
     xp = jnp.pad(jax.lax.optimization_barrier(x), pad) if (mp, kp) != (m, k) else x
     blocks = xp.reshape(*batch, mp // bm, bm, kp // bk, bk)  # [..., rows, bm, cols, bk]
-    amax = fp8_amax(blocks, (-3, -1))  # [..., rows, cols]
+    amax = jnp.max(abs_for_amax(blocks), axis=(-3, -1), initial=0.0)  # [..., rows, cols]
     scale = scale_from_amax(amax, pow2_scale, amax_floor)
     data = encode(blocks, scale[..., :, None, :, None]).reshape(*batch, mp, kp)
     return Fp8Tensor(data, scale, block, (m, k))
@@ -213,7 +213,7 @@ def _one_partial_row_tile(x: jax.Array, bk: int, pow2_scale: bool, amax_floor: f
     # x's producer would lose its rounding to x's dtype (XLA's excess precision) and the bits
     # would move (measured: tiny's FP8 eval loss, 5.5441318 -> 5.544117).
     x = jax.lax.optimization_barrier(x)
-    amax = fp8_amax(x, -1, keepdims=True)  # [..., M, 1]
+    amax = jnp.max(abs_for_amax(x), axis=-1, keepdims=True, initial=0.0)  # [..., M, 1]
     scale = scale_from_amax(amax, pow2_scale, amax_floor)
     zero = encode(jnp.zeros((*batch, m, 1), x.dtype), scale)  # what a padded column encodes to
     pad = jnp.broadcast_to(as_bytes(zero), (*batch, m, bk - k))

@@ -174,28 +174,3 @@ def abs_for_amax(x: jax.Array) -> jax.Array:
     """
     a = jnp.abs(x.astype(jnp.float32))
     return jnp.where(a <= jnp.float32(F32_MAX), a, jnp.float32(jnp.inf))
-
-
-_F32_INF_BITS = 0x7F800000  # +Inf's bit pattern; every NaN's magnitude lies above it
-
-
-def amax(x: jax.Array, axis: int | tuple[int, ...], keepdims: bool = False) -> jax.Array:
-    """max |x| over `axis` in f32 with NaN and ±Inf counted as +Inf (-0 as +0; an empty reduction
-    gives +0), for XLA: computed as an integer max of the f32 bit patterns with the sign cleared.
-
-    Non-negative floats order as their bit patterns do, and NaNs' patterns lie above +Inf's, so
-    the integer max is `jnp.max(abs_for_amax(x), axis, initial=0.0)`; being exact in any order,
-    it needs no mapping per element first. XLA:CPU hands a float max reduction to YNNPACK, which
-    cannot fuse that mapping: it wrote |x| as a whole f32 array and read it back (the `small`
-    eval step's expert weights: 16 ms of thread time per layer for the mapping alone; issue 44).
-    One difference, which no scale shows: XLA:CPU flushes subnormals, so there the float max of
-    an all-subnormal block was +0, and this one is the subnormal; `scale_from_amax` takes the max
-    with an amax floor, and every floor lies above the subnormals (`check_amax_floor`). The
-    Pallas kernels keep `abs_for_amax` and a float max (Mosaic GPU reduces in registers).
-    """
-    axes = tuple(sorted(a % x.ndim for a in ((axis,) if isinstance(axis, int) else axis)))
-    mag = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) & jnp.uint32(0x7FFFFFFF)
-    top = jax.lax.reduce_max(mag, axes)  # 0 (= +0.0) over an empty axis: uint32's identity
-    inf = jnp.full(top.shape, jnp.inf, jnp.float32)
-    out = jax.lax.select(top >= jnp.uint32(_F32_INF_BITS), inf, jax.lax.bitcast_convert_type(top, jnp.float32))
-    return jax.lax.expand_dims(out, axes) if keepdims else out
