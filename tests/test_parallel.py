@@ -174,7 +174,7 @@ def test_token_gradients_through_the_send_buffer_are_the_scatter_add_bit_for_bit
     x = jnp.asarray(rng.standard_normal((n, d)), dtype)
     send = lambda x: expert_parallel._send_buffer(x, sp, ep)  # noqa: E731
     take = lambda x: jnp.take(jnp.concatenate([x, jnp.zeros((1, d), dtype)]), sp.send_rows, axis=0).reshape(ep, -1, d)  # noqa: E731
-    np.testing.assert_array_equal(send(x), take(x))
+    np.testing.assert_array_equal(send(x), take(x), err_msg=f"seed {seed}")
     vjp = lambda f: jax.jit(lambda g: jax.vjp(f, x)[1](g.reshape(ep, -1, d))[0])  # noqa: E731
     assert_bitwise_equal(nan_as_quiet(vjp(send)(g)), nan_as_quiet(vjp(take)(g)), seed)
 

@@ -20,8 +20,10 @@ Expert parallelism (DeepSeek-V3 §3.2.2, §3.3.4): inside each MoE layer, the E_
                        (d tokens = the BF16 gradient of the dequantized dispatched tokens). Wgrad
                        reuses the received FP8 copy (§3.5.2 re-tiling), like `grouped_fp8_linear`.
                        The sum is a gather of each token's slots in slot order, in both dispatch
-                       precisions (`_sum_slots`): the bits of autodiff's scatter-add, without the
-                       atomic additions that make a GPU's result change from run to run.
+                       precisions (`_sum_slots`; BF16 dispatch: `_send_buffer`'s gradient): the
+                       bits of autodiff's scatter-add, without the atomic additions that make a
+                       GPU's result change from run to run (bf16 and f32 gradients; other dtypes
+                       keep the scatter). Being custom VJPs, both are reverse-mode only.
 
 Buffers (static shapes, dropless): a device with N tokens and top-K routing sends, to each of the
 E_p destinations, a buffer of C = N·K rows (the worst case: all its assignments land on one device),
@@ -68,8 +70,9 @@ class SendPlan(NamedTuple):
     counts [E_p, E_l] int32: assignments per (destination, local expert) actually sent.
     dropped () int32: assignments past the capacity (0 when dropless).
     token_slots [N, K] int32: each token's send slots in ascending order, E_p·C for a dropped
-      assignment: the table `jfp8.ops.take_rows` sums a token's gradient from (the order
-      `send_rows`' scatter-add would add it in, as a gather).
+      assignment: the table the tokens' gradient is gathered and summed with, in the order
+      `send_rows`' scatter-add would add it (`_sum_slots`, `_send_buffer`; as
+      `jfp8.ops.take_rows`' `token_rows`).
     """
 
     send_rows: jax.Array
