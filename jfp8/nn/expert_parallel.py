@@ -146,7 +146,8 @@ def _from_grouped(rows: jax.Array, rp: RecvPlan, ep: int) -> jax.Array:
 
 def _send_buffer(rows: jax.Array, sp: SendPlan, ep: int) -> jax.Array:
     """rows [N, ...] -> [E_p, C, ...] with zero rows in empty slots. Its gradient sums each row's
-    slots with a gather (`_sum_slots`), not a scatter-add."""
+    slots with a gather in slot order (`jfp8.ops._take_rows`' transpose, as `_sum_slots`), not a
+    scatter-add."""
     padded = jnp.concatenate([rows, jnp.zeros((1, *rows.shape[1:]), rows.dtype)])  # row N = zeros
     # The zero row's table row lists no slot: its gradient (which the concatenation drops) is 0.
     table = jnp.concatenate([sp.token_slots, jnp.full((1, sp.token_slots.shape[1]), sp.send_rows.shape[0], jnp.int32)])
