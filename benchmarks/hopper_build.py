@@ -50,6 +50,10 @@ GROUPED = (8, 4096, 4096, 7168)  # experts, rows per expert, N, K
 QUANT = (4096, 7168)
 WARPGROUP_THREADS = 128
 REGISTERS_PER_SM = 65536
+# Hopper's shared memory per SM, and what the driver reserves per resident CTA (CUDA's occupancy
+# arithmetic): two CTAs fit where each takes at most (233,472 - 2 x 1,024) / 2 = 115,712 bytes.
+SMEM_PER_SM = 233472
+SMEM_RESERVED_PER_CTA = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Form:
     build: Callable[[], tuple[Callable, tuple]]
     warpgroups: int  # per CTA: 3 when warp-specialized (1 producer + 2 consumers), else 1
     cluster: bool = False  # 2-CTA clusters: TMA multicast expected
+    ctas_per_sm: int = 1  # CTAs the form is built to fit on one SM (its SMEM and registers)
 
 
 # ------------------------------------------------------------------------------ the forms
@@ -228,7 +233,7 @@ def forms() -> dict[str, Form]:
              ("quantize_tile_ring", "1x128 tiles through a 2-slot SMEM ring",
               _quantizer("tile_ring", config=QuantizeConfig(chunks=8, stages=2))),
              # The bisect call's occupancy candidates (gpu_session.QUANTIZE_BISECT_CONFIGS): SMEM for
-             # two or more CTAs per SM.
+             # two CTAs per SM (`TWO_CTA_FORMS`, checked by `check_row`).
              ("quantize_grad_one_slot", "fused gradient quantizer, 4 chunks through 1 SMEM slot",
               _quantizer("grad_config", config=QuantizeConfig(column_chunks=4, stages=1))),
              ("quantize_activation_one_slot", "fused activation quantizer, 4 chunks through 1 SMEM slot",
@@ -244,7 +249,7 @@ def forms() -> dict[str, Form]:
     grouped("grouped_fprop_simple", "grouped Fprop/Dgrad, simple()", GroupedGemmConfig.simple())
     grouped("grouped_wgrad_simple", "grouped Wgrad, simple()", GroupedGemmConfig.simple(), wgrad=True)
     for name, what, build in quant:
-        out.append(Form(name, what, build, 1))
+        out.append(Form(name, what, build, 1, ctas_per_sm=2 if name in TWO_CTA_FORMS else 1))
     out.append(Form("ragged_bf16", "the BF16 baseline's experts: jax's ragged dots (Fprop, Dgrad, Wgrad)",
                     _ragged_bf16(), 1))
     # The rest of gpu_smoke.py's forms, by their smoke names (the GPU session compares its rows).
@@ -311,10 +316,14 @@ def forms() -> dict[str, Form]:
     return {f.name: f for f in out}
 
 
+# The quantizer configs built to fit two CTAs on an SM (the bisect call times them beside the
+# defaults, which fit one): `check_row` holds them to it.
+TWO_CTA_FORMS = ("quantize_grad_one_slot", "quantize_activation_one_slot", "quantize_weight_one_chunk")
 # Compiled on every CI run (tests/test_hopper_build.py): the default dense form, grouped Fprop
-# and Wgrad, and the fused quantizers the training step runs.
+# and Wgrad, and the fused quantizers the training step runs (the f32 weight quantizer also at one
+# chunk per CTA, where it fits two CTAs on an SM).
 CI_FORMS = ("gemm_default", "grouped_fprop", "grouped_wgrad", "quantize_tile", "quantize_weight", "quantize_grad",
-            "quantize_activation",
+            "quantize_activation", "quantize_weight_one_chunk",
             "gemm[cluster_m=2]",
             # what the tuning rule runs at the benchmark shapes (tests/test_gemm_tuning.py DENSE_PICKS,
             # GROUPED_PICKS): 128 x 192 in clusters along M, 128 x 128 along N, grouped along N
@@ -575,6 +584,14 @@ def check_row(row: dict, form: Form) -> list[str]:
                            f"{max(regs.get('ALLOC', [0]))}")
     if row["registers"] * WARPGROUP_THREADS * form.warpgroups > REGISTERS_PER_SM:
         bad.append(f"{row['registers']} registers x {form.warpgroups * WARPGROUP_THREADS} threads exceed the SM")
+    if form.ctas_per_sm > 1:
+        n = form.ctas_per_sm
+        if n * (row["smem_bytes"] + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
+            bad.append(f"{n} CTAs per SM do not fit: {row['smem_bytes']} bytes of SMEM each, at most "
+                       f"{SMEM_PER_SM // n - SMEM_RESERVED_PER_CTA}")
+        if n * row["registers"] * WARPGROUP_THREADS * form.warpgroups > REGISTERS_PER_SM:
+            bad.append(f"{n} CTAs per SM do not fit: {row['registers']} registers x "
+                       f"{n * form.warpgroups * WARPGROUP_THREADS} threads exceed the SM")
     if form.cluster and not sass.get("utmaldg_multicast"):
         bad.append(f"a cluster form without multicast TMA loads (UTMALDG: {sass.get('utmaldg')})")
     return bad

@@ -397,11 +397,22 @@ def _store_half_transposed(q, half, dt_ref, bounce_ref, swizzled: bool) -> None:
     dt_ref[half, :] = plgpu.load(bounce_ref.T, layout=_WGMMA, optimized=swizzled).astype(FP8_DTYPE)
 
 
+def _store_piece_transposed(q, rows, cols, dt_ref, bounce_ref, swizzled: bool) -> None:
+    """E4M3 `q` [64, 64], rows `rows` and columns `cols` of a chunk, into rows `cols` and columns
+    `rows` of `dt_ref` [128, 128], transposed through `bounce_ref` (f16 [64, 64]; exact for every
+    E4M3 value): Hopper transposes 16-bit tiles, not 8-bit ones (see `_transposed_chunk`). A
+    quarter of the chunk at a time keeps the bounce at 8 KiB, so that the f32 weight quantizer at
+    one chunk per CTA fits two CTAs on an SM (`_column_chunk`)."""
+    bounce_ref[...] = q.astype(jnp.float16)
+    dt_ref[cols, rows] = plgpu.load(bounce_ref.T, layout=_WGMMA, optimized=swizzled).astype(FP8_DTYPE)
+
+
 def _column_chunk(x_ref, d_ref, dt_ref=None, bounce_ref=None, *, per_column: bool,
                   pow2_scale: bool, amax_floor: float, swizzled: bool):
     """Quantizes one SMEM chunk [128, 128] into `d_ref`, in two [128, 64] halves.
 
-    With `dt_ref` (and its f16 `bounce_ref`) also writes the E4M3 chunk transposed there.
+    With `dt_ref` (and its f16 `bounce_ref`, [64, 64]) also writes the E4M3 chunk transposed
+    there, in four [64, 64] pieces.
     Returns the two halves' [64] column scales when `per_column`, else the chunk's one scale.
     """
     halves = [pl.ds(h * _HALF, _HALF) for h in range(TILE // _HALF)]
@@ -414,11 +425,20 @@ def _column_chunk(x_ref, d_ref, dt_ref=None, bounce_ref=None, *, per_column: boo
     else:
         scale = scale_from_amax(jnp.maximum(*[jnp.max(a, axis=0) for a in col_amax]), pow2_scale, amax_floor)
         inv = [jnp.broadcast_to(ieee_reciprocal(scale), (TILE, _HALF))] * len(halves)
+    if dt_ref is not None:
+        # With the transpose (block scaling only): each half in two [64, 64] pieces (a WGMMA
+        # layout's 64 rows), each stored and transposed through the quarter-size bounce. The same
+        # elements encoded with the same reciprocal: the same bytes as a whole half at a time.
+        assert not per_column, "the transposed store is for block scaling"
+        piece_inv = jnp.broadcast_to(ieee_reciprocal(scale), (_HALF, _HALF))
+        for h in halves:
+            for r in halves:
+                q = encode_scaled(_load_f32(x_ref.at[r, h], swizzled), piece_inv)
+                d_ref[r, h] = q
+                _store_piece_transposed(q, r, h, dt_ref, bounce_ref, swizzled)
+        return scale
     for h, inv_h in zip(halves, inv):
-        q = encode_scaled(_load_f32(x_ref.at[:, h], swizzled), inv_h)
-        d_ref[:, h] = q
-        if dt_ref is not None:
-            _store_half_transposed(q, h, dt_ref, bounce_ref, swizzled)
+        d_ref[:, h] = encode_scaled(_load_f32(x_ref.at[:, h], swizzled), inv_h)
     return scale
 
 
@@ -430,7 +450,7 @@ def _column_body(x_gmem, d_gmem, s_gmem, *refs, chunks: int, slots: int, per_col
     written straight to GMEM (a single f32 is below the 16-byte TMA minimum). With `item_blocks`
     (block scaling only) the kernel also writes each block transposed into `dt_gmem` [items, Kp,
     item_blocks * 128]: the input's rows are `items` stacked matrices of `item_blocks` row blocks
-    each, and each matrix is transposed on its own (`_store_half_transposed`).
+    each, and each matrix is transposed on its own (`_store_piece_transposed`).
     """
     dt_smem = bounce = None
     if item_blocks is not None:
@@ -495,11 +515,12 @@ def _column_call(x, *, out_cols: int, per_column: bool, pow2_scale: bool, amax_f
         out_type.append(
             jax.ShapeDtypeStruct((items, out_cols, row_blocks // items * TILE), FP8_DTYPE)
         )
-        # The transposed block [128, 128] E4M3 and the f16 bounce of one half
-        # (`_store_half_transposed`): 128-byte swizzled tiles.
+        # The transposed block [128, 128] E4M3, written in [64, 64] quarters (64-byte swizzled
+        # tiles, as the output's halves), and the f16 bounce of one quarter
+        # (`_store_piece_transposed`; 128-byte swizzled tiles).
         transposed = [
-            _smem((slots, TILE, TILE), FP8_DTYPE, swizzled),
-            _smem((TILE, _HALF), jnp.float16, swizzled),
+            _halves_smem(slots, swizzled),
+            _smem((_HALF, _HALF), jnp.float16, swizzled),
         ]
     kernel = plgpu.kernel(
         functools.partial(

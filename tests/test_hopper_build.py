@@ -84,6 +84,13 @@ def test_row_checks_name_each_defect():
     assert any("exceeds the SM" in p for p in hb.check_row(_row(usetmaxreg={"DEALLOC": [40], "ALLOC": [256]}), ws))
     assert any("multicast" in p for p in hb.check_row(_row(), cluster))
     assert hb.check_row(_row(qgmma={}, usetmaxreg={}), quant) == []  # a quantizer: no wgmma, one warpgroup
+    two = hb.Form("quantize_y", "", lambda: None, 1, ctas_per_sm=2)
+    assert hb.check_row(_row(qgmma={}, usetmaxreg={}, smem_bytes=115712, registers=72), two) == []
+    assert any("2 CTAs per SM do not fit" in p and "at most 115712" in p
+               for p in hb.check_row(_row(qgmma={}, usetmaxreg={}, smem_bytes=116736, registers=72), two))
+    two_ws = hb.Form("gemm_y", "", lambda: None, 3, ctas_per_sm=2)
+    assert any("2 CTAs per SM do not fit" in p and "registers" in p
+               for p in hb.check_row(_row(smem_bytes=1024, registers=168, usetmaxreg={"DEALLOC": [40], "ALLOC": [168]}), two_ws))
     assert hb.check_row({"ok": False, "error": "LLVM ERROR: x"}, ws) == ["did not compile: LLVM ERROR: x"]
 
 
