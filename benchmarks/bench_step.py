@@ -358,7 +358,7 @@ def main(argv=None) -> int:
             r["ratio_vs_bf16"] = t["bf16"] / r["step_ms"] if "bf16" in t else None
         return write_record(
             "bench_step", rows, args.out, command=["bench_step.py", *(argv or sys.argv[1:])],
-            fp8_vs_bf16=pairs(rows), steps=steps, timed_from=timed_from, max_seconds=args.max_seconds,
+            fp8_vs_bf16=pairs(rows), steps=steps, timed_from=timed_from, max_seconds=args.max_seconds, seed=args.seed,
             timing="per step: wall time of the jitted step with its loss read back (device synchronised); "
                    "step_ms the median over the timed steps",
             peak_tflops_bf16=peak, peak_source="989 TFLOP/s BF16 dense (H100/H200 SXM datasheet) for both precisions",

@@ -1,11 +1,12 @@
 """A GPU window in device calls: the correctness record first (smoke, then check: 5 and 3 minutes
-with their starts), then FP8 against BF16 end to end (e2e, step), then the kernels (bench, then
+with their starts), then FP8 against BF16 end to end (e2e, step, losses), then the kernels (bench, then
 bisect when time is left); docs/gpu.md keeps the plan.
 
     bash scripts/gpu_session.sh                     # record 1: env, smoke (each kernel form alone), pytest -m gpu
     bash scripts/gpu_session.sh --command check     # record 2: compute-sanitizer, the training check
     bash scripts/gpu_session.sh --command e2e       # fp8_linear at the layer shapes, the routed-expert block
     bash scripts/gpu_session.sh --command step      # the wide preset's training step, FP8 and BF16
+    bash scripts/gpu_session.sh --command losses    # 100 steps of each from the same seed: the loss gap
     bash scripts/gpu_session.sh --command bench     # dense, grouped, quantize, fp8_linear benchmarks
     bash scripts/gpu_session.sh --command bisect    # GemmConfig bisection, ncu, Mosaic profile
     bash scripts/gpu_session.sh --command tune_gemm     # optional further calls: the tuning tables
@@ -39,6 +40,9 @@ Stages:
   bench_linear_layer, bench_moe_block, bench_step
                  benchmarks/bench_linear.py --shapes layer, bench_moe_block.py, bench_step.py:
                  FP8 against BF16 per layer, per routed-expert block and per training step
+  bench_step_losses
+                 bench_step.py --steps 100 (the losses call): FP8's and BF16's mean loss over
+                 steps 81-100 from the same seed and batches, against issue 43's 1.5 % (`loss_goal`)
   bench_*        benchmarks/bench_{gemm,grouped,quantize,linear}.py at the DeepSeek-V3 shapes,
                  every row checked against its reference before it is timed
   bisect_gemm    bench_gemm at 8192^3 and 4096x7168x16384 with one row per GemmConfig variant
@@ -103,6 +107,8 @@ COMMANDS = {
     # block (one call, <= 3 minutes), then the training step of the wide preset (a call of its own).
     "e2e": ("bench_linear_layer", "bench_moe_block"),
     "step": ("bench_step",),
+    # Issue 43's loss goal, a call of its own: 100 steps of FP8 and BF16 from the same seed.
+    "losses": ("bench_step_losses",),
     "bench": ("bench_gemm", "bench_grouped", "bench_quantize", "bench_linear", "bench_grouped_wgrad"),
     "bisect": ("bisect_gemm", "bisect_grouped", "ncu", "profile", "bisect_grouped_wgrad", "bisect_quantize"),
     "tune_gemm": ("tune_gemm",),
@@ -110,10 +116,10 @@ COMMANDS = {
 }
 # A GPU window's plan, each a device call of its own: the correctness record first, then the speed
 # end to end, then the kernels' rows.
-PLAN = ("smoke", "check", "e2e", "step", "bench", "bisect")
+PLAN = ("smoke", "check", "e2e", "step", "losses", "bench", "bisect")
 # The check call's four stages run side by side inside its 150 s budget: each may take nearly all of it.
 TIMEOUTS = dict(env=45, smoke=150, pytest_gpu=200, racecheck=140, memcheck=130, synccheck=130, train_check=140,
-                bench_linear_layer=140, bench_moe_block=60, bench_step=230,
+                bench_linear_layer=140, bench_moe_block=60, bench_step=230, bench_step_losses=230,
                 bench_gemm=170, bench_grouped=110,
                 bench_quantize=110, bench_linear=90, bench_grouped_wgrad=60, bisect_gemm=200, bisect_grouped=90,
                 ncu=90, profile=60, bisect_grouped_wgrad=60, bisect_quantize=80,
@@ -137,7 +143,7 @@ GPU_TEST_FILES = ("test_quantize_kernels.py", "test_gemm_kernel.py", "test_group
 # get 140 s now that each also computes CPU slices (on the H100, 2026-11-28, a 66 s share of a
 # 130 s call ran three of the four shapes).
 DEFAULT_BUDGET_S = 400
-BUDGETS = {"smoke": 300, "check": 150, "e2e": 210, "step": 240}
+BUDGETS = {"smoke": 300, "check": 150, "e2e": 210, "step": 240, "losses": 240}
 
 # The benchmark shapes (pallas_kernels/shapes.py), most important first: a budget cut drops the
 # tail. The square 8192^3, then DeepSeek-V3's M=4096 shapes with the long K of the speed targets.
@@ -173,9 +179,9 @@ GROUPED_BISECT_CONFIGS = ("cluster_n=2", "scalar_b_scale=false", "early_scale_lo
 WGRAD_BISECT_CONFIGS = ("cluster_n=2", "early_scale_loads=true", "cluster_n=2,early_scale_loads=true")
 # The quantizers the training step runs, beside forms that fit more CTAs per SM (docs/gpu.md, "A
 # lead on the quantizer rates": only tile and retile fit two by default): one SMEM slot (two CTAs
-# for the both-forms kernels), and one chunk per CTA (half the weight quantizer's SMEM, yet 1 KB
-# over two CTAs for an f32 master: it times the smaller CTA alone); at the wide step's most
-# frequent tensor and an f32 master weight, last in the bisect call.
+# for the both-forms kernels), and one chunk per CTA (two CTAs for the weight quantizer with an
+# f32 master since its transpose goes through SMEM in quarters); at the wide step's most frequent
+# tensor and an f32 master weight, last in the bisect call.
 QUANTIZE_BISECT_SHAPES = ("16384x2048:bfloat16", "7168x2048:float32")
 QUANTIZE_BISECT_ONLY = "copy,jfp8-mosaic-tile,jfp8-mosaic-block-t,jfp8-mosaic-grad,jfp8-mosaic-activation"
 QUANTIZE_BISECT_CONFIGS = ("column_chunks=4,stages=1", "column_chunks=1")
@@ -229,13 +235,21 @@ QUICK_ARGS = {
 # precision's steps after the first capped, then 3 steps per precision under the profiler: each
 # kernel's device time by the step model's categories.
 E2E_ARGS = {"bench_linear_layer": ["--shapes", "layer"], "bench_moe_block": [],
-            "bench_step": ["--presets", "wide4k", "wide", "--max-seconds", "30", "--profile", "3"]}
+            "bench_step": ["--presets", "wide4k", "wide", "--max-seconds", "30", "--profile", "3"],
+            # 100 steps per precision (predicted 17 s each at wide4k), uncapped in practice: a
+            # shorter run cannot judge steps 81-100 and says so; wide's only if the budget lets it start.
+            "bench_step_losses": ["--presets", "wide4k", "wide", "--steps", "100", "--timed-from", "6",
+                                  "--max-seconds", "90"]}
 QUICK_E2E_ARGS = {
     "bench_linear_layer": ["--shapes", "128x256x256", "--warmup", "1", "--repeats", "2"],
     "bench_moe_block": ["--shapes", "64x128x128x2", "--warmup", "1", "--repeats", "2"],
     "bench_step": ["--presets", "tiny", "--batch", "2", "--seq-len", "32", "--steps", "4", "--timed-from", "2",
                    "--model", "n_layers=1,n_dense_layers=0,mtp=false", "--profile", "1"],
+    "bench_step_losses": ["--presets", "tiny", "--batch", "2", "--seq-len", "32", "--steps", "10",
+                          "--timed-from", "2", "--model", "n_layers=1,n_dense_layers=0,mtp=false"],
 }
+# Each end-to-end stage's script (bench_<x>.py otherwise).
+E2E_SCRIPTS = {"bench_linear_layer": "bench_linear.py", "bench_step_losses": "bench_step.py"}
 # --rehearse: the training check's plumbing at the tiny preset, both sides on XLA (the kernels in
 # the interpreter take minutes per step; `gpu_train_check.py --interpret` runs them, by hand).
 REHEARSAL_TRAIN_CHECK_ARGS = ["--presets", "tiny", "--steps", "2", "--batch", "2"]
@@ -420,7 +434,7 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
         elif name == "bench_linear":
             stages.append(bench(name, "bench_linear.py", args.linear_shapes))
         elif name in E2E_ARGS:
-            script = "bench_linear.py" if name == "bench_linear_layer" else f"{name}.py"
+            script = E2E_SCRIPTS.get(name, f"{name}.py")
             argv = [py, str(BENCHMARKS / script), "--out", str(out),
                     *(QUICK_E2E_ARGS[name] if rehearse or not gpu.hopper else E2E_ARGS[name])]
             stages.append(Stage(name, argv, TIMEOUTS[name], kind="bench"))
@@ -615,7 +629,7 @@ def _finish_smoke_row(row: dict, kernel: str, rc: int | None, timed_out: bool, l
 
 DEVICELESS = REPO / "benchmarks" / "results" / "hopper-build"
 # A stage whose record another script names (the layer shapes are bench_linear's rows).
-RECORD_OF = {"bench_linear_layer": "bench_linear"}
+RECORD_OF = {"bench_linear_layer": "bench_linear", "bench_step_losses": "bench_step"}
 
 
 def deviceless_rows(device_kind: str | None) -> dict[str, dict]:
@@ -760,6 +774,12 @@ class Session:
                 {k: v for k, v in self.records().items() if not k.startswith("bisect_")})
         except (KeyError, ValueError, TypeError) as e:  # a malformed record must not lose the rest
             record["targets"] = f"could not evaluate: {type(e).__name__}: {e}"
+        losses = self.records().get("bench_step_losses")
+        if losses is not None:
+            try:
+                record["loss_goal"] = gpu_tables.loss_verdicts(losses)
+            except (KeyError, ValueError, TypeError) as e:
+                record["loss_goal"] = f"could not evaluate: {type(e).__name__}: {e}"
         tmp = self.summary_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
         os.replace(tmp, self.summary_path)
@@ -828,6 +848,8 @@ def final_table(ctx: Session, header: str) -> str:
                         ("bench_quantize", gpu_tables.quantize_table), ("bench_linear", gpu_tables.linear_table),
                         ("bench_linear_layer", gpu_tables.linear_table), ("bench_moe_block", gpu_tables.block_table),
                         ("bench_step", gpu_tables.step_table),
+                        ("bench_step_losses", gpu_tables.step_table),
+                        ("bench_step_losses", gpu_tables.losses_table),
                         ("bench_grouped_wgrad", gpu_tables.grouped_table),
                         ("bisect_gemm", gpu_tables.gemm_table), ("bisect_grouped", gpu_tables.grouped_table),
                         ("bisect_grouped_wgrad", gpu_tables.grouped_table),

@@ -106,6 +106,43 @@ def step_table(record: dict) -> list[str]:
     return lines
 
 
+# Issue 43's loss goal: FP8's mean loss over steps 81-100 of a 100-step run within 1.5 % of
+# BF16's, same seed, same batches.
+LOSS_GOAL_STEPS = 100
+LOSS_GOAL_WINDOW = (81, 100)
+LOSS_GOAL_GAP = 0.015
+
+
+def loss_verdicts(record: dict) -> list[dict]:
+    """Per preset of a `bench_step.py --steps 100` record: FP8's and BF16's mean loss over the last
+    fifth of the steps, the gap, and the goal's verdict ("met", "NOT met", or "not measured" where
+    fewer than 100 steps ran for either precision: the window is then not steps 81-100)."""
+    out = []
+    for preset, c in (record.get("fp8_vs_bf16") or {}).items():
+        window = tuple(c.get("loss_window") or ())
+        gap = c.get("loss_gap")
+        if window != LOSS_GOAL_WINDOW or gap is None or gap != gap:
+            verdict = "not measured"
+        else:
+            verdict = "met" if abs(gap) <= LOSS_GOAL_GAP else "NOT met"
+        out.append(dict(preset=preset, window=list(window), mean_loss=c.get("mean_loss"), gap=gap,
+                        goal=f"|gap| <= {100 * LOSS_GOAL_GAP:g} % over steps {LOSS_GOAL_WINDOW[0]}-{LOSS_GOAL_WINDOW[1]}",
+                        verdict=verdict, seed=record.get("seed")))
+    return out
+
+
+def losses_table(record: dict) -> list[str]:
+    """The 100-step FP8-vs-BF16 loss comparison (issue 43), one line per preset."""
+    lines = [f"loss, FP8 vs BF16 (seed {record.get('seed')}; one seed is an anecdote, not a noise band)"]
+    for v in loss_verdicts(record):
+        first, last = (v["window"] + [None, None])[:2]
+        mean = v["mean_loss"] or {}
+        lines.append(f"{v['preset']:8s} steps {first}-{last}: FP8 {fmt(mean.get('fp8'), '.4f')}, BF16 "
+                     f"{fmt(mean.get('bf16'), '.4f')}, gap {fmt(v['gap'] and 100 * v['gap'], '+.2f')} %  "
+                     f"goal {v['goal']}: {v['verdict']}")
+    return lines
+
+
 def quantize_table(record: dict) -> list[str]:
     """GB/s by the wall clock and, where profiled, by the kernels' device time (with the kernels a
     call launches)."""

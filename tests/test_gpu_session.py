@@ -408,12 +408,13 @@ def test_dry_run_plans_the_record_then_the_speed(session, tmp_path, capsys):
                          "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     calls = [line for line in out.splitlines() if line.startswith("# device call")]
-    assert calls == ["# device call 1 of 6: bash scripts/gpu_session.sh",
-                     "# device call 2 of 6: bash scripts/gpu_session.sh --command check",
-                     "# device call 3 of 6: bash scripts/gpu_session.sh --command e2e",
-                     "# device call 4 of 6: bash scripts/gpu_session.sh --command step",
-                     "# device call 5 of 6: bash scripts/gpu_session.sh --command bench",
-                     "# device call 6 of 6: bash scripts/gpu_session.sh --command bisect"]
+    assert calls == ["# device call 1 of 7: bash scripts/gpu_session.sh",
+                     "# device call 2 of 7: bash scripts/gpu_session.sh --command check",
+                     "# device call 3 of 7: bash scripts/gpu_session.sh --command e2e",
+                     "# device call 4 of 7: bash scripts/gpu_session.sh --command step",
+                     "# device call 5 of 7: bash scripts/gpu_session.sh --command losses",
+                     "# device call 6 of 7: bash scripts/gpu_session.sh --command bench",
+                     "# device call 7 of 7: bash scripts/gpu_session.sh --command bisect"]
     e2e = json.loads(next(tmp_path.glob("gpu_session-*-e2e.json")).read_text())
     layer, block = (s["argv"] for s in e2e["stages"])
     assert layer[1].endswith("bench_linear.py") and layer[layer.index("--shapes") + 1] == "layer"
@@ -421,6 +422,9 @@ def test_dry_run_plans_the_record_then_the_speed(session, tmp_path, capsys):
     step = json.loads(next(tmp_path.glob("gpu_session-*-step.json")).read_text())["stages"][0]["argv"]
     assert step[1].endswith("bench_step.py") and step[step.index("--presets") + 1:][:2] == ["wide4k", "wide"]
     assert step[step.index("--profile") + 1] == "3"
+    losses = json.loads(next(tmp_path.glob("gpu_session-*-losses.json")).read_text())["stages"][0]["argv"]
+    assert losses[1].endswith("bench_step.py") and losses[losses.index("--steps") + 1] == "100"
+    assert losses[losses.index("--presets") + 1:][:2] == ["wide4k", "wide"]
     check = json.loads(next(tmp_path.glob("gpu_session-*-check.json")).read_text())
     assert [s["name"] for s in check["stages"]] == ["racecheck", "memcheck", "synccheck", "train_check"]
     assert check["budget_s"] == session.BUDGETS["check"]
@@ -614,6 +618,37 @@ def test_rehearsal_of_the_bench_and_bisect_calls(session, tmp_path):
     log = next(tmp_path.glob("gpu_session-cpu-*-bisect.log")).read_text()
     assert "dense GEMM, TFLOP/s" in log and "grouped Wgrad, TFLOP/s" in log  # the final tables are in the log too
     assert "quantize, GB/s" in log
+
+
+def test_rehearsal_of_the_losses_call(session, tmp_path):
+    """The loss call's plumbing on the CPU: bench_step's record found, tabulated and judged; 10
+    steps cannot judge steps 81-100, and the verdict says so."""
+    assert session.main(["--rehearse", "--command", "losses", "--out", str(tmp_path)]) == 0
+    summary = json.loads(next(tmp_path.glob("gpu_session-cpu-*-losses.json")).read_text())
+    (stage,) = summary["stages"]
+    assert stage["status"] == "ok" and stage["summary"]["record"].startswith("bench_step-")
+    (goal,) = summary["loss_goal"]
+    assert goal["preset"] == "tiny" and goal["window"] == [9, 10] and goal["verdict"] == "not measured"
+    assert goal["mean_loss"]["fp8"] > 0 and goal["mean_loss"]["bf16"] > 0
+    log = next(tmp_path.glob("gpu_session-cpu-*-losses.log")).read_text()
+    assert "loss, FP8 vs BF16 (seed 0;" in log and "steps 9-10" in log and "not measured" in log
+
+
+def test_the_loss_goal_is_judged_on_steps_81_to_100_only():
+    tables = _load("gpu_tables")
+
+    def record(gap, window=(81, 100)):
+        c = {"loss_window": list(window), "mean_loss": {"fp8": 3.0 * (1 + gap), "bf16": 3.0}, "loss_gap": gap}
+        return {"seed": 0, "fp8_vs_bf16": {"wide4k": c}}
+
+    verdict = lambda r: tables.loss_verdicts(r)[0]["verdict"]  # noqa: E731
+    assert verdict(record(0.01)) == "met" and verdict(record(-0.015)) == "met"
+    assert verdict(record(0.0151)) == "NOT met" and verdict(record(-0.02)) == "NOT met"
+    assert verdict(record(0.0, window=(17, 20))) == "not measured"  # a run cut short
+    assert verdict(record(float("nan"))) == "not measured"
+    assert tables.loss_verdicts({"rows": []}) == []
+    line = tables.losses_table(record(0.02))[1]
+    assert "steps 81-100" in line and "+2.00 %" in line and "NOT met" in line
 
 
 def test_end_to_end_tables():
