@@ -11,6 +11,7 @@
 
 import json
 import pathlib
+import re
 import tarfile
 
 import jax
@@ -21,6 +22,7 @@ import pytest
 from helpers import interpret_detecting_races, load_benchmark as _load
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "gpu"
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -423,8 +425,10 @@ def test_dry_run_plans_the_record_then_the_speed(session, tmp_path, capsys):
     assert step[1].endswith("bench_step.py") and step[step.index("--presets") + 1:][:2] == ["wide4k", "wide"]
     assert step[step.index("--profile") + 1] == "3"
     losses = json.loads(next(tmp_path.glob("gpu_session-*-losses.json")).read_text())["stages"][0]["argv"]
-    assert losses[1].endswith("bench_step.py") and losses[losses.index("--steps") + 1] == "100"
-    assert losses[losses.index("--presets") + 1:][:2] == ["wide4k", "wide"]
+    # README's front door, as written (the session adds only where the record goes)
+    front = re.search(r"^python (benchmarks/bench_step\.py .*)$", (REPO / "README.md").read_text(), re.M).group(1)
+    assert losses[1].endswith("bench_step.py") and losses[2:4] == ["--out", str(tmp_path)]
+    assert ["benchmarks/bench_step.py", *losses[4:]] == front.split()
     check = json.loads(next(tmp_path.glob("gpu_session-*-check.json")).read_text())
     assert [s["name"] for s in check["stages"]] == ["racecheck", "memcheck", "synccheck", "train_check"]
     assert check["budget_s"] == session.BUDGETS["check"]
