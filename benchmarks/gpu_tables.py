@@ -3,6 +3,8 @@ and the smoke stage's per-kernel rows. Pure functions of the JSON the scripts wr
 
 from __future__ import annotations
 
+import math
+
 from step_profile import profile_lines
 
 
@@ -108,21 +110,35 @@ def step_table(record: dict) -> list[str]:
 
 # Issue 43's loss goal: FP8's mean loss over steps 81-100 of a 100-step run within 1.5 % of
 # BF16's, same seed, same batches.
-LOSS_GOAL_STEPS = 100
 LOSS_GOAL_WINDOW = (81, 100)
 LOSS_GOAL_GAP = 0.015
 
 
 def loss_verdicts(record: dict) -> list[dict]:
     """Per preset of a `bench_step.py --steps 100` record: FP8's and BF16's mean loss over the last
-    fifth of the steps, the gap, and the goal's verdict ("met", "NOT met", or "not measured" where
-    fewer than 100 steps ran for either precision: the window is then not steps 81-100)."""
+    fifth of the steps, the gap, and the goal's verdict: "met"; "NOT met" (also for a NaN or
+    infinite loss in the window: a run that blew up); "not measured" where fewer than 100 steps
+    ran for either precision (the window is then not steps 81-100). A record without an FP8/BF16
+    pair (a precision skipped for the budget, failed or killed) gives one "not measured" entry
+    that says what it holds."""
+    pairs = record.get("fp8_vs_bf16") or {}
+    if not pairs:
+        ran = sorted({f"{r.get('preset')} {r.get('precision')}" for r in record.get("rows", [])})
+        why = "no FP8/BF16 pair in the record: rows " + (", ".join(ran) or "none")
+        for key in ("failed", "skipped"):
+            if record.get(key):
+                why += f"; {key}: {record[key]}"
+        return [dict(preset=None, window=[], mean_loss=None, gap=None, verdict="not measured", why=why,
+                     goal=f"|gap| <= {100 * LOSS_GOAL_GAP:g} % over steps {LOSS_GOAL_WINDOW[0]}-{LOSS_GOAL_WINDOW[1]}",
+                     seed=record.get("seed"))]
     out = []
-    for preset, c in (record.get("fp8_vs_bf16") or {}).items():
+    for preset, c in pairs.items():
         window = tuple(c.get("loss_window") or ())
         gap = c.get("loss_gap")
-        if window != LOSS_GOAL_WINDOW or gap is None or gap != gap:
+        if window != LOSS_GOAL_WINDOW or gap is None:
             verdict = "not measured"
+        elif not math.isfinite(gap):
+            verdict = "NOT met (non-finite loss)"
         else:
             verdict = "met" if abs(gap) <= LOSS_GOAL_GAP else "NOT met"
         out.append(dict(preset=preset, window=list(window), mean_loss=c.get("mean_loss"), gap=gap,
@@ -135,6 +151,9 @@ def losses_table(record: dict) -> list[str]:
     """The 100-step FP8-vs-BF16 loss comparison (issue 43), one line per preset."""
     lines = [f"loss, FP8 vs BF16 (seed {record.get('seed')}; one seed is an anecdote, not a noise band)"]
     for v in loss_verdicts(record):
+        if v["preset"] is None:
+            lines.append(f"{v['verdict']}: {v['why']}")
+            continue
         first, last = (v["window"] + [None, None])[:2]
         mean = v["mean_loss"] or {}
         lines.append(f"{v['preset']:8s} steps {first}-{last}: FP8 {fmt(mean.get('fp8'), '.4f')}, BF16 "

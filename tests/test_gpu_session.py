@@ -6,7 +6,7 @@
 - `--rehearse` runs the real calls on the CPU: subprocesses, per-kernel timeouts and kills, the
   log streamed as it runs, the summary JSON rewritten after every stage, the dump tarball.
 - The dry run plans a window's device calls: the correctness record (smoke, check), then the
-  speed end to end (e2e, step), then the kernels (bench, bisect).
+  speed end to end (e2e, step) and the loss gap (losses), then the kernels (bench, bisect).
 """
 
 import json
@@ -649,8 +649,13 @@ def test_the_loss_goal_is_judged_on_steps_81_to_100_only():
     assert verdict(record(0.01)) == "met" and verdict(record(-0.015)) == "met"
     assert verdict(record(0.0151)) == "NOT met" and verdict(record(-0.02)) == "NOT met"
     assert verdict(record(0.0, window=(17, 20))) == "not measured"  # a run cut short
-    assert verdict(record(float("nan"))) == "not measured"
-    assert tables.loss_verdicts({"rows": []}) == []
+    assert verdict(record(float("nan"))) == "NOT met (non-finite loss)"  # a run that blew up
+    assert verdict(record(float("inf"))) == "NOT met (non-finite loss)"
+    # no pair (FP8 skipped for the budget, failed its check, or killed after BF16): said, not empty
+    (alone,) = tables.loss_verdicts({"seed": 0, "rows": [{"preset": "wide4k", "precision": "bf16"}],
+                                     "skipped": [{"preset": "wide4k", "precision": "fp8", "why": "budget"}]})
+    assert alone["verdict"] == "not measured" and "wide4k bf16" in alone["why"] and "budget" in alone["why"]
+    assert "no FP8/BF16 pair" in tables.losses_table({"rows": []})[1]
     line = tables.losses_table(record(0.02))[1]
     assert "steps 81-100" in line and "+2.00 %" in line and "NOT met" in line
 
