@@ -230,6 +230,8 @@ def forms() -> dict[str, Form]:
              ("quantize_column_t", "x^T per 128 tokens (Wgrad operand)", _quantizer("column_t")),
              ("retile", "saved FP8 x re-tiled for Wgrad", _quantizer("retile")),
              ("quantize_tile_unswizzled", "1x128 tiles, a shape TMA cannot tile", _quantizer("tile", shape=(4090, 7166))),
+             ("quantize_weight_unswizzled", "fused weight quantizer, a shape TMA cannot tile (f32 master)",
+              _quantizer("weight", "float32", shape=(4090, 7166))),
              ("quantize_tile_ring", "1x128 tiles through a 2-slot SMEM ring",
               _quantizer("tile_ring", config=QuantizeConfig(chunks=8, stages=2))),
              # The bisect call's occupancy candidates (gpu_session.QUANTIZE_BISECT_CONFIGS): SMEM for
@@ -586,7 +588,9 @@ def check_row(row: dict, form: Form) -> list[str]:
         bad.append(f"{row['registers']} registers x {form.warpgroups * WARPGROUP_THREADS} threads exceed the SM")
     if form.ctas_per_sm > 1:
         n = form.ctas_per_sm
-        if n * (row["smem_bytes"] + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
+        if row.get("smem_bytes") is None:
+            bad.append(f"{n} CTAs per SM cannot be checked: no SMEM count in the dump")
+        elif n * (row["smem_bytes"] + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
             bad.append(f"{n} CTAs per SM do not fit: {row['smem_bytes']} bytes of SMEM each, at most "
                        f"{SMEM_PER_SM // n - SMEM_RESERVED_PER_CTA}")
         if n * row["registers"] * WARPGROUP_THREADS * form.warpgroups > REGISTERS_PER_SM:

@@ -363,8 +363,9 @@ def _row_scale_call(inputs, *, out_rows: int, out_chunks: int, transposed: bool,
 
 
 def _halves_smem(slots: int, swizzled: bool):
-    """The E4M3 output slots [slots, 128, 128] of the column kernels, written in [128, 64] halves
-    (64-byte swizzled tiles when `swizzled`)."""
+    """E4M3 slots [slots, 128, 128] of the column kernels (64-byte swizzled tiles when `swizzled`):
+    the output, written in [128, 64] halves (in [64, 64] quarters with a transpose), and the
+    transposed block, written in [64, 64] quarters."""
     return plgpu.SMEM((slots, TILE, TILE), FP8_DTYPE,
                       transforms=swizzled_layout(FP8_DTYPE, _HALF) if swizzled else ())
 
@@ -411,8 +412,8 @@ def _column_chunk(x_ref, d_ref, dt_ref=None, bounce_ref=None, *, per_column: boo
                   pow2_scale: bool, amax_floor: float, swizzled: bool):
     """Quantizes one SMEM chunk [128, 128] into `d_ref`, in two [128, 64] halves.
 
-    With `dt_ref` (and its f16 `bounce_ref`, [64, 64]) also writes the E4M3 chunk transposed
-    there, in four [64, 64] pieces.
+    With `dt_ref` (and its f16 `bounce_ref`, [64, 64]) it writes `d_ref` in four [64, 64]
+    pieces instead, and each piece also transposed into `dt_ref`.
     Returns the two halves' [64] column scales when `per_column`, else the chunk's one scale.
     """
     halves = [pl.ds(h * _HALF, _HALF) for h in range(TILE // _HALF)]
