@@ -112,6 +112,7 @@ def step_table(record: dict) -> list[str]:
 # BF16's, same seed, same batches.
 LOSS_GOAL_WINDOW = (81, 100)
 LOSS_GOAL_GAP = 0.015
+LOSS_GOAL = f"|gap| <= {100 * LOSS_GOAL_GAP:g} % over steps {LOSS_GOAL_WINDOW[0]}-{LOSS_GOAL_WINDOW[1]}"
 
 
 def loss_verdicts(record: dict) -> list[dict]:
@@ -129,8 +130,7 @@ def loss_verdicts(record: dict) -> list[dict]:
             if record.get(key):
                 why += f"; {key}: {record[key]}"
         return [dict(preset=None, window=[], mean_loss=None, gap=None, verdict="not measured", why=why,
-                     goal=f"|gap| <= {100 * LOSS_GOAL_GAP:g} % over steps {LOSS_GOAL_WINDOW[0]}-{LOSS_GOAL_WINDOW[1]}",
-                     seed=record.get("seed"))]
+                     goal=LOSS_GOAL, seed=record.get("seed"))]
     out = []
     for preset, c in pairs.items():
         window = tuple(c.get("loss_window") or ())
@@ -142,8 +142,7 @@ def loss_verdicts(record: dict) -> list[dict]:
         else:
             verdict = "met" if abs(gap) <= LOSS_GOAL_GAP else "NOT met"
         out.append(dict(preset=preset, window=list(window), mean_loss=c.get("mean_loss"), gap=gap,
-                        goal=f"|gap| <= {100 * LOSS_GOAL_GAP:g} % over steps {LOSS_GOAL_WINDOW[0]}-{LOSS_GOAL_WINDOW[1]}",
-                        verdict=verdict, seed=record.get("seed")))
+                        goal=LOSS_GOAL, verdict=verdict, seed=record.get("seed")))
     return out
 
 

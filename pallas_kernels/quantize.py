@@ -416,6 +416,7 @@ def _column_chunk(x_ref, d_ref, dt_ref=None, bounce_ref=None, *, per_column: boo
     pieces instead, and each piece also transposed into `dt_ref`.
     Returns the two halves' [64] column scales when `per_column`, else the chunk's one scale.
     """
+    assert dt_ref is None or not per_column, "the transposed store is for block scaling"
     halves = [pl.ds(h * _HALF, _HALF) for h in range(TILE // _HALF)]
     col_amax = [
         jnp.max(abs_for_amax(_load_f32(x_ref.at[:, h], swizzled)), axis=0) for h in halves
@@ -423,14 +424,11 @@ def _column_chunk(x_ref, d_ref, dt_ref=None, bounce_ref=None, *, per_column: boo
     if per_column:
         scale = [scale_from_amax(a, pow2_scale, amax_floor) for a in col_amax]
         inv = [jax.lax.broadcast_in_dim(ieee_reciprocal(s), (TILE, _HALF), (1,)) for s in scale]
-    else:
-        scale = scale_from_amax(jnp.maximum(*[jnp.max(a, axis=0) for a in col_amax]), pow2_scale, amax_floor)
-        inv = [jnp.broadcast_to(ieee_reciprocal(scale), (TILE, _HALF))] * len(halves)
-    if dt_ref is not None:
+    elif dt_ref is not None:
         # With the transpose (block scaling only): each half in two [64, 64] pieces (a WGMMA
         # layout's 64 rows), each stored and transposed through the quarter-size bounce. The same
         # elements encoded with the same reciprocal: the same bytes as a whole half at a time.
-        assert not per_column, "the transposed store is for block scaling"
+        scale = scale_from_amax(jnp.maximum(*[jnp.max(a, axis=0) for a in col_amax]), pow2_scale, amax_floor)
         piece_inv = jnp.broadcast_to(ieee_reciprocal(scale), (_HALF, _HALF))
         for h in halves:
             for r in halves:
@@ -438,6 +436,9 @@ def _column_chunk(x_ref, d_ref, dt_ref=None, bounce_ref=None, *, per_column: boo
                 d_ref[r, h] = q
                 _store_piece_transposed(q, r, h, dt_ref, bounce_ref, swizzled)
         return scale
+    else:
+        scale = scale_from_amax(jnp.maximum(*[jnp.max(a, axis=0) for a in col_amax]), pow2_scale, amax_floor)
+        inv = [jnp.broadcast_to(ieee_reciprocal(scale), (TILE, _HALF))] * len(halves)
     for h, inv_h in zip(halves, inv):
         d_ref[:, h] = encode_scaled(_load_f32(x_ref.at[:, h], swizzled), inv_h)
     return scale
