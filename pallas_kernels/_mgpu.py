@@ -5,10 +5,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import hashlib
 import io
-import itertools
 import os
 import threading
 import warnings
@@ -269,12 +269,13 @@ def _install_once(name: str, install) -> bool:
         return _INSTALLED[name]
 
 
-# Kernels lowered in this process: (jfp8 op key, ordinal, GPU, compiler params, operand types) ->
-# the Mosaic module as bytecode and the rest of its lowering result (`reuse_lowered_kernels`).
+# Kernels lowered in this process: (GPU, compiler params, launch shape, operand types, jax mesh,
+# digest of the traced body) -> the Mosaic module as bytecode and the rest of its lowering result
+# (`reuse_lowered_kernels`).
 _LOWERED: collections.OrderedDict = collections.OrderedDict()
 _MAX_LOWERED = 1024
 LOWERING_STATS = collections.Counter()  # "lowered", "reused"
-# Set by `reuse_lowered_kernels`: the op being lowered and a counter of its kernels so far.
+# Set by `reuse_lowered_kernels`: the key of the op being lowered (None: lowered as usual).
 _REUSE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jfp8_reuse_lowered", default=None)
 
 
@@ -289,25 +290,30 @@ def reuse_lowered_kernels(key):
     jfp8 lowers one op at one shape and static arguments once per program (`jfp8.api._Choice`'s
     `key`), but a second program (the eval step after the train step) lowered every kernel again:
     ~0.25 s of Python each, 3.7-4.5 s of the tiny eval step's first jit for Hopper after the train
-    step (issue 44). Here the Pallas lowering of the op's n-th kernel is kept, keyed by the op's
-    key, n, the GPU it is built for (`device_kind`, `num_sms`), the kernel's compiler parameters
-    (a profiled kernel is another kernel), the operand types, jax's mesh under shard_map and a
-    digest of the kernel's traced body, as the module's bytecode beside
-    the rest of the lowering result, and a later lowering under the same key parses it back into
-    the new program instead of lowering the kernel again: the same payload
+    step (issue 44). Here each Pallas lowering is kept, keyed by what it is a function of: the GPU
+    it is built for (`device_kind`, `num_sms`), the kernel's compiler parameters (a profiled kernel
+    is another kernel), its launch shape (grid, cluster, warpgroups, name), the operand types,
+    jax's mesh under shard_map and a digest of the kernel's traced body, as the module's bytecode
+    beside the rest of the lowering result, and a later lowering under the same key parses it
+    back into the new program instead of lowering the kernel again: the same payload
     (`stable_kernel_payloads`; tests/test_kernel_dedupe.py checks it against a fresh lowering).
+    The op's own key is not part of it: two ops that trace the same kernel (the activation's and
+    the gradient's quantizers at one shape, a GEMM called through two Fp8Tensor trees) share one
+    lowering: 8 of the 45 lowerings of the tiny FP8 train step for an H100, 0.7 s of its first jit
+    (issue 44; docs/gpu.md). A body that closes over constants (its text names them, not their values) is
+    lowered as usual.
     With a kernel cache directory (`pallas_kernels.kernel_cache`: `JFP8_KERNEL_CACHE_DIR`, or the
     training scripts' `~/.cache/jfp8/mosaic-kernels`) the table is also kept on disk, so a later
     process parses back what an earlier one lowered.
-    The op and its kernel count live in a context variable read by one wrapper of jax's lowering
-    function, installed once: no module global is swapped per op, so threads and nested ops each
-    see their own. `key=None` (an op without one), `JFP8_KERNEL_LOCATIONS=1` (each lowering keeps
+    Whether an op is inside such a block lives in a context variable read by one wrapper of jax's
+    lowering function, installed once: no module global is swapped per op, so threads and nested
+    ops each see their own. `key=None` (an op without one), `JFP8_KERNEL_LOCATIONS=1` (each lowering keeps
     its own source locations) or a missing plugin: lowered as usual.
     """
     if key is None or _keeps_locations() or not _install_reuse():
         yield
         return
-    token = _REUSE.set((key, itertools.count()))
+    token = _REUSE.set(key)
     try:
         yield
     finally:
@@ -326,16 +332,16 @@ def _wrap_lowering() -> None:
     lower = pallas_lowering.lower_unpipelined_jaxpr_to_module
 
     def reused(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs):
-        op = _REUSE.get()
-        if op is None:
+        if _REUSE.get() is None:
             return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
-        key, ordinal = op
+        if jaxpr.constvars:  # values the body's text would name but not spell out
+            return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
         # jax's mesh (under shard_map) decides a kernel's peers and how axis names resolve.
         mesh_key = None if jax_mesh is None else (tuple(jax_mesh.shape.items()), type(jax_mesh).__name__)
         # The kernel's traced body, as a digest of its text (~5 ms a kernel): whatever the kernel
         # function chose while it was traced (a config from a measured table rewritten since, say).
         body = hashlib.sha256(str(jaxpr).encode()).hexdigest()
-        entry = (key, next(ordinal), device_kind(), num_sms(), params, tuple(in_avals), tuple(out_avals), mesh_key,
+        entry = (device_kind(), num_sms(), params, _gpu_mesh_key(mesh), tuple(in_avals), tuple(out_avals), mesh_key,
                  body)
         try:
             hash(entry)
@@ -368,6 +374,17 @@ def _wrap_lowering() -> None:
         return result
 
     pallas_lowering.lower_unpipelined_jaxpr_to_module = reused
+
+
+def _gpu_mesh_key(mesh) -> tuple:
+    """The kernel's launch shape as jax's Mosaic GPU mesh gives it, every field of it (grid,
+    cluster, warpgroups, their names, the kernel's name). The lowering takes the grid from the
+    mesh, and a body's text need not name it (one that reads `lax.axis_size` does not), so one
+    body text launched on two grids may be two kernels."""
+    if not dataclasses.is_dataclass(mesh):
+        return (repr(mesh),)
+    frozen = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731
+    return (type(mesh).__name__, *((f.name, frozen(getattr(mesh, f.name))) for f in dataclasses.fields(mesh)))
 
 
 def _remember(entry: tuple, bytecode: bytes, rest: tuple) -> None:

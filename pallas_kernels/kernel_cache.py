@@ -8,11 +8,11 @@ there: its key is a hash of the lowered program, so every start lowers every ker
 it can look anything up. Within a process `_mgpu.reuse_lowered_kernels` already lowers each
 kernel once; with a directory set here, its table is also written to and read from disk.
 
-An entry's key is the in-process one written out (jfp8's op key: the kernel and reference
-functions with their static arguments, the operands' tree and types; the kernel's ordinal
-within the op; the GPU model and SM count; the compiler parameters; the kernel's operand and
+An entry's key is the in-process one written out (the GPU model and SM count; the compiler
+parameters; the launch shape, every field of jax's Mosaic GPU mesh; the kernel's operand and
 result types; jax's mesh under shard_map; a digest of the kernel's traced body, its jaxpr's
-text: every config the kernel function chose while it was traced), and what else the lowering
+text: every config the kernel function chose while it was traced; not the jfp8 op that asked
+for the kernel, so ops that trace the same kernel share one entry), and what else the lowering
 reads: the source of `jfp8` and `pallas_kernels` (every `.py` file's bytes), the versions of
 jax, jaxlib and the CUDA plugin, the PTX ISA version of the ptxas found, the `MOSAIC_GPU_*`
 environment and x64. A change to any of them is another key. A key

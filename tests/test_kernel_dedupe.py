@@ -120,6 +120,46 @@ def test_the_logical_shape_is_part_of_the_key():
     assert len(hashes) == 4 and len(set(hashes)) == 3
 
 
+def test_ops_that_trace_one_kernel_share_its_lowering(monkeypatch):
+    """Two GEMMs cut to different logical N outside one Mosaic kernel are two ops (two keys) but one
+    kernel: its lowering is kept under what the lowering is a function of (the traced body, the
+    operand types, the launch shape, the GPU), not under the op, so the second parses the first's
+    module back (issue 44: 8 of the tiny FP8 train step's 45 lowerings for an H100). The payloads
+    are those of a fresh lowering per call: the same list, call by call, with the sharing off."""
+    a = jax.eval_shape(lambda x: jfp8.quantize(x, impl="xla"), _bf16(256, 256))
+
+    def program(scale):
+        def fn(a, wa, wb):
+            a = jax.tree.map(lambda v: v * scale, a)
+            qa = jfp8.quantize(wa, (128, 128), impl="mosaic")  # logical (96, 256): padded to 128 rows
+            qb = jfp8.quantize(wb, (128, 128), impl="mosaic")  # logical (128, 256)
+            return jfp8.scaled_matmul(a, qa, impl="mosaic"), jfp8.scaled_matmul(a, qb, impl="mosaic")
+        return fn
+
+    args = (a, _bf16(96, 256), _bf16(128, 256))
+    monkeypatch.setattr(_mgpu, "_LOWERED", collections.OrderedDict())
+    monkeypatch.setattr(_mgpu, "LOWERING_STATS", collections.Counter())
+    shared = _hashes(program(1.0), *args)
+    assert _mgpu.LOWERING_STATS == {"lowered": 3, "reused": 1}  # two quantizers, one GEMM lowered once
+    monkeypatch.setattr(_mgpu, "reuse_lowered_kernels", lambda key: contextlib.nullcontext())
+    assert _hashes(program(2.0), *args) == shared
+    assert _mgpu.LOWERING_STATS == {"lowered": 3, "reused": 1}  # nothing through the table: all fresh
+
+
+def test_the_launch_shape_is_part_of_the_lowerings_key():
+    """The lowering takes the grid from jax's Mosaic GPU mesh, and a body's text need not name it
+    (one that reads `lax.axis_size` does not): every field of the mesh is in the key."""
+    from jax._src.pallas.mosaic_gpu import core as gpu_core
+
+    def mesh(**kw):
+        return gpu_core.Mesh(**{"grid": (16,), "grid_names": ("sm",), "num_threads": 3, "thread_name": "wg", **kw})
+
+    keys = {_mgpu._gpu_mesh_key(m) for m in (mesh(), mesh(grid=(32,)), mesh(cluster=(2,), cluster_names=("c",)),
+                                             mesh(num_threads=2), mesh(kernel_name="other"))}
+    assert len(keys) == 5 and _mgpu._gpu_mesh_key(mesh()) == _mgpu._gpu_mesh_key(mesh())
+    assert "0x" not in repr(_mgpu._gpu_mesh_key(mesh()))  # a stable text: the on-disk key holds it
+
+
 def test_shared_lowerings_give_each_call_its_own_result():
     """On this CPU the reference path goes through the same primitive and lowering cache: calls
     that share a lowering are the same computation, and those that must not share do not (each
