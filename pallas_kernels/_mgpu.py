@@ -10,11 +10,13 @@ import functools
 import hashlib
 import io
 import os
+import sys
 import threading
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import dispatch
 from jax._src.interpreters import batching
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -340,7 +342,10 @@ def _wrap_lowering() -> None:
         mesh_key = None if jax_mesh is None else (tuple(jax_mesh.shape.items()), type(jax_mesh).__name__)
         # The kernel's traced body, as a digest of its text (~5 ms a kernel): whatever the kernel
         # function chose while it was traced (a config from a measured table rewritten since, say).
-        body = hashlib.sha256(str(jaxpr).encode()).hexdigest()
+        # Printed whole: numpy abbreviates a long array's text ("[0 1 ... 99]"), and two bodies
+        # differing only there would share a key.
+        with np.printoptions(threshold=sys.maxsize):
+            body = hashlib.sha256(str(jaxpr).encode()).hexdigest()
         entry = (device_kind(), num_sms(), params, _gpu_mesh_key(mesh), tuple(in_avals), tuple(out_avals), mesh_key,
                  body)
         try:
