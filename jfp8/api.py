@@ -249,7 +249,10 @@ def _lower_reference(ctx, *args, choice: _Choice):
 def _lower_kernel(ctx, *args, choice: _Choice):
     block = mlir.ir.InsertionPoint.current.block
     before = len(block.operations)
-    with _mgpu.ptxas_version_asked_once(), _mgpu.stable_kernel_payloads(), _mgpu.reuse_lowered_kernels(choice.key):
+    # Lowerings are shared by the choices whose kernel function and static arguments are the same
+    # (`choice.key[0]`), whatever their operands' tree (an Fp8Tensor's logical shape) or reference.
+    kernel_key = choice.key[0] if choice.key is not None else None
+    with _mgpu.ptxas_version_asked_once(), _mgpu.stable_kernel_payloads(), _mgpu.reuse_lowered_kernels(kernel_key):
         outs = mlir.lower_fun(choice.kernel, multiple_results=True)(ctx, *args)
     # The new ops' kernels are compiled in the background while the rest lowers (jfp8.precompile).
     precompile.submit(ctx, list(block.operations)[before:])

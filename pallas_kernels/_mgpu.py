@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import hashlib
 import io
+import itertools
 import os
 import sys
 import threading
@@ -271,13 +272,13 @@ def _install_once(name: str, install) -> bool:
         return _INSTALLED[name]
 
 
-# Kernels lowered in this process: (GPU, compiler params, launch shape, operand types, jax mesh,
-# digest of the traced body) -> the Mosaic module as bytecode and the rest of its lowering result
-# (`reuse_lowered_kernels`).
+# Kernels lowered in this process: (kernel function key, ordinal, GPU, compiler params, launch shape,
+# module name, operand types, jax mesh, digest of the traced body) -> the Mosaic module as bytecode
+# and the rest of its lowering result (`reuse_lowered_kernels`).
 _LOWERED: collections.OrderedDict = collections.OrderedDict()
 _MAX_LOWERED = 1024
 LOWERING_STATS = collections.Counter()  # "lowered", "reused"
-# Set by `reuse_lowered_kernels`: the key of the op being lowered (None: lowered as usual).
+# Set by `reuse_lowered_kernels`: its key and a counter of the kernels lowered under it so far.
 _REUSE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jfp8_reuse_lowered", default=None)
 
 
@@ -292,30 +293,36 @@ def reuse_lowered_kernels(key):
     jfp8 lowers one op at one shape and static arguments once per program (`jfp8.api._Choice`'s
     `key`), but a second program (the eval step after the train step) lowered every kernel again:
     ~0.25 s of Python each, 3.7-4.5 s of the tiny eval step's first jit for Hopper after the train
-    step (issue 44). Here each Pallas lowering is kept, keyed by what it is a function of: the GPU
-    it is built for (`device_kind`, `num_sms`), the kernel's compiler parameters (a profiled kernel
-    is another kernel), its launch shape (grid, cluster, warpgroups, name), the operand types,
-    jax's mesh under shard_map and a digest of the kernel's traced body, as the module's bytecode
-    beside the rest of the lowering result, and a later lowering under the same key parses it
-    back into the new program instead of lowering the kernel again: the same payload
-    (`stable_kernel_payloads`; tests/test_kernel_dedupe.py checks it against a fresh lowering).
-    The op's own key is not part of it: two ops that trace the same kernel (the activation's and
-    the gradient's quantizers at one shape, a GEMM called through two Fp8Tensor trees) share one
-    lowering: 8 of the 45 lowerings of the tiny FP8 train step for an H100, 0.7 s of its first jit
-    (issue 44; docs/gpu.md). A body that closes over constants (its text names them, not their values) is
-    lowered as usual.
+    step (issue 44). Here the Pallas lowering of each kernel is kept, keyed by `key` (the kernel
+    function with its static arguments: `jfp8.api` passes its choice key's first part), the
+    kernel's ordinal among those the function lowers, the GPU it is built for (`device_kind`,
+    `num_sms`), the kernel's compiler parameters (a profiled kernel is another kernel), its launch
+    shape (every field of jax's Mosaic GPU mesh: the lowering takes the grid from it) and module
+    name, the operand types, jax's mesh under shard_map and a digest of the kernel's traced body,
+    as the module's bytecode beside the rest of the lowering result, and a later lowering under
+    the same key parses it back into the new program instead of lowering the kernel again: the
+    same payload (`stable_kernel_payloads`; tests/test_kernel_dedupe.py checks it against a fresh
+    lowering). Not in the key: the operands' tree and the reference, so that two call sites of one
+    kernel function whose operands differ only outside the kernel (a GEMM reached through two
+    Fp8Tensors cut to two logical N after it) share one lowering (issue 44: 8 of the 45 lowerings
+    of the tiny FP8 train step for an H100). The body's text does not carry everything a lowering
+    reads (jax prints a barrier without its arrival count, a copy without its out-of-bounds mode,
+    a callable parameter by its name), so it only tells apart kernels of one function and
+    ordinal, as a config chosen while tracing (a measured table's) would make them; the function
+    and the ordinal keep other kernels apart. A body that closes over constants is lowered as
+    usual.
     With a kernel cache directory (`pallas_kernels.kernel_cache`: `JFP8_KERNEL_CACHE_DIR`, or the
     training scripts' `~/.cache/jfp8/mosaic-kernels`) the table is also kept on disk, so a later
     process parses back what an earlier one lowered.
-    Whether an op is inside such a block lives in a context variable read by one wrapper of jax's
-    lowering function, installed once: no module global is swapped per op, so threads and nested
-    ops each see their own. `key=None` (an op without one), `JFP8_KERNEL_LOCATIONS=1` (each lowering keeps
+    The key and a counter of the kernels lowered under it live in a context variable read by one
+    wrapper of jax's lowering function, installed once: no module global is swapped per op, so
+    threads and nested ops each see their own. `key=None` (an op without one), `JFP8_KERNEL_LOCATIONS=1` (each lowering keeps
     its own source locations) or a missing plugin: lowered as usual.
     """
     if key is None or _keeps_locations() or not _install_reuse():
         yield
         return
-    token = _REUSE.set(key)
+    token = _REUSE.set((key, itertools.count()))
     try:
         yield
     finally:
@@ -334,10 +341,10 @@ def _wrap_lowering() -> None:
     lower = pallas_lowering.lower_unpipelined_jaxpr_to_module
 
     def reused(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs):
-        if _REUSE.get() is None:
+        op = _REUSE.get()
+        if op is None or jaxpr.constvars:  # constvars: values the body's text names but does not spell out
             return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
-        if jaxpr.constvars:  # values the body's text would name but not spell out
-            return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
+        key, ordinal = op
         # jax's mesh (under shard_map) decides a kernel's peers and how axis names resolve.
         mesh_key = None if jax_mesh is None else (tuple(jax_mesh.shape.items()), type(jax_mesh).__name__)
         # The kernel's traced body, as a digest of its text (~5 ms a kernel): whatever the kernel
@@ -346,8 +353,10 @@ def _wrap_lowering() -> None:
         # differing only there would share a key.
         with np.printoptions(threshold=sys.maxsize):
             body = hashlib.sha256(str(jaxpr).encode()).hexdigest()
-        entry = (device_kind(), num_sms(), params, _gpu_mesh_key(mesh), tuple(in_avals), tuple(out_avals), mesh_key,
-                 body)
+        # The module's name: jax names it after the kernel body's function.
+        name = getattr(getattr(jaxpr, "debug_info", None), "func_name", None)
+        entry = (key, next(ordinal), device_kind(), num_sms(), params, _gpu_mesh_key(mesh), name, tuple(in_avals),
+                 tuple(out_avals), mesh_key, body)
         try:
             hash(entry)
         except TypeError:

@@ -2,21 +2,24 @@
 
 A jitted FP8 training step for Hopper spends most of its lowering in jax's Pallas -> Mosaic GPU
 lowering of jfp8's kernels: ~0.2 s of Python per kernel, 11.5 s of the `tiny` FP8 train step's
-trace + lowering (45 kernels) against 0.7 s for BF16's (deviceless H100,
-`benchmarks/hopper_train_build.py`; issue 44). jax's persistent compilation cache does not help
+trace + lowering (45 kernel lowerings; 37 since call sites share them) against 0.7 s for BF16's
+(deviceless H100, `benchmarks/hopper_train_build.py`; issue 44). jax's persistent compilation cache does not help
 there: its key is a hash of the lowered program, so every start lowers every kernel again before
 it can look anything up. Within a process `_mgpu.reuse_lowered_kernels` already lowers each
 kernel once; with a directory set here, its table is also written to and read from disk.
 
-An entry's key is the in-process one written out (the GPU model and SM count; the compiler
-parameters; the launch shape, every field of jax's Mosaic GPU mesh; the kernel's operand and
-result types; jax's mesh under shard_map; a digest of the kernel's traced body, its jaxpr's
-text: every config the kernel function chose while it was traced; not the jfp8 op that asked
-for the kernel, so ops that trace the same kernel share one entry), and what else the lowering
-reads: the source of `jfp8` and `pallas_kernels` (every `.py` file's bytes), the versions of
-jax, jaxlib and the CUDA plugin, the PTX ISA version of the ptxas found, the `MOSAIC_GPU_*`
-environment and x64. A change to any of them is another key. A key
-that cannot be written out faithfully (an object's address in its text) is not kept. The entry
+An entry's key is the in-process one written out (the kernel function with its static
+arguments, not the operands' tree: call sites of one function whose operands differ only outside
+the kernel share an entry; the kernel's ordinal within the op; the GPU model and SM count; the
+compiler parameters; the launch shape, every field of jax's Mosaic GPU mesh, and the module's
+name; the kernel's operand and result types; jax's mesh under shard_map; a digest of the
+kernel's traced body, its jaxpr's text: every config the kernel function chose while it was
+traced), and what else the lowering reads: the source of `jfp8` and `pallas_kernels` (every
+`.py` file's bytes), the versions of jax, jaxlib and the CUDA plugin, the PTX ISA version of the
+ptxas found, the `MOSAIC_GPU_*` environment and x64. A change to any of them is another key. A
+key that cannot be written out faithfully (an object's address in its text) is not kept. (The
+body enters as its digest only; jax's text of a body masks addresses and names a callable
+parameter by its name, one reason the kernel function is in the key.) The entry
 holds its key's text, compared on reading; an unreadable, damaged or foreign entry is lowered
 again and rewritten, and no failure of the cache reaches the lowering. Entries are written
 atomically (a temporary file renamed), so processes sharing a folder read whole entries or none.

@@ -55,8 +55,8 @@ def test_committed_cache_and_batch_results():
         if c["precision"] == "fp8":
             # jfp8's lowered kernels (pallas_kernels.kernel_cache) are read back: no kernel is
             # lowered again, and the lowering takes less than half the first process's. (Each
-            # kernel read from disk is reused; since 2026-11-29 a kernel two ops trace is read once
-            # and then reused from memory, so reuses may outnumber reads.)
+            # kernel read from disk is reused; since 2026-11-29 a kernel two call sites share is read
+            # once and then reused from memory, so reuses may outnumber reads.)
             lowerings, loaded = c["second"]["kernel_lowerings"], c["second"]["kernel_cache"]["loaded"]
             assert "lowered" not in lowerings and lowerings["reused"] >= loaded > 0, c
             assert c["second"]["lower_s"] < c["first"]["lower_s"] / 2, c

@@ -121,10 +121,10 @@ def test_the_logical_shape_is_part_of_the_key():
 
 
 def test_ops_that_trace_one_kernel_share_its_lowering(monkeypatch):
-    """Two GEMMs cut to different logical N outside one Mosaic kernel are two ops (two keys) but one
-    kernel: its lowering is kept under what the lowering is a function of (the traced body, the
-    operand types, the launch shape, the GPU), not under the op, so the second parses the first's
-    module back (issue 44: 8 of the tiny FP8 train step's 45 lowerings for an H100). The payloads
+    """Two GEMMs cut to different logical N outside one Mosaic kernel are two ops (two choice keys)
+    but one kernel function with the same static arguments and one kernel: its lowering is kept
+    under the function, not the op's operand tree, so the second parses the first's module back
+    (issue 44: 8 of the tiny FP8 train step's 45 lowerings for an H100, all GEMMs). The payloads
     are those of a fresh lowering per call: the same list, call by call, with the sharing off."""
     a = jax.eval_shape(lambda x: jfp8.quantize(x, impl="xla"), _bf16(256, 256))
 
@@ -146,18 +146,33 @@ def test_ops_that_trace_one_kernel_share_its_lowering(monkeypatch):
     assert _mgpu.LOWERING_STATS == {"lowered": 3, "reused": 1}  # nothing through the table: all fresh
 
 
-def test_the_launch_shape_is_part_of_the_lowerings_key():
-    """The lowering takes the grid from jax's Mosaic GPU mesh, and a body's text need not name it
-    (one that reads `lax.axis_size` does not): every field of the mesh is in the key."""
-    from jax._src.pallas.mosaic_gpu import core as gpu_core
+def _lowerings_of(grids: list[int]) -> list:
+    """LOWERING_STATS after lowering one Pallas body on each grid, each in a reuse block of its own
+    under one key (so the same ordinal): what tells the lowerings apart is the entry's launch shape."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    def mesh(**kw):
-        return gpu_core.Mesh(**{"grid": (16,), "grid_names": ("sm",), "num_threads": 3, "thread_name": "wg", **kw})
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
 
-    keys = {_mgpu._gpu_mesh_key(m) for m in (mesh(), mesh(grid=(32,)), mesh(cluster=(2,), cluster_names=("c",)),
-                                             mesh(num_threads=2), mesh(kernel_name="other"))}
-    assert len(keys) == 5 and _mgpu._gpu_mesh_key(mesh()) == _mgpu._gpu_mesh_key(mesh())
-    assert "0x" not in repr(_mgpu._gpu_mesh_key(mesh()))  # a stable text: the on-disk key holds it
+    hashes = []
+    for grid in grids:
+        kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128, 128), jnp.float32), grid=(grid,),
+                              grid_names=("x",))
+        with _mgpu.stable_kernel_payloads(), _mgpu.reuse_lowered_kernels(("test_kernel_dedupe", "one body")):
+            hashes += _hashes(lambda x: kernel(x * 1), jax.ShapeDtypeStruct((128, 128), jnp.float32))
+    return hashes
+
+
+def test_the_launch_shape_is_part_of_the_lowerings_key(monkeypatch):
+    """The lowering takes the grid from jax's Mosaic GPU mesh, and a body's text need not name it:
+    one body on two grids is two lowerings, on one grid twice one lowering read back."""
+    monkeypatch.setattr(_mgpu, "_LOWERED", collections.OrderedDict())
+    monkeypatch.setattr(_mgpu, "LOWERING_STATS", collections.Counter())
+    two = _lowerings_of([2, 4])
+    assert _mgpu.LOWERING_STATS == {"lowered": 2} and two[0] != two[1]
+    monkeypatch.setattr(_mgpu, "LOWERING_STATS", collections.Counter())
+    again = _lowerings_of([2, 2])
+    assert _mgpu.LOWERING_STATS == {"reused": 2} and again == [two[0], two[0]]
 
 
 def test_shared_lowerings_give_each_call_its_own_result():
