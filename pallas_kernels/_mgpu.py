@@ -316,8 +316,9 @@ def reuse_lowered_kernels(key):
     process parses back what an earlier one lowered.
     The key and a counter of the kernels lowered under it live in a context variable read by one
     wrapper of jax's lowering function, installed once: no module global is swapped per op, so
-    threads and nested ops each see their own. `key=None` (an op without one), `JFP8_KERNEL_LOCATIONS=1` (each lowering keeps
-    its own source locations) or a missing plugin: lowered as usual.
+    threads and nested ops each see their own. `key=None` (an op without one),
+    `JFP8_KERNEL_LOCATIONS=1` (each lowering keeps its own source locations) or a missing plugin:
+    lowered as usual.
     """
     if key is None or _keeps_locations() or not _install_reuse():
         yield
@@ -342,7 +343,7 @@ def _wrap_lowering() -> None:
 
     def reused(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs):
         op = _REUSE.get()
-        if op is None or jaxpr.constvars:  # constvars: values the body's text names but does not spell out
+        if op is None or jaxpr.constvars:  # constvars: values the body's text names, not spells out
             return lower(mesh, jax_mesh, jaxpr, in_avals, out_avals, params, *args, **kwargs)
         key, ordinal = op
         # jax's mesh (under shard_map) decides a kernel's peers and how axis names resolve.
