@@ -3,9 +3,9 @@
 A jitted FP8 training step for Hopper spends most of its lowering in jax's Pallas -> Mosaic GPU
 lowering of jfp8's kernels: ~0.2 s of Python per kernel, 11.5 s of the `tiny` FP8 train step's
 trace + lowering (45 kernel lowerings; 37 since call sites share them) against 0.7 s for BF16's
-(deviceless H100, `benchmarks/hopper_train_build.py`; issue 44). jax's persistent compilation cache does not help
-there: its key is a hash of the lowered program, so every start lowers every kernel again before
-it can look anything up. Within a process `_mgpu.reuse_lowered_kernels` already lowers each
+(deviceless H100, `benchmarks/hopper_train_build.py`; issue 44). jax's persistent compilation
+cache does not help there: its key is a hash of the lowered program, so every start lowers every
+kernel again before it can look anything up. Within a process `_mgpu.reuse_lowered_kernels` already lowers each
 kernel once; with a directory set here, its table is also written to and read from disk.
 
 An entry's key is the in-process one written out (the kernel function with its static

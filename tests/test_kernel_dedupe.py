@@ -101,10 +101,11 @@ def test_what_changes_the_kernel_keeps_its_own(other):
 
 
 def test_the_logical_shape_is_part_of_the_key():
-    """Same padded data and scales, different logical N: different outputs, so different
-    lowerings (four calls). The two GEMMs run the same Mosaic kernel on the same padded operands
-    (the cut to N is outside it), and since their payloads carry no lowering counter
-    (`_mgpu.stable_kernel_payloads`) they are one payload: three kernels."""
+    """Same padded data and scales, different logical N: different outputs, so two choices of the
+    op (four calls). The two GEMMs run the same Mosaic kernel on the same padded operands (the cut
+    to N is outside it), and since their payloads carry no lowering counter
+    (`_mgpu.stable_kernel_payloads`) they are one payload: three kernels (one Pallas lowering of
+    the GEMM, read back for the second: the next test)."""
     a = jax.eval_shape(lambda x: jfp8.quantize(x, impl="xla"), _bf16(256, 256))
 
     def fn(a, wa, wb):
@@ -147,7 +148,7 @@ def test_ops_that_trace_one_kernel_share_its_lowering(monkeypatch):
 
 
 def _lowerings_of(grids: list[int]) -> list:
-    """LOWERING_STATS after lowering one Pallas body on each grid, each in a reuse block of its own
+    """The payload hashes of one Pallas body lowered on each grid, each in a reuse block of its own
     under one key (so the same ordinal): what tells the lowerings apart is the entry's launch shape."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
