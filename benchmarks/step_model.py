@@ -678,6 +678,25 @@ def quantizers_at(rates: Rates, fraction: float) -> Rates:
         (kind, tuple((size, speed) for size, _ in points)) for kind, points in rates.quantizers))
 
 
+def weights_from_the_update(ops: list[Op], rates: Rates = H100_RATES) -> float:
+    """What-if, in seconds: the optimizer's update writes the next step's weights as it writes the
+    FP32 masters, so that no kernel reads the masters again to make them. FP8: each weight quantizer
+    (128×128 blocks of an f32 master, both orientations) costs only its writes, at copy bandwidth,
+    with no launch of its own (a fused update + quantize kernel: a 128×128 f32 block is 64 KB, one
+    CTA's tile). BF16, the same for its casts: every cast fusion is priced as its writes alone, a
+    third of its bytes (an f32 → bf16 cast reads 4 and writes 2 bytes an element), an upper bound
+    on BF16's own gain where some casts are not of weights."""
+    total = 0.0
+    for op in ops:
+        if op.category == "quantize: weight 128x128":
+            total += (op.bytes - 4 * op.elements) / (rates.copy.value * 1e9) * op.count
+        elif op.category == "xla cast":
+            total += op.bytes / 3 / (rates.copy.value * 1e9) * op.count
+        else:
+            total += op_seconds(op, rates) * op.count
+    return total
+
+
 def model_hlo(text: str, rates: Rates = H100_RATES) -> dict:
     """The model of one compiled step's HLO text: categories, total, quantization cuts, the GEMM
     tile loops, the step with those loops as grouped GEMMs, and the step with the quantizers at
@@ -690,7 +709,8 @@ def model_hlo(text: str, rates: Rates = H100_RATES) -> dict:
            "gemm_loops": {"loops": len(loops), **{k: sum(r[k] for r in loops.values())
                                                    for k in ("flops", "kernels", "seconds")}},
            "with_grouped_gemm": what_if,
-           "with_quantizers_at_goal": {"fraction_of_copy": QUANTIZER_GOAL, "seconds": goal}}
+           "with_quantizers_at_goal": {"fraction_of_copy": QUANTIZER_GOAL, "seconds": goal},
+           "with_weights_from_the_update": {"seconds": weights_from_the_update(ops, rates)}}
     if rates.quantizers != H100_RATES.quantizers:  # another device's assumed rates: bound them
         h100_q = dataclasses.replace(rates, quantizers=H100_RATES.quantizers)
         out["with_h100_quantizers"] = {"seconds": summarize(ops, h100_q)["total"]["seconds"]}

@@ -223,6 +223,29 @@ def test_quantizers_at_the_goal_is_a_what_if_on_the_quantizers_only():
     assert doc["with_quantizers_at_goal"]["seconds"] < doc["total"]["seconds"]  # every quantizer is slower today
 
 
+def test_weights_from_the_update_prices_only_the_weights_writes():
+    """The what-if drops a weight quantizer's f32 read and launch (its E4M3 writes stay, at copy
+    bandwidth), a cast's read and launch (its bf16 write stays), and leaves every other op alone."""
+    r = sm.H100_RATES
+    copy = r.copy.value * 1e9
+    n = 4096 * 7168
+    weight = sm.Op("quantize: weight 128x128", "w", 0.0, 4 * n + 2 * n + 2 * 4 * (n // 128 // 128), elements=n,
+                   count=2.0)
+    cast = sm.Op("xla cast", "c", 0.0, 6 * n)
+    act = sm.Op("quantize: both orientations", "a", 0.0, 4 * n, elements=n)
+    gemm = sm.Op("fp8 gemm: dense", "g", 2.0 * 4096**3, 1 << 20, (4096, 4096, 4096))
+    got = sm.weights_from_the_update([weight, cast, act, gemm], r)
+    want = (2 * (2 * n + 8 * (n // 128 // 128)) / copy + 2 * n / copy
+            + sm.op_seconds(act, r) + sm.op_seconds(gemm, r))
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got < sum(sm.op_seconds(o, r) * o.count for o in (weight, cast, act, gemm))
+    doc = json.loads((sm.OUT / "wide4k-h100_sxm.json").read_text())["precisions"]
+    for precision in ("fp8", "bf16"):  # a saving in both, FP8's larger (it reads the masters at quantizer speed)
+        assert doc[precision]["with_weights_from_the_update"]["seconds"] < doc[precision]["total"]["seconds"]
+    saved = {p: doc[p]["total"]["seconds"] - doc[p]["with_weights_from_the_update"]["seconds"] for p in doc}
+    assert saved["fp8"] > saved["bf16"]
+
+
 CUDNN = """\
 HloModule attn
 
