@@ -717,6 +717,61 @@ def model_hlo(text: str, rates: Rates = H100_RATES) -> dict:
     return out
 
 
+def faster_fp8_gemms(rates: Rates, factor: float) -> Rates:
+    """`rates` with the FP8 GEMMs (dense and grouped) `factor` times faster (a what-if)."""
+    return dataclasses.replace(
+        rates, fp8_dense=dataclasses.replace(rates.fp8_dense, tflops=rates.fp8_dense.tflops * factor),
+        fp8_grouped=dataclasses.replace(rates.fp8_grouped, tflops=rates.fp8_grouped.tflops * factor))
+
+
+# The levers of issue 43's 1.2x, each a what-if: FP8 GEMMs this much faster (issue 45's kernels;
+# 1.5 is DeepGEMM's published H800 rate over ours), the quantizers at the goal's share of copy
+# bandwidth, and the next step's weights written by the optimizer's update.
+LEVER_GEMMS = (1.0, 1.3, 1.5)
+
+
+def levers(fp8_ops: list[Op], bf16_ops: list[Op], rates: Rates = H100_RATES) -> list[dict]:
+    """FP8's predicted step and speed-up over BF16 for every combination of the levers. Where the
+    weights come from the update, BF16's do too (its casts as writes: the fair comparison)."""
+    bf16 = sum(op_seconds(op, rates) * op.count for op in bf16_ops)
+    bf16_update = weights_from_the_update(bf16_ops, rates)
+    rows = []
+    for gemms in LEVER_GEMMS:
+        for quantizers in (None, QUANTIZER_GOAL):
+            r = faster_fp8_gemms(rates, gemms)
+            r = quantizers_at(r, quantizers) if quantizers else r
+            for update in (False, True):
+                fp8 = weights_from_the_update(fp8_ops, r) if update else sum(op_seconds(op, r) * op.count for op in fp8_ops)
+                base = bf16_update if update else bf16
+                rows.append({"fp8_gemms_faster": gemms, "quantizers_fraction_of_copy": quantizers,
+                             "weights_from_the_update": update, "fp8_s": fp8, "bf16_s": base, "speedup": base / fp8})
+    return rows
+
+
+def levers_table(hlo_dir: pathlib.Path, presets: list[str], target: str) -> str:
+    """`levers` for each preset's kept HLO as markdown (predicted, at `target`'s rates)."""
+    rates = TARGET_RATES[target]
+    out = [f"Predicted FP8 speed-up over BF16 ({target}; each lever a what-if; with the weights from the "
+           "update BF16 gets the same):", "",
+           "| preset | FP8 GEMMs faster | quantizers | weights from the update | FP8 ms | BF16 ms | speed-up |",
+           "|---|---|---|---|---|---|---|"]
+    suffix = "" if target == "h100_sxm" else f"-{target}"
+    for preset in presets:
+        ops = {}
+        for precision in PRECISIONS:
+            path = hlo_dir / f"{preset}-{precision}-train{suffix}.hlo.gz"
+            if not path.exists():
+                raise SystemExit(f"{path} is missing: run `python benchmarks/step_model.py --presets {preset} "
+                                 f"--keep-hlo {hlo_dir}" + ("" if target == "h100_sxm" else f" --target {target}") + "` first")
+            ops[precision] = step_ops(parse_module(gzip.decompress(path.read_bytes()).decode()))
+        for row in levers(ops["fp8"], ops["bf16"], rates):
+            q = row["quantizers_fraction_of_copy"]
+            out.append(f"| {preset} | {row['fp8_gemms_faster']:.1f}× | {'as measured' if q is None else f'{q:.0%} of copy'} "
+                       f"| {'yes' if row['weights_from_the_update'] else 'no'} | {row['fp8_s'] * 1e3:.2f} "
+                       f"| {row['bf16_s'] * 1e3:.2f} | {row['speedup']:.2f} |")
+    return "\n".join(out)
+
+
 # ------------------------------------------------------------------------------ compiling (subprocess)
 
 
@@ -975,6 +1030,10 @@ def main(argv=None) -> int:
     p.add_argument("--compile", nargs="+", choices=PRECISIONS, default=None,
                    help="with --from-hlo: compile these precisions anew (the rest are re-priced from the kept HLO)")
     p.add_argument("--table", action="store_true", help="print the committed results as markdown")
+    p.add_argument("--levers", type=pathlib.Path, metavar="HLO_DIR",
+                   help="print FP8's predicted speed-up over BF16 for every combination of issue 43's levers "
+                        "(faster FP8 GEMMs, quantizers at the goal, weights from the update), priced from "
+                        "the HLO kept in HLO_DIR; no compile")
     p.add_argument("--measured", type=pathlib.Path, nargs="+", default=(), metavar="BENCH_STEP_JSON",
                    help="fill the committed results' measured columns from bench_step.py records (their "
                         "rows at the model's batch on the model's device; per category where run with "
@@ -997,6 +1056,9 @@ def main(argv=None) -> int:
                     print(f"{pr}: measured {', '.join(filled)} from {m}")
             path.write_text(json.dumps(doc, indent=1) + "\n")
         args.table = True
+    if args.levers:
+        print(levers_table(args.levers, args.presets, args.target))
+        return 0
     if args.table:
         docs = [json.loads((args.out / f"{pr}-{args.target}.json").read_text()) for pr in args.presets
                 if (args.out / f"{pr}-{args.target}.json").exists()]

@@ -246,6 +246,33 @@ def test_weights_from_the_update_prices_only_the_weights_writes():
     assert saved["fp8"] > saved["bf16"]
 
 
+def test_levers_start_from_the_step_as_compiled_and_each_one_helps_fp8():
+    r = sm.H100_RATES
+    fp8 = sm.step_ops(sm.parse_module(HAND)) + [
+        sm.Op("quantize: weight 128x128", "w", 0.0, 6 * (1 << 20), elements=1 << 20)]
+    bf16 = [sm.Op("xla gemm (bf16)", "g", 2.0 * 4096**3, 1 << 20, (4096, 4096, 4096)), sm.Op("xla cast", "c", 0.0, 6 << 20)]
+    rows = sm.levers(fp8, bf16, r)
+    assert len(rows) == len(sm.LEVER_GEMMS) * 2 * 2
+    plain = next(x for x in rows if (x["fp8_gemms_faster"], x["quantizers_fraction_of_copy"],
+                                      x["weights_from_the_update"]) == (1.0, None, False))
+    assert plain["fp8_s"] == pytest.approx(sum(sm.op_seconds(o, r) * o.count for o in fp8))
+    assert plain["bf16_s"] == pytest.approx(sum(sm.op_seconds(o, r) for o in bf16))
+    by = {(x["fp8_gemms_faster"], x["quantizers_fraction_of_copy"], x["weights_from_the_update"]): x for x in rows}
+    for (g, q, u), x in by.items():  # every lever added takes FP8's time down, and BF16 gets the update too
+        if g > 1.0:
+            assert x["fp8_s"] < by[(sm.LEVER_GEMMS[sm.LEVER_GEMMS.index(g) - 1], q, u)]["fp8_s"]
+        if q is not None:
+            assert x["fp8_s"] < by[(g, None, u)]["fp8_s"]
+        if u:
+            assert x["fp8_s"] < by[(g, q, False)]["fp8_s"] and x["bf16_s"] < by[(g, q, False)]["bf16_s"]
+        assert x["speedup"] == pytest.approx(x["bf16_s"] / x["fp8_s"])
+
+
+def test_levers_without_kept_hlo_say_how_to_make_it(tmp_path):
+    with pytest.raises(SystemExit, match="--keep-hlo"):
+        sm.levers_table(tmp_path, ["wide4k"], "h100_sxm")
+
+
 CUDNN = """\
 HloModule attn
 
