@@ -733,7 +733,7 @@ LEVER_GEMMS = (1.0, 1.3, 1.5)
 def levers(fp8_ops: list[Op], bf16_ops: list[Op], rates: Rates = H100_RATES) -> list[dict]:
     """FP8's predicted step and speed-up over BF16 for every combination of the levers. Where the
     weights come from the update, BF16's do too (its casts as writes: the fair comparison)."""
-    bf16 = sum(op_seconds(op, rates) * op.count for op in bf16_ops)
+    bf16 = summarize(bf16_ops, rates)["total"]["seconds"]
     bf16_update = weights_from_the_update(bf16_ops, rates)
     rows = []
     for gemms in LEVER_GEMMS:
@@ -741,7 +741,7 @@ def levers(fp8_ops: list[Op], bf16_ops: list[Op], rates: Rates = H100_RATES) -> 
             r = faster_fp8_gemms(rates, gemms)
             r = quantizers_at(r, quantizers) if quantizers else r
             for update in (False, True):
-                fp8 = weights_from_the_update(fp8_ops, r) if update else sum(op_seconds(op, r) * op.count for op in fp8_ops)
+                fp8 = weights_from_the_update(fp8_ops, r) if update else summarize(fp8_ops, r)["total"]["seconds"]
                 base = bf16_update if update else bf16
                 rows.append({"fp8_gemms_faster": gemms, "quantizers_fraction_of_copy": quantizers,
                              "weights_from_the_update": update, "fp8_s": fp8, "bf16_s": base, "speedup": base / fp8})

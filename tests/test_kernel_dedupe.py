@@ -176,6 +176,20 @@ def test_the_launch_shape_is_part_of_the_lowerings_key(monkeypatch):
     assert _mgpu.LOWERING_STATS == {"reused": 2} and again == [two[0], two[0]]
 
 
+def test_every_field_of_the_launch_shape_is_in_the_key():
+    """The grid, the cluster, the warpgroups and the kernel's name each make another key, and the
+    key's text is stable (no object address): the on-disk kernel cache keeps it as text."""
+    from jax._src.pallas.mosaic_gpu import core as gpu_core
+
+    def mesh(**kw):
+        return gpu_core.Mesh(**{"grid": (16,), "grid_names": ("sm",), "num_threads": 3, "thread_name": "wg", **kw})
+
+    keys = {_mgpu._gpu_mesh_key(m) for m in (mesh(), mesh(grid=(32,)), mesh(cluster=(2,), cluster_names=("c",)),
+                                             mesh(num_threads=2), mesh(kernel_name="other"))}
+    assert len(keys) == 5 and _mgpu._gpu_mesh_key(mesh()) == _mgpu._gpu_mesh_key(mesh())
+    assert "0x" not in repr(_mgpu._gpu_mesh_key(mesh()))
+
+
 def test_shared_lowerings_give_each_call_its_own_result():
     """On this CPU the reference path goes through the same primitive and lowering cache: calls
     that share a lowering are the same computation, and those that must not share do not (each
