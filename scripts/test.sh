@@ -3,7 +3,8 @@
 # Tests marked `gpu` skip themselves without a Hopper GPU. Extra arguments go to pytest.
 # JFP8_TEST_WORKERS: pytest-xdist worker processes (default 2; 0 runs in this process). Each test
 # module stays on one worker (--dist loadscope), so module fixtures (a trained tiny run, the
-# benchmark records) are built once.
+# benchmark records) are built once. The processes share one jax compilation cache in a fresh temporary
+# folder, removed at the end (tests/conftest.py; JFP8_TEST_COMPILE_CACHE=0 runs without it).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/scripts/env.sh"

@@ -10,15 +10,38 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     ).strip()
 
 # The training scripts switch on jax's persistent compilation cache in ~/.cache (jfp8.train.
-# compile_cache); the suite runs them in-process and as subprocesses, and stays hermetic without it
-# (tests/test_compile_cache.py turns it on where it is the subject).
+# compile_cache); the suite runs them in-process and as subprocesses, and keeps out of ~/.cache
+# (tests/test_compile_cache.py turns that on where it is the subject).
 os.environ["JFP8_COMPILE_CACHE"] = "0"
+# Instead, one cache for this test session: a fresh folder that the pytest-xdist workers and every
+# subprocess they start share (they inherit the environment), removed when the session ends. Many
+# tests compile the same programs (the tiny model's train and eval steps, in notebooks, scripts and
+# in-process), and a cached executable is the one XLA compiled for the same program, options and
+# XLA_FLAGS (jax's key), so the bits are those of a fresh compile. Nothing from a developer's
+# own cache is read. `JFP8_TEST_COMPILE_CACHE=0` runs the suite without it.
+_SESSION_CACHE = "JFP8_TEST_SESSION_CACHE"
+if os.environ.get("JFP8_TEST_COMPILE_CACHE", "1") != "0":
+    if _SESSION_CACHE not in os.environ:  # the session's first process (xdist's controller)
+        import atexit
+        import shutil
+        import tempfile
+
+        os.environ[_SESSION_CACHE] = tempfile.mkdtemp(prefix="jfp8-test-compile-cache-")
+        atexit.register(shutil.rmtree, os.environ[_SESSION_CACHE], ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_SESSION_CACHE]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+else:
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 # Likewise jfp8's folder of lowered Mosaic GPU kernels (pallas_kernels.kernel_cache): off, also
 # where a developer's shell sets it (tests/test_kernel_cache.py turns it on).
 os.environ["JFP8_KERNEL_CACHE_DIR"] = ""
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # in case a plugin imported jax before this file
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 def pytest_collection_modifyitems(config, items):

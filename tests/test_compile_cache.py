@@ -49,3 +49,20 @@ def test_the_users_own_setting_and_the_switch_win(tmp_path):
     assert not (tmp_path / "jfp8").exists()
     off = _probe({"XDG_CACHE_HOME": str(tmp_path), "JFP8_COMPILE_CACHE": "0"})
     assert off["where"] is None and not off["config"]
+
+
+def test_the_suite_shares_one_fresh_cache_of_its_own():
+    """conftest.py: this session's processes share a temporary cache folder (not ~/.cache, not a
+    developer's JAX_COMPILATION_CACHE_DIR), or none with JFP8_TEST_COMPILE_CACHE=0."""
+    import pathlib
+    import tempfile
+
+    import jax
+
+    if os.environ.get("JFP8_TEST_COMPILE_CACHE", "1") == "0":
+        assert not os.environ.get("JAX_COMPILATION_CACHE_DIR")
+        return
+    folder = pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    assert folder == pathlib.Path(os.environ["JFP8_TEST_SESSION_CACHE"]) == pathlib.Path(jax.config.jax_compilation_cache_dir)
+    assert folder.parent == pathlib.Path(tempfile.gettempdir()) and folder.name.startswith("jfp8-test-compile-cache-")
+    assert folder.is_dir()
