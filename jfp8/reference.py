@@ -346,7 +346,8 @@ def _chunk_work(group_sizes: jax.Array, tokens: int) -> tuple[jax.Array, jax.Arr
     count = jnp.where(ends > starts, (ends - 1) // TILE - first + 1, 0)
     item_ends = jnp.cumsum(count)
     items = jnp.arange(-(-tokens // TILE) + groups, dtype=jnp.int32)
-    group = jnp.searchsorted(item_ends, items, side="right").astype(jnp.int32)
+    # One fusion, not a while loop: as `pallas_kernels.schedule.row_tile_work`.
+    group = jnp.searchsorted(item_ends, items, side="right", method="compare_all").astype(jnp.int32)
     gc = jnp.minimum(group, groups - 1)
     chunk = first[gc] + items - (item_ends[gc] - count[gc])
     return group, jnp.where(group < groups, chunk, 0)
