@@ -9,6 +9,9 @@ import pathlib
 import subprocess
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+# Committed records do not make the tree that writes the next one dirty: a run that rewrites
+# several records (step_model.py over its presets) would otherwise mark all but its first.
+RESULTS_EXCLUDED = (":(exclude)benchmarks/results", ":(exclude)experiments/results")
 
 
 def git(*argv: str) -> str | None:
@@ -24,7 +27,8 @@ def commit_info() -> dict:
     """{"commit", "dirty"}: what the caller's environment says (`JFP8_COMMIT`, `JFP8_DIRTY`) where
     it says it, else git's; None where neither says. The environment wins: the GPU machine's copy
     of the tree carried a .git from the session's start (an H100, 2026-11-28: the record said
-    7ab8f75 and dirty for a tree that was 3009e9e, clean, as JFP8_COMMIT said)."""
+    7ab8f75 and dirty for a tree that was 3009e9e, clean, as JFP8_COMMIT said). Changed files under
+    `RESULTS_EXCLUDED` (records) do not count as dirty."""
     commit, flag = os.environ.get("JFP8_COMMIT") or None, os.environ.get("JFP8_DIRTY")
     if commit is None:
         head = git("rev-parse", "HEAD")
@@ -32,6 +36,6 @@ def commit_info() -> dict:
     if flag is not None and flag != "":
         dirty = flag not in ("0", "false")
     else:
-        status = git("status", "--porcelain", "--untracked-files=no")
+        status = git("status", "--porcelain", "--untracked-files=no", "--", ".", *RESULTS_EXCLUDED)
         dirty = bool(status.strip()) if status is not None else None
     return {"commit": commit, "dirty": dirty}
