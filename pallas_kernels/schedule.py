@@ -43,10 +43,11 @@ def row_tile_work(group_sizes: jax.Array, rows: int, tile_m: int) -> tuple[jax.A
     first, count = tiles_touched(starts, ends, tile_m)
     item_ends = jnp.cumsum(count)  # [G + 1]: items up to the end of each (pseudo-)group
     items = jnp.arange(cdiv(rows, tile_m) + groups, dtype=jnp.int32)
-    # Every item against every group end at once: one fusion. jnp's default method is a binary
-    # search in a while loop, which on a GPU launches ~5 small kernels per halving (6 halvings for
-    # 32 groups): 24 such loops put 832 launches and 2.3 ms in the `gpu` preset's predicted FP8
-    # step (benchmarks/step_model.py). The same integers either way.
+    # Every item against every group end at once, one fusion ([items, G + 1], small: items are
+    # about rows / tile_m + G). jnp's default method is a binary search in a while loop, which on a
+    # GPU launches ~5 small kernels per halving (6 halvings for 32 groups): 24 such loops put 832
+    # launches and 2.3 ms in the `gpu` preset's predicted FP8 step (benchmarks/step_model.py).
+    # The same integers either way.
     group = jnp.searchsorted(item_ends, items, side="right", method="compare_all").astype(jnp.int32)
     used = group <= groups
     group = jnp.minimum(group, groups)

@@ -20,6 +20,7 @@ os.environ["JFP8_COMPILE_CACHE"] = "0"
 # XLA_FLAGS (jax's key), so the bits are those of a fresh compile. Nothing from a developer's
 # own cache is read. `JFP8_TEST_COMPILE_CACHE=0` runs the suite without it.
 _SESSION_CACHE = "JFP8_TEST_SESSION_CACHE"
+_MIN_COMPILE_S = "0.2"  # as jfp8.train.compile_cache (not imported here: it imports jax)
 if os.environ.get("JFP8_TEST_COMPILE_CACHE", "1") != "0":
     if _SESSION_CACHE not in os.environ:  # the session's first process (xdist's controller)
         import atexit
@@ -29,7 +30,7 @@ if os.environ.get("JFP8_TEST_COMPILE_CACHE", "1") != "0":
         os.environ[_SESSION_CACHE] = tempfile.mkdtemp(prefix="jfp8-test-compile-cache-")
         atexit.register(shutil.rmtree, os.environ[_SESSION_CACHE], ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_SESSION_CACHE]
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = _MIN_COMPILE_S
 else:
     os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 # Likewise jfp8's folder of lowered Mosaic GPU kernels (pallas_kernels.kernel_cache): off, also
@@ -41,7 +42,7 @@ import pytest  # noqa: E402
 
 if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # in case a plugin imported jax before this file
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(_MIN_COMPILE_S))
 
 
 def pytest_collection_modifyitems(config, items):
