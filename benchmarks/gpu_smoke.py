@@ -138,6 +138,16 @@ def wgrad_rule_config() -> gemm.GemmConfig:
     return tuning.rule_config(k, n, tokens, jnp.float32, 132, scalar_b=False)
 
 
+# A narrow layer's Wgrad (the `gpu` preset's 768 -> 384 projection over 32 x 1024 tokens): 128-row
+# tiles would leave most SMs idle, and the rule picks one warpgroup on 64 x 64 tiles, 8 stages.
+FEW_TILE_WGRAD = (768, 384, 32768)
+
+
+def few_tile_wgrad_config() -> gemm.GemmConfig:
+    k, n, tokens = FEW_TILE_WGRAD
+    return tuning.rule_config(k, n, tokens, jnp.float32, 132, scalar_b=False)
+
+
 def _dense_one_cta(rng, interpret: bool, config: gemm.GemmConfig, out_dtype=jnp.float32) -> Check:
     """The dense kernel on one persistent CTA that walks every tile of the smoke problem: its
     step counter runs on across the tiles, so with K's 3 chunks over 2 stages the tiles start at
@@ -318,6 +328,10 @@ KERNELS = {
     "gemm_rule_wgrad_long_k": (f"the same at K = {LONG_K}: 9 chunks through the 4-stage ring, the multicast "
                                "stages refilled", lambda rng, i: _dense(rng, i, wgrad_rule_config(), k=LONG_K,
                                                                          b_block=(1, TILE))),
+    "gemm_rule_wgrad_few_tiles": ("dense tile x tile (Wgrad operands), the rule's config for a narrow layer's "
+                                  "Wgrad (GemmConfig.simple() on 64 x 64 tiles, 8 stages: few output tiles), f32 out",
+                                  lambda rng, i: _dense(rng, i, few_tile_wgrad_config(), k=LONG_K,
+                                                        b_block=(1, TILE))),
     "grouped_fprop_rule_256x128_cluster_n": (
         "grouped Fprop/Dgrad, GroupedGemmConfig(tile_m=256, cluster_n=2, max_concurrent_steps=3), bf16 out: the "
         "rule's pick at the MoE shapes (issue 45)",

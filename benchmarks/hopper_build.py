@@ -86,7 +86,7 @@ def _abstract_fp8(shape, block, dtype="bfloat16"):
     return jax.eval_shape(lambda x: jfp8.quantize(x, block, impl="xla"), _sds(shape, jnp.dtype(dtype)))
 
 
-def _dense(config, b_block=(128, 128), shape=DENSE):
+def _dense(config, b_block=(128, 128), shape=DENSE, out_dtype="bfloat16"):
     def build():
         import jax.numpy as jnp
 
@@ -95,12 +95,13 @@ def _dense(config, b_block=(128, 128), shape=DENSE):
 
         m, n, k = shape
         a, b = _abstract_fp8((m, k), (1, 128)), _abstract_fp8((n, k), b_block)
+        out = jnp.dtype(out_dtype)
         if config is None:  # the library's own choice, through the front door
-            return (lambda a, b: jfp8.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl="mosaic")), (a, b)
+            return (lambda a, b: jfp8.scaled_matmul(a, b, out_dtype=out, impl="mosaic")), (a, b)
 
         def fn(a_data, a_scale, b_data, b_scale):
             return gemm.scaled_matmul(a_data, a_scale, b_data, b_scale, n=n, b_block_rows=b_block[0],
-                                      out_dtype=jnp.bfloat16, config=config)
+                                      out_dtype=out, config=config)
 
         return fn, (a.data, a.scale, b.data, b.scale)
 
@@ -201,7 +202,7 @@ def forms() -> dict[str, Form]:
     from gpu_session import BISECT_CONFIGS, GROUPED_BISECT_CONFIGS, WGRAD_BISECT_CONFIGS
     from pallas_kernels.configs import GemmConfig, GroupedGemmConfig
     from pallas_kernels.quantize import QuantizeConfig
-    from pallas_kernels.tuning import MAX_STAGES, rule_config
+    from pallas_kernels.tuning import MAX_STAGES, _fit_smem, rule_config
     import jax.numpy as jnp
 
     def wgs(cfg) -> int:
@@ -214,7 +215,8 @@ def forms() -> dict[str, Form]:
 
     def dense(name, what, cfg, **kw):
         # No config: the library's pick for the shape (`tuning.rule_config`; no tuned tables yet).
-        picked = cfg or rule_config(*kw.get("shape", DENSE), jnp.bfloat16, HOPPER_SMS)
+        picked = cfg or rule_config(*kw.get("shape", DENSE), jnp.dtype(kw.get("out_dtype", "bfloat16")),
+                                    HOPPER_SMS, scalar_b=kw.get("b_block", (128, 128))[0] > 1)
         out.append(Form(name, what, _dense(cfg, **kw), wgs(picked), clustered(picked)))
 
     def grouped(name, what, cfg, wgrad=False):
@@ -280,6 +282,17 @@ def forms() -> dict[str, Form]:
           GemmConfig(tile_n=192, cluster_m=2))
     dense("gemm_rule_128x192_cluster_n", "dense, GemmConfig(tile_n=192, cluster_n=2): a rule layout",
           GemmConfig(tile_n=192, cluster_n=2))
+    # The one-warpgroup form where warp-specialized tiles would leave SMs idle (`tuning._few_tiles`):
+    # a narrow layer's Wgrad (d_model 768, 32k tokens: 6 row tiles of 128), tile-scaled b, f32 out.
+    # Staged as the rule stages it: `MAX_STAGES`, fewer where SMEM does not hold them.
+    for tile_n in (128, 64):
+        wgrad_shape = (768, 3 * tile_n, 32768)
+        cfg = _fit_smem(dataclasses.replace(GemmConfig.simple(), tile_n=tile_n, max_concurrent_steps=MAX_STAGES),
+                        wgrad_shape[2], jnp.float32)
+        dense(f"gemm_rule_64x{tile_n}_wgrad", f"dense tile x tile (Wgrad operands), f32 out, at "
+              f"{'x'.join(map(str, wgrad_shape))}: GemmConfig.simple() on 64 x {tile_n} tiles, "
+              f"{cfg.max_concurrent_steps} stages (a rule layout for few-tile problems)",
+              cfg, b_block=(1, 128), shape=wgrad_shape, out_dtype="float32")
     grouped("grouped_fprop_rule_128x64", "grouped Fprop, GroupedGemmConfig(tile_n=64, "
             f"max_concurrent_steps={MAX_STAGES}): a rule layout",
             GroupedGemmConfig(tile_n=64, max_concurrent_steps=MAX_STAGES))
@@ -363,9 +376,10 @@ MAINLOOP_UNMET: dict[str, tuple[str, ...]] = {
     "gemm_rule_256x128_cluster_n": (_MEMBAR,),
     "grouped_fprop_rule_256x128_cluster_n": (_MEMBAR,),
 }
-# Every layout the tuning rule picks among (`tuning.DENSE_LAYOUTS`, `GROUPED_LAYOUTS`: tile_m,
-# tile_n, cluster_m, cluster_n) -> the form that compiles it; tests/test_hopper_build.py holds each
-# to a committed row without problems, so that the rule picks only what compiles without spills.
+# Every layout the tuning rule picks among (`tuning.DENSE_LAYOUTS`, `GROUPED_LAYOUTS`,
+# `ONE_WARPGROUP_LAYOUTS`: tile_m, tile_n, cluster_m, cluster_n) -> the form that compiles it;
+# tests/test_hopper_build.py holds each to a committed row without problems, so that the rule
+# picks only what compiles without spills.
 RULE_FORMS: dict[tuple[str, tuple[int, int, int, int]], str] = {
     ("dense", (128, 128, 1, 1)): "gemm_default",
     ("dense", (128, 128, 2, 1)): "gemm_cluster",
@@ -382,6 +396,8 @@ RULE_FORMS: dict[tuple[str, tuple[int, int, int, int]], str] = {
     ("dense", (256, 128, 1, 2)): "gemm_rule_256x128_cluster_n",
     ("grouped", (256, 128, 1, 1)): "grouped_fprop_rule_256x128",
     ("grouped", (256, 128, 1, 2)): "grouped_fprop_rule_256x128_cluster_n",
+    ("dense", (64, 128, 1, 1)): "gemm_rule_64x128_wgrad",
+    ("dense", (64, 64, 1, 1)): "gemm_rule_64x64_wgrad",
 }
 # Defects the build found and that are not fixed (docs/gpu.md, "Compiled for Hopper without a
 # Hopper", item 2): form -> its `check_row` problems, exactly, at ptxas 13.5. No default form has

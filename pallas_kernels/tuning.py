@@ -98,6 +98,9 @@ DENSE_LAYOUTS = (
 )
 GROUPED_LAYOUTS = (Layout(128, 128), Layout(128, 128, cluster_n=2), Layout(128, 64),
                    Layout(256, 128), Layout(256, 128, cluster_n=2))
+# The one-warpgroup form's layouts (`GemmConfig.simple()` narrowed, `_narrowed`): the rule's picks
+# at M <= 64 and for few-tile problems at M > 64 (`_few_tiles`); held to clean rows as above.
+ONE_WARPGROUP_LAYOUTS = (Layout(64, 128), Layout(64, 64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +135,12 @@ class Modelled:
 
 
 def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int, *,
-                scalar_b: bool = True) -> GemmConfig:
+                scalar_b: bool = True, few_tiles: bool = True) -> GemmConfig:
     """The config predicted to be fastest for `a [m, kp] @ b [n, kp].T` (not measured).
 
     `scalar_b`: b is block-scaled (Fprop, Dgrad; False: tile-scaled, Wgrad), which wider tiles
-    need (`DENSE_LAYOUTS`).
+    need (`DENSE_LAYOUTS`). `few_tiles=False`: at M > 64, the warp-specialized pick even where
+    the one-warpgroup form models faster (a bisect's other side).
 
     - M > 64: the `DENSE_LAYOUTS` entry with the fewest modelled cycles (`modelled`: per K
       step the longer of the tile's MMA and its share of the L2 bandwidth, times the full waves
@@ -151,8 +155,13 @@ def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int, *,
       tiles (two consumers would multiply 64 rows of zero padding), one CTA per tile so that
       several CTAs share an SM and keep more loads in flight; column tiles halved (not below
       `MIN_TILE_N`) until the grid covers the SMs, and deep pipelines.
+    - M > 64 with few tiles (`_few_tiles`): where the pick above leaves SMs idle, the same
+      one-warpgroup form on 64-row tiles, narrowed as at M <= 64, when the model says it is
+      faster by more than its resolution: twice the row tiles keep more SMs loading. The Wgrads
+      of narrow layers are such problems (d_model 768: 6 row tiles of 128, K = the step's
+      tokens), and so is any layer whose output is small beside its contraction.
 
-    What no config here can do: fill the GPU when even 64-wide tiles are fewer than the SMs
+    What no config here can do: fill the GPU when even 64 x 64 tiles are fewer than the SMs
     (e.g. M = 64, N = 2112: 33 tiles). Splitting K across CTAs would, but it sums the promoted
     chunks in another order than the reference (one running FP32 sum, chunk after chunk), so
     the bits would change; jfp8 keeps them.
@@ -162,8 +171,25 @@ def rule_config(m: int, n: int, kp: int, out_dtype, num_sms: int, *,
                          deepen=True)
     layouts = [lay for lay in DENSE_LAYOUTS if scalar_b or lay.tile_n <= TILE]
     best = _best_layout(layouts, m, n, kp, out_dtype, num_sms, scalar_b=scalar_b)
-    return _staged(GemmConfig(tile_m=best.tile_m, tile_n=best.tile_n, cluster_m=best.cluster_m,
-                              cluster_n=best.cluster_n), kp, out_dtype)
+    config = _staged(GemmConfig(tile_m=best.tile_m, tile_n=best.tile_n, cluster_m=best.cluster_m,
+                                cluster_n=best.cluster_n), kp, out_dtype)
+    return _few_tiles(config, m, n, kp, out_dtype, num_sms, scalar_b=scalar_b) if few_tiles else config
+
+
+def _few_tiles(config: GemmConfig, m: int, n: int, kp: int, out_dtype, num_sms: int, *,
+               scalar_b: bool) -> GemmConfig:
+    """`config`, or where its tiles leave SMs idle the one-warpgroup form on 64-row tiles
+    (`GemmConfig.simple()` narrowed as `_narrowed` narrows it for M <= 64: column tiles halved
+    while the grid does not cover the SMs), if the model gives it fewer cycles than `config` by
+    more than `MODEL_RESOLUTION`. Not measured: the model sees tile shapes, not that one
+    warpgroup both loads and computes (with `MAX_STAGES` of loads in flight)."""
+    def cycles(c):
+        return modelled(c, m, n, kp, num_sms, out_dtype=out_dtype, scalar_b=scalar_b).cycles
+
+    if modelled(config, m, n, kp, num_sms).tiles >= num_sms:
+        return config
+    narrow = _narrowed(GemmConfig.simple(), -(-m // WGMMA_M), n, kp, out_dtype, num_sms, deepen=True)
+    return narrow if cycles(narrow) < cycles(config) * (1 - MODEL_RESOLUTION) else config
 
 
 def grouped_rule_config(rows: int, n: int, kp: int, out_dtype, num_sms: int, *, groups: int = 1):

@@ -153,20 +153,29 @@ def test_rule_is_valid_fits_smem_and_models_fastest(m, n, chunks, out_dtype, num
     kp = chunks * TILE
     config = tuning.rule_config(m, n, kp, out_dtype, num_sms, scalar_b=scalar_b)  # validated
     assert gemm.smem_bytes(config, out_dtype, chunks) <= SMEM_BYTES
-    assert config.warp_specialized == (m > WGMMA_M)
+    assert config.warp_specialized or tuning.Layout.of(config) in tuning.ONE_WARPGROUP_LAYOUTS
     tiles = -(-m // config.tile_m) * -(-n // config.tile_n)
-    if m <= WGMMA_M:  # one warpgroup: tiles narrowed until the grid covers the SMs, no further
+    model = lambda c: tuning.modelled(c, m, n, kp, num_sms, out_dtype=out_dtype,  # noqa: E731
+                                      scalar_b=scalar_b)
+    if not config.warp_specialized:  # one warpgroup: tiles narrowed until the grid covers the SMs
+        assert config.tile_m == WGMMA_M and config.max_concurrent_steps >= 2
         no_gain = -(-n // (config.tile_n // 2)) == -(-n // config.tile_n)
         assert tiles >= num_sms or config.tile_n == tuning.MIN_TILE_N or no_gain
         wider = -(-m // config.tile_m) * -(-n // (2 * config.tile_n))
         assert config.tile_n == gemm.GemmConfig().tile_n or wider < num_sms
+        if m <= WGMMA_M:
+            return
+        # M > 64: only where the warp-specialized pick leaves SMs idle and models slower by more
+        # than the model's resolution (`tuning._few_tiles`)
+        ws = tuning.rule_config(m, n, kp, out_dtype, num_sms, scalar_b=scalar_b, few_tiles=False)
+        assert ws.warp_specialized and model(ws).tiles < num_sms
+        assert model(config).cycles < model(ws).cycles * (1 - tuning.MODEL_RESOLUTION)
         return
+    assert m > WGMMA_M
     lay = tuning.Layout.of(config)
     assert lay in tuning.DENSE_LAYOUTS and (scalar_b or lay.tile_n <= TILE)
     assert lay.cluster_m * lay.cluster_n == 1 or tiles > num_sms  # clusters over > 1 wave only
     assert config.max_concurrent_steps >= 2
-    model = lambda c: tuning.modelled(c, m, n, kp, num_sms, out_dtype=out_dtype,  # noqa: E731
-                                      scalar_b=scalar_b)
 
     def fits(r):  # the rival's config as the rule would stage it fits SMEM
         rival = tuning._staged(gemm.GemmConfig(tile_m=r.tile_m, tile_n=r.tile_n, cluster_m=r.cluster_m,
@@ -181,6 +190,10 @@ def test_rule_is_valid_fits_smem_and_models_fastest(m, n, chunks, out_dtype, num
     assert model(lay).cycles <= fewest * (1 + tuning.MODEL_RESOLUTION)
     as_fast = [r for r in rivals if model(r).cycles <= fewest * (1 + tuning.MODEL_RESOLUTION)]
     assert model(lay).l2_bytes == min(model(r).l2_bytes for r in as_fast)
+    if model(lay).tiles < num_sms:  # SMs left idle: the one-warpgroup form was no faster
+        narrow = tuning._narrowed(gemm.GemmConfig.simple(), -(-m // WGMMA_M), n, kp, out_dtype, num_sms,
+                                  deepen=True)
+        assert model(narrow).cycles >= model(lay).cycles * (1 - tuning.MODEL_RESOLUTION)
 
 
 @pytest.mark.parametrize("shape", SMALL_M_SHAPES, ids=str)
@@ -197,11 +210,39 @@ def test_small_m_choices_lower_for_hopper(shape, b_block_rows, out_dtype):
     )
 
 
+# The `gpu` preset's dense Wgrads (d_model 768, 32 x 1024 tokens; M, N, tokens): where 128-row tiles
+# leave most of the 132 SMs idle, the rule picks one warpgroup on 64 x 64 tiles (modelled about
+# 1.5x faster than the 128 x 64 it picked before, 2x faster than 128 x 128); where they nearly
+# fill the SMs, it keeps them.
+FEW_TILE_WGRADS = {
+    (768, 384, 32768): (64, 64), (384, 1024, 32768): (64, 64), (256, 1536, 32768): (64, 64),
+    (768, 320, 32768): (64, 64), (256, 768, 32768): (64, 64), (768, 512, 32768): (64, 64),
+    (1024, 768, 32768): (128, 64), (1536, 768, 32768): (128, 128), (2048, 768, 32768): (128, 128),
+}
+
+
+@pytest.mark.parametrize("shape", FEW_TILE_WGRADS, ids=str)
+def test_few_tile_wgrads_pick_one_warpgroup_64_row_tiles(shape):
+    config = tuning.rule_config(*shape, jnp.float32, H100_NUM_SMS, scalar_b=False)
+    assert (config.tile_m, config.tile_n) == FEW_TILE_WGRADS[shape]
+    assert config.warp_specialized == (config.tile_m > WGMMA_M)
+    ws = tuning.rule_config(*shape, jnp.float32, H100_NUM_SMS, scalar_b=False, few_tiles=False)
+    model = lambda c: tuning.modelled(c, *shape, H100_NUM_SMS, out_dtype=jnp.float32,  # noqa: E731
+                                      scalar_b=False)
+    if not config.warp_specialized:
+        assert model(ws).tiles < H100_NUM_SMS and model(config).tiles > model(ws).tiles
+        assert model(config).cycles < model(ws).cycles * (1 - tuning.MODEL_RESOLUTION)
+        assert config.max_concurrent_steps == tuning.MAX_STAGES
+    else:
+        assert config == ws
+    assert "mosaic_gpu" in gemm.lower_scaled_matmul(*shape, b_block_rows=1, out_dtype=jnp.float32, config=None)
+
+
 @pytest.mark.parametrize(
     "m,n,k,b_block_rows,out_dtype",
     [
         (40, 300, 384, TILE, jnp.bfloat16),  # M <= 64: one warpgroup, 64 x 64 tiles, 3 stages
-        (136, 200, 640, 1, jnp.float32),  # warp-specialized, 64-wide tiles, 5 chunks
+        (136, 200, 640, 1, jnp.float32),  # M > 64, few tiles: one warpgroup, 64 x 64 tiles, 5 chunks
     ],
 )
 def test_chosen_config_is_bit_identical_to_reference(m, n, k, b_block_rows, out_dtype):

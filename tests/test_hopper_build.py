@@ -122,6 +122,7 @@ def test_the_tuning_rule_picks_only_layouts_that_compile_cleanly():
 
     want = {("dense", dataclasses.astuple(lay)) for lay in tuning.DENSE_LAYOUTS}
     want |= {("grouped", dataclasses.astuple(lay)) for lay in tuning.GROUPED_LAYOUTS}
+    want |= {("dense", dataclasses.astuple(lay)) for lay in tuning.ONE_WARPGROUP_LAYOUTS}
     assert set(hb.RULE_FORMS) == want
     rows = {r["form"]: r for r in json.loads((hb.OUT / "kernels-h100_sxm.json").read_text())["rows"]}
     for (kind, (tile_m, tile_n, cluster_m, cluster_n)), form in hb.RULE_FORMS.items():
