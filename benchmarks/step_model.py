@@ -697,6 +697,45 @@ def weights_from_the_update(ops: list[Op], rates: Rates = H100_RATES) -> float:
     return total
 
 
+def rule_factor(op: Op, rates: Rates = H100_RATES) -> float:
+    """How much faster the tuning rule's config for an FP8 dense GEMM is than the 128×128 tile the
+    rates were measured with, by the rule's own cost model (`pallas_kernels.tuning.modelled`: MMA
+    cycles, L2 bytes, full waves; not measured): modelled cycles of 128×128 over the pick's.
+    Fprop/Dgrad have a bf16 result and a block-scaled b, Wgrad an f32 result and a tile-scaled b."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import tuning
+
+    m, n, k = op.gemm
+    wgrad = op.category == "fp8 gemm: dense wgrad"
+    out_dtype, scalar_b = (jnp.float32, False) if wgrad else (jnp.bfloat16, True)
+    pick = tuning.rule_config(m, n, k, out_dtype, rates.sms, scalar_b=scalar_b)
+
+    def cycles(c):
+        return tuning.modelled(c, m, n, k, rates.sms, out_dtype=out_dtype, scalar_b=scalar_b).cycles
+    return cycles(tuning.Layout(*rates.tile)) / max(cycles(pick), 1)
+
+
+def with_rule_picks(ops: list[Op], rates: Rates = H100_RATES, *, few_tiles_only: bool = False) -> float:
+    """What-if, in seconds: every FP8 dense GEMM (Fprop, Dgrad, Wgrad) `rule_factor` times faster,
+    as the rule's cost model predicts for the config the kernels pick when given none; with
+    `few_tiles_only`, only those whose 128×128 tiles leave SMs idle (one partial wave: the Wgrads
+    of narrow layers, where the rule picks one-warpgroup 64-row tiles). A prediction of a
+    prediction: no rule pick has been timed on a GPU."""
+    total = 0.0
+    for op in ops:
+        seconds = op_seconds(op, rates)
+        if op.category in ("fp8 gemm: dense", "fp8 gemm: dense wgrad") and op.gemm:
+            m, n, _ = op.gemm
+            tiles = math.ceil(m / rates.tile[0]) * math.ceil(n / rates.tile[1])
+            if not few_tiles_only or tiles < rates.sms:
+                memory = op.bytes / (rates.copy.value * 1e9)
+                compute = seconds - rates.launch.value
+                seconds = max(compute / rule_factor(op, rates), memory) + rates.launch.value
+        total += seconds * op.count
+    return total
+
+
 def model_hlo(text: str, rates: Rates = H100_RATES) -> dict:
     """The model of one compiled step's HLO text: categories, total, quantization cuts, the GEMM
     tile loops, the step with those loops as grouped GEMMs, and the step with the quantizers at
@@ -710,7 +749,9 @@ def model_hlo(text: str, rates: Rates = H100_RATES) -> dict:
                                                    for k in ("flops", "kernels", "seconds")}},
            "with_grouped_gemm": what_if,
            "with_quantizers_at_goal": {"fraction_of_copy": QUANTIZER_GOAL, "seconds": goal},
-           "with_weights_from_the_update": {"seconds": weights_from_the_update(ops, rates)}}
+           "with_weights_from_the_update": {"seconds": weights_from_the_update(ops, rates)},
+           "with_rule_picks": {"seconds": with_rule_picks(ops, rates),
+                               "few_tiles_only_seconds": with_rule_picks(ops, rates, few_tiles_only=True)}}
     if rates.quantizers != H100_RATES.quantizers:  # another device's assumed rates: bound them
         h100_q = dataclasses.replace(rates, quantizers=H100_RATES.quantizers)
         out["with_h100_quantizers"] = {"seconds": summarize(ops, h100_q)["total"]["seconds"]}
@@ -951,6 +992,11 @@ def markdown_table(doc: dict) -> str:
     goal = fp8.get("with_quantizers_at_goal")
     goal = (f" With the quantizers at {goal['fraction_of_copy']:.0%} of copy bandwidth (what-if): FP8 "
             f"{goal['seconds'] * 1e3:.2f} ms, {goal['seconds'] / tw['seconds']:.2f} of BF16." if goal else "")
+    picks = fp8.get("with_rule_picks")
+    if picks:
+        goal += (f" With every dense FP8 GEMM at the tuning rule's pick, by its cost model (what-if): FP8 "
+                 f"{picks['seconds'] * 1e3:.2f} ms ({picks['few_tiles_only_seconds'] * 1e3:.2f} with only the "
+                 f"GEMMs whose 128×128 tiles leave SMs idle).")
     h100_q = fp8.get("with_h100_quantizers")
     if h100_q:
         goal += (f" With the quantizers at the H100's measured GB/s instead of scaled with HBM (what-if): FP8 "

@@ -9,6 +9,7 @@ import math
 import pathlib
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -244,6 +245,39 @@ def test_weights_from_the_update_prices_only_the_weights_writes():
         assert doc[precision]["with_weights_from_the_update"]["seconds"] < doc[precision]["total"]["seconds"]
     saved = {p: doc[p]["total"]["seconds"] - doc[p]["with_weights_from_the_update"]["seconds"] for p in doc}
     assert saved["fp8"] > saved["bf16"]
+
+
+def test_rule_picks_scale_only_the_dense_fp8_gemms_by_the_cost_model():
+    """The what-if divides a dense FP8 GEMM's compute by `rule_factor` (the cost model's 128×128
+    cycles over its pick's), Wgrads with their own pick (f32 out, tile-scaled b), and leaves every
+    other op alone; `few_tiles_only` touches only GEMMs whose 128×128 tiles leave SMs idle."""
+    from pallas_kernels import tuning
+
+    r = sm.H100_RATES
+    wgrad = sm.Op("fp8 gemm: dense wgrad", "w", 2.0 * 768 * 384 * 32768, 1 << 20, (768, 384, 32768))
+    fprop = sm.Op("fp8 gemm: dense", "f", 2.0 * 8192**3, 1 << 20, (8192, 8192, 8192), count=2.0)
+    quant = sm.Op("quantize: 1x128", "q", 0.0, 1 << 30, elements=1 << 29)
+    pick = tuning.rule_config(768, 384, 32768, jnp.float32, r.sms, scalar_b=False)
+    assert (pick.tile_m, pick.tile_n, pick.warp_specialized) == (64, 64, False)
+
+    def cycles(c, shape, **kw):
+        return tuning.modelled(c, *shape, r.sms, **kw).cycles
+
+    wf = cycles(tuning.Layout(128, 128), wgrad.gemm, out_dtype=jnp.float32, scalar_b=False) / cycles(
+        pick, wgrad.gemm, out_dtype=jnp.float32, scalar_b=False)
+    assert sm.rule_factor(wgrad, r) == pytest.approx(wf) and wf > 1.5  # 18 tiles of 128 x 128 -> 72
+    ff = sm.rule_factor(fprop, r)
+    assert ff == pytest.approx(cycles(tuning.Layout(128, 128), fprop.gemm) / cycles(
+        tuning.rule_config(8192, 8192, 8192, jnp.bfloat16, r.sms), fprop.gemm))
+
+    def priced(op, factor):
+        return max((sm.op_seconds(op, r) - r.launch.value) / factor, op.bytes / (r.copy.value * 1e9)) + r.launch.value
+
+    ops = [wgrad, fprop, quant]
+    assert sm.with_rule_picks(ops, r) == pytest.approx(
+        priced(wgrad, wf) + 2 * priced(fprop, ff) + sm.op_seconds(quant, r), rel=1e-12)
+    assert sm.with_rule_picks(ops, r, few_tiles_only=True) == pytest.approx(
+        priced(wgrad, wf) + 2 * sm.op_seconds(fprop, r) + sm.op_seconds(quant, r), rel=1e-12)
 
 
 def test_levers_start_from_the_step_as_compiled_and_each_one_helps_fp8():
