@@ -45,8 +45,9 @@ Stages:
                  steps 81-100 from the same seed and batches, against issue 43's 1.5 % (`loss_goal`)
   bench_*        benchmarks/bench_{gemm,grouped,quantize,linear}.py at the DeepSeek-V3 shapes,
                  every row checked against its reference before it is timed
-  bisect_gemm    bench_gemm at 8192^3 and 4096x7168x16384 with one row per GemmConfig variant
-                 (issue 19's switches, warp_specialized, persistent, tile_n, stages, tile order)
+  bisect_gemm    bench_gemm at 8192^3, 4096x7168x16384 and the few-tile 768x384x32768 with one row
+                 per GemmConfig variant (issue 19's switches, warp_specialized, persistent, tile_n,
+                 stages, tile order)
   bisect_grouped bench_grouped at the first grouped shape with one row per GroupedGemmConfig
                  variant (issue 19's switches: clusters along N, scalar weight scale, early loads)
   bench_grouped_wgrad, bisect_grouped_wgrad
@@ -160,7 +161,12 @@ GEMM_SHAPES = tuple(_x(*s) for s in sorted(shapes.DENSE_SHAPES, key=_first)) + t
 GROUPED_SHAPES = tuple(_x(*s) for s in shapes.GROUPED_SHAPES)
 QUANTIZE_SHAPES = tuple(f"{m}x{k}:{dtype}" for m, k, dtype in shapes.QUANTIZE_SHAPES)
 LINEAR_SHAPES = tuple(_x(*s) for s in sorted(shapes.DENSE_SHAPES, key=_first) if s.m == 4096)[:3]
-BISECT_SHAPES = GEMM_SHAPES[:1] + tuple(s for s in GEMM_SHAPES if s.startswith("4096x7168x16384"))
+# Last, a few-tile problem (the gpu preset's 768 -> 384 projection's shape over its 32k tokens, as
+# a Fprop: 18 tiles of 128 x 128): the rule's one-warpgroup 64 x 64 pick (the default row) beside
+# the warp-specialized 128 x 64 (`tile_n=64`) and 128 x 128 ones (`tuning._few_tiles`, predicted).
+FEW_TILE_SHAPE = "768x384x32768"
+BISECT_SHAPES = GEMM_SHAPES[:1] + tuple(s for s in GEMM_SHAPES if s.startswith("4096x7168x16384")) + (
+    FEW_TILE_SHAPE,)
 # One switch of the default GemmConfig() per row, then the simple form; issue 19's variants
 # (each alone and together) first, since a budget cut drops whole shapes. The scalar b scale is
 # on by default since the deviceless build's census (docs/gpu.md): its row turns it off.
