@@ -63,7 +63,7 @@ gets the same chunk products promoted in the same order. Called without a config
 `benchmarks/tune_gemm.py` measured best on this GPU model, else the tile and 2-CTA cluster a
 cost model predicts fastest (`tuning.rule_config`; at the DENSE_SHAPES DeepGEMM's own layouts:
 256 x 128 tiles in clusters along N, 128 x 192 along M at 4096 x 2112 x 7168), one-warpgroup
-forms for small M.
+forms on 64-row tiles for small M and where larger tiles would leave SMs idle.
 
 What each form is predicted to change on a GPU, and what to look for there (SASS, ncu), is in
 `docs/gpu.md`; nothing here has been timed.
