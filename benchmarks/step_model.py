@@ -717,11 +717,12 @@ def rule_factor(op: Op, rates: Rates = H100_RATES) -> float:
 
 
 def with_rule_picks(ops: list[Op], rates: Rates = H100_RATES, *, few_tiles_only: bool = False) -> float:
-    """What-if, in seconds: every FP8 dense GEMM (Fprop, Dgrad, Wgrad) `rule_factor` times faster,
+    """What-if, in seconds: every FP8 dense GEMM (Fprop, Dgrad, Wgrad) `rule_factor` times faster
+    in its compute (`gemm_seconds`; its bytes at copy bandwidth still bound it, as in `op_seconds`),
     as the rule's cost model predicts for the config the kernels pick when given none; with
-    `few_tiles_only`, only those whose 128×128 tiles leave SMs idle (one partial wave: the Wgrads
-    of narrow layers, where the rule picks one-warpgroup 64-row tiles). A prediction of a
-    prediction: no rule pick has been timed on a GPU."""
+    `few_tiles_only`, only those with fewer 128×128 tiles than SMs (one partial wave; there the
+    rule picks 128×64 or, since 2026-11-29, one-warpgroup 64-row tiles: the Wgrads of narrow
+    layers). A prediction of a prediction: no rule pick has been timed on a GPU."""
     total = 0.0
     for op in ops:
         seconds = op_seconds(op, rates)
@@ -729,9 +730,8 @@ def with_rule_picks(ops: list[Op], rates: Rates = H100_RATES, *, few_tiles_only:
             m, n, _ = op.gemm
             tiles = math.ceil(m / rates.tile[0]) * math.ceil(n / rates.tile[1])
             if not few_tiles_only or tiles < rates.sms:
-                memory = op.bytes / (rates.copy.value * 1e9)
-                compute = seconds - rates.launch.value
-                seconds = max(compute / rule_factor(op, rates), memory) + rates.launch.value
+                compute = gemm_seconds(op.gemm, rates.fp8_dense, rates) / rule_factor(op, rates)
+                seconds = max(compute, op.bytes / (rates.copy.value * 1e9)) + rates.launch.value
         total += seconds * op.count
     return total
 

@@ -270,8 +270,13 @@ def test_rule_picks_scale_only_the_dense_fp8_gemms_by_the_cost_model():
     assert ff == pytest.approx(cycles(tuning.Layout(128, 128), fprop.gemm) / cycles(
         tuning.rule_config(8192, 8192, 8192, jnp.bfloat16, r.sms), fprop.gemm))
 
-    def priced(op, factor):
-        return max((sm.op_seconds(op, r) - r.launch.value) / factor, op.bytes / (r.copy.value * 1e9)) + r.launch.value
+    def priced(op, factor):  # the GEMM's compute alone scaled; its bytes still bound it
+        compute = sm.gemm_seconds(op.gemm, r.fp8_dense, r) / factor
+        return max(compute, op.bytes / (r.copy.value * 1e9)) + r.launch.value
+
+    # a GEMM whose bytes bound it today: the what-if may not scale its memory time
+    bound = sm.Op("fp8 gemm: dense wgrad", "b", 2.0 * 768 * 384 * 128, 1 << 33, (768, 384, 128))
+    assert sm.with_rule_picks([bound], r) == pytest.approx(sm.op_seconds(bound, r), rel=1e-12)
 
     ops = [wgrad, fprop, quant]
     assert sm.with_rule_picks(ops, r) == pytest.approx(
