@@ -297,14 +297,24 @@ def test_levers_start_from_the_step_as_compiled_and_each_one_helps_fp8():
     assert plain["fp8_s"] == pytest.approx(sum(sm.op_seconds(o, r) * o.count for o in fp8))
     assert plain["bf16_s"] == pytest.approx(sum(sm.op_seconds(o, r) for o in bf16))
     by = {(x["fp8_gemms_faster"], x["quantizers_fraction_of_copy"], x["weights_from_the_update"]): x for x in rows}
+    factors = [g for g in sm.LEVER_GEMMS if g != "rule"]
     for (g, q, u), x in by.items():  # every lever added takes FP8's time down, and BF16 gets the update too
-        if g > 1.0:
-            assert x["fp8_s"] < by[(sm.LEVER_GEMMS[sm.LEVER_GEMMS.index(g) - 1], q, u)]["fp8_s"]
+        if g == "rule":  # the rule's picks, by its cost model: faster than the measured 128 x 128
+            assert x["fp8_s"] < by[(1.0, q, u)]["fp8_s"] and x["bf16_s"] == by[(1.0, q, u)]["bf16_s"]
+            assert x["fp8_s"] == pytest.approx(sm.priced(fp8, sm.quantizers_at(r, q) if q else r, update=u,
+                                                         rule="all"))
+        elif g > 1.0:
+            assert x["fp8_s"] < by[(factors[factors.index(g) - 1], q, u)]["fp8_s"]
         if q is not None:
             assert x["fp8_s"] < by[(g, None, u)]["fp8_s"]
         if u:
             assert x["fp8_s"] < by[(g, q, False)]["fp8_s"] and x["bf16_s"] < by[(g, q, False)]["bf16_s"]
         assert x["speedup"] == pytest.approx(x["bf16_s"] / x["fp8_s"])
+
+
+def test_priced_names_its_what_ifs():
+    with pytest.raises(ValueError, match="rule must be"):
+        sm.priced([], rule="some")
 
 
 def test_levers_without_kept_hlo_say_how_to_make_it(tmp_path):
