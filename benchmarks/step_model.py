@@ -603,24 +603,30 @@ def gemm_seconds(gemm: tuple, rate: GemmRate, rates: Rates) -> float:
     return waves_work(g, m, n, k) * seconds_per_unit
 
 
+def _gemm_compute(op: Op, rates: Rates) -> float:
+    """A GEMM op's compute seconds (no launch, no memory bound): wave-quantized at its rate."""
+    c = op.category
+    rate = rates.bf16_gemm if c == "xla gemm (bf16)" else (
+        rates.bf16_grouped if c.startswith("bf16") else rates.fp8_grouped if "grouped" in c else rates.fp8_dense)
+    g = op.gemm
+    if c.endswith("grouped wgrad"):  # one [M', N'] per expert over its share of the rows
+        groups, m, n, k = g
+        g = (groups, m, n, max(1, k // groups))
+    elif c.endswith("grouped"):  # the rows split into `groups` tiles' worth: half a tile each
+        groups, m, n, k = g
+        g = (1, m + groups * rates.tile[0] // 2, n, k)
+    if g is None and op.name.endswith("as one grouped GEMM"):
+        rate = rates.bf16_grouped
+    return gemm_seconds(g, rate, rates) if g else op.flops / (rate.tflops * 1e12)
+
+
 def op_seconds(op: Op, rates: Rates = H100_RATES) -> float:
     """One launch of `op`: max(compute, memory) + a launch."""
     memory = op.bytes / (rates.copy.value * 1e9)
     compute = 0.0
     c = op.category
     if c.startswith(("fp8 gemm", "bf16 gemm")) or c == "xla gemm (bf16)":
-        rate = rates.bf16_gemm if c == "xla gemm (bf16)" else (
-            rates.bf16_grouped if c.startswith("bf16") else rates.fp8_grouped if "grouped" in c else rates.fp8_dense)
-        g = op.gemm
-        if c.endswith("grouped wgrad"):  # one [M', N'] per expert over its share of the rows
-            groups, m, n, k = g
-            g = (groups, m, n, max(1, k // groups))
-        elif c.endswith("grouped"):  # the rows split into `groups` tiles' worth: half a tile each
-            groups, m, n, k = g
-            g = (1, m + groups * rates.tile[0] // 2, n, k)
-        if g is None and op.name.endswith("as one grouped GEMM"):
-            rate = rates.bf16_grouped
-        compute = gemm_seconds(g, rate, rates) if g else op.flops / (rate.tflops * 1e12)
+        compute = _gemm_compute(op, rates)
     elif c.startswith("attention: cudnn"):
         rate = rates.attention_backward if c.endswith("backward") else rates.attention
         compute = op.flops / (rate.value * 1e12)
@@ -690,11 +696,18 @@ def weights_from_the_update(ops: list[Op], rates: Rates = H100_RATES) -> float:
     return priced(ops, rates, update=True)
 
 
+# The FP8 GEMMs whose config the tuning rule picks: dense Fprop/Dgrad and Wgrad, grouped
+# Fprop/Dgrad (`grouped_rule_config`; the grouped Wgrad runs its own default).
+RULE_CATEGORIES = ("fp8 gemm: dense", "fp8 gemm: dense wgrad", "fp8 gemm: grouped")
+
+
 def rule_factor(op: Op, rates: Rates = H100_RATES) -> float:
-    """How much faster the tuning rule's config for an FP8 dense GEMM is than the 128×128 tile the
-    rates were measured with, by the rule's own cost model (`pallas_kernels.tuning.modelled`: MMA
-    cycles, L2 bytes, full waves; not measured): modelled cycles of 128×128 over the pick's.
-    Fprop/Dgrad have a bf16 result and a block-scaled b, Wgrad an f32 result and a tile-scaled b."""
+    """How much faster the tuning rule's config for an FP8 GEMM (`RULE_CATEGORIES`) is than the
+    128×128 tile the rates were measured with, by the rule's own cost model
+    (`pallas_kernels.tuning.modelled`: MMA cycles, L2 bytes, full waves; not measured): modelled
+    cycles of 128×128 over the pick's. Fprop/Dgrad have a bf16 result and a block-scaled b, Wgrad
+    an f32 result and a tile-scaled b; a grouped GEMM's rows are all its groups' (the model adds a
+    row tile per group boundary)."""
     return _rule_factor(op.category, op.gemm, rates.sms, rates.tile)
 
 
@@ -704,30 +717,41 @@ def _rule_factor(category: str, gemm: tuple, sms: int, tile: tuple) -> float:
 
     from pallas_kernels import tuning
 
-    m, n, k = gemm
+    groups, (m, n, k) = (gemm[0], gemm[1:]) if len(gemm) == 4 else (1, gemm)
     wgrad = category == "fp8 gemm: dense wgrad"
     out_dtype, scalar_b = (jnp.float32, False) if wgrad else (jnp.bfloat16, True)
-    pick = tuning.rule_config(m, n, k, out_dtype, sms, scalar_b=scalar_b)
+    if category == "fp8 gemm: grouped":
+        pick = tuning.grouped_rule_config(m, n, k, out_dtype, sms, groups=groups)
+    else:
+        pick = tuning.rule_config(m, n, k, out_dtype, sms, scalar_b=scalar_b)
 
     def cycles(c):
-        return tuning.modelled(c, m, n, k, sms, out_dtype=out_dtype, scalar_b=scalar_b).cycles
+        return tuning.modelled(c, m, n, k, sms, out_dtype=out_dtype, scalar_b=scalar_b, groups=groups).cycles
     return cycles(tuning.Layout(*tile)) / max(cycles(pick), 1)
 
 
+def _tiles(op: Op, tile: tuple) -> int:
+    """128×128 (`tile`) output tiles of a rule-picked GEMM; a grouped one's with a row tile more
+    per group boundary, as the rule's model counts them."""
+    groups, (m, n, _) = (op.gemm[0], op.gemm[1:]) if len(op.gemm) == 4 else (1, op.gemm)
+    return (math.ceil(m / tile[0]) + groups - 1) * math.ceil(n / tile[1])
+
+
 def with_rule_picks(ops: list[Op], rates: Rates = H100_RATES, *, few_tiles_only: bool = False) -> float:
-    """What-if, in seconds: every FP8 dense GEMM (Fprop, Dgrad, Wgrad) `rule_factor` times faster
-    in its compute (`gemm_seconds`; its bytes at copy bandwidth still bound it, as in `op_seconds`),
-    as the rule's cost model predicts for the config the kernels pick when given none; with
-    `few_tiles_only`, only those with fewer 128×128 tiles than SMs (one partial wave; there the
-    rule picks 128×64 or, since 2026-11-29, one-warpgroup 64-row tiles: the Wgrads of narrow
-    layers). A prediction of a prediction: no rule pick has been timed on a GPU."""
+    """What-if, in seconds: every FP8 GEMM whose config the rule picks (`RULE_CATEGORIES`: dense
+    Fprop, Dgrad, Wgrad and grouped Fprop/Dgrad) `rule_factor` times faster in its compute (its
+    bytes at copy bandwidth still bound it, as in `op_seconds`), as the rule's cost model predicts
+    for the config the kernels pick when given none; with `few_tiles_only`, only those with fewer
+    128×128 tiles than SMs (one partial wave; there the rule picks 128×64 or, since 2026-11-29,
+    one-warpgroup 64-row tiles: the Wgrads of narrow layers). A prediction of a prediction: no
+    rule pick has been timed on a GPU."""
     return priced(ops, rates, rule="few" if few_tiles_only else "all")
 
 
 def priced(ops: list[Op], rates: Rates = H100_RATES, *, update: bool = False, rule: str | None = None) -> float:
     """The step's seconds at `rates`, with the what-ifs asked for: `update`, the weights from the
-    optimizer's update (`weights_from_the_update`); `rule`, the dense FP8 GEMMs at the tuning
-    rule's picks ("all", or "few": only those with fewer 128×128 tiles than SMs; `with_rule_picks`).
+    optimizer's update (`weights_from_the_update`); `rule`, the FP8 GEMMs at the tuning rule's
+    picks ("all", or "few": only those with fewer 128×128 tiles than SMs; `with_rule_picks`).
     With neither, the sum of `op_seconds` (the step as compiled)."""
     if rule not in (None, "all", "few"):
         raise ValueError(f"rule must be None, 'all' or 'few', got {rule!r}")
@@ -738,10 +762,9 @@ def priced(ops: list[Op], rates: Rates = H100_RATES, *, update: bool = False, ru
             seconds = (op.bytes - 4 * op.elements) / copy
         elif update and op.category == "xla cast":
             seconds = op.bytes / 3 / copy
-        elif (rule and op.category in ("fp8 gemm: dense", "fp8 gemm: dense wgrad") and op.gemm and (
-                rule == "all" or math.ceil(op.gemm[0] / rates.tile[0]) * math.ceil(op.gemm[1] / rates.tile[1])
-                < rates.sms)):
-            compute = gemm_seconds(op.gemm, rates.fp8_dense, rates) / rule_factor(op, rates)
+        elif (rule and op.category in RULE_CATEGORIES and op.gemm
+              and (rule == "all" or _tiles(op, rates.tile) < rates.sms)):
+            compute = _gemm_compute(op, rates) / rule_factor(op, rates)
             seconds = max(compute, op.bytes / copy) + rates.launch.value
         else:
             seconds = op_seconds(op, rates)

@@ -284,6 +284,17 @@ def test_rule_picks_scale_only_the_dense_fp8_gemms_by_the_cost_model():
     assert sm.with_rule_picks(ops, r, few_tiles_only=True) == pytest.approx(
         priced(wgrad, wf) + 2 * sm.op_seconds(fprop, r) + sm.op_seconds(quant, r), rel=1e-12)
 
+    # grouped Fprop/Dgrad: the grouped rule's pick, with a row tile more per group boundary; the
+    # grouped Wgrad (its own default config) is left alone
+    gemm = (8, 8 * 4096, 4096, 7168)
+    grouped = sm.Op("fp8 gemm: grouped", "gg", 2.0 * 8 * 4096 * 4096 * 7168, 1 << 20, gemm)
+    gwgrad = sm.Op("fp8 gemm: grouped wgrad", "gw", 2.0 * 4096 * 7168 * 8 * 4096, 1 << 20, (8, 4096, 7168, 8 * 4096))
+    gpick = tuning.grouped_rule_config(*gemm[1:], jnp.bfloat16, r.sms, groups=8)
+    gf = cycles(tuning.Layout(128, 128), gemm[1:], groups=8) / cycles(gpick, gemm[1:], groups=8)
+    assert sm.rule_factor(grouped, r) == pytest.approx(gf) and gf > 1.2
+    want = max(sm._gemm_compute(grouped, r) / gf, grouped.bytes / (r.copy.value * 1e9)) + r.launch.value
+    assert sm.with_rule_picks([grouped, gwgrad], r) == pytest.approx(want + sm.op_seconds(gwgrad, r), rel=1e-12)
+
 
 def test_levers_start_from_the_step_as_compiled_and_each_one_helps_fp8():
     r = sm.H100_RATES
