@@ -802,7 +802,7 @@ def faster_fp8_gemms(rates: Rates, factor: float) -> Rates:
 
 
 # The levers of issue 43's 1.2x, each a what-if: FP8 GEMMs this much faster (issue 45's kernels;
-# "rule": the dense ones at the tuning rule's picks by its cost model, `with_rule_picks`; 1.5 is
+# "rule": those the tuning rule picks for at its picks, by its cost model, `with_rule_picks`; 1.5 is
 # DeepGEMM's published H800 rate over ours), the quantizers at the goal's share of copy
 # bandwidth, and the next step's weights written by the optimizer's update.
 LEVER_GEMMS = (1.0, "rule", 1.3, 1.5)
@@ -1033,7 +1033,8 @@ def markdown_table(doc: dict) -> str:
             f"{goal['seconds'] * 1e3:.2f} ms, {goal['seconds'] / tw['seconds']:.2f} of BF16." if goal else "")
     picks = fp8.get("with_rule_picks")
     if picks:
-        goal += (f" With every dense FP8 GEMM at the tuning rule's pick, by its cost model (what-if): FP8 "
+        goal += (f" With every FP8 GEMM the tuning rule picks for (dense, grouped Fprop/Dgrad) at its pick, "
+                 f"by its cost model (what-if): FP8 "
                  f"{picks['seconds'] * 1e3:.2f} ms ({picks['few_tiles_only_seconds'] * 1e3:.2f} with only the "
                  f"GEMMs whose 128×128 tiles leave SMs idle).")
     h100_q = fp8.get("with_h100_quantizers")
