@@ -133,18 +133,14 @@ WGRAD_LAYER = (7168, 4096, 8192)  # (K, N, tokens) of the 7168 -> 4096 layer
 LONG_K = 1100  # 9 K chunks: a 4-stage ring wraps twice, the last chunk 76 wide
 
 
-def wgrad_rule_config() -> gemm.GemmConfig:
-    k, n, tokens = WGRAD_LAYER
-    return tuning.rule_config(k, n, tokens, jnp.float32, 132, scalar_b=False)
-
-
 # A narrow layer's Wgrad (the `gpu` preset's 768 -> 384 projection over 32 x 1024 tokens): 128-row
 # tiles would leave most SMs idle, and the rule picks one warpgroup on 64 x 64 tiles, 8 stages.
 FEW_TILE_WGRAD = (768, 384, 32768)
 
 
-def few_tile_wgrad_config() -> gemm.GemmConfig:
-    k, n, tokens = FEW_TILE_WGRAD
+def wgrad_rule_config(layer: tuple[int, int, int] = WGRAD_LAYER) -> gemm.GemmConfig:
+    """The rule's config for the Wgrad of a (K, N, tokens) layer on an H100's 132 SMs."""
+    k, n, tokens = layer
     return tuning.rule_config(k, n, tokens, jnp.float32, 132, scalar_b=False)
 
 
@@ -330,7 +326,7 @@ KERNELS = {
                                                                          b_block=(1, TILE))),
     "gemm_rule_wgrad_few_tiles": ("dense tile x tile (Wgrad operands), the rule's config for a narrow layer's "
                                   "Wgrad (GemmConfig.simple() on 64 x 64 tiles, 8 stages: few output tiles), f32 out",
-                                  lambda rng, i: _dense(rng, i, few_tile_wgrad_config(), k=LONG_K,
+                                  lambda rng, i: _dense(rng, i, wgrad_rule_config(FEW_TILE_WGRAD), k=LONG_K,
                                                         b_block=(1, TILE))),
     "grouped_fprop_rule_256x128_cluster_n": (
         "grouped Fprop/Dgrad, GroupedGemmConfig(tile_m=256, cluster_n=2, max_concurrent_steps=3), bf16 out: the "

@@ -730,11 +730,13 @@ def _rule_factor(category: str, gemm: tuple, sms: int, tile: tuple) -> float:
     return cycles(tuning.Layout(*tile)) / max(cycles(pick), 1)
 
 
-def _tiles(op: Op, tile: tuple) -> int:
-    """128×128 (`tile`) output tiles of a rule-picked GEMM; a grouped one's with a row tile more
-    per group boundary, as the rule's model counts them."""
-    groups, (m, n, _) = (op.gemm[0], op.gemm[1:]) if len(op.gemm) == 4 else (1, op.gemm)
-    return (math.ceil(m / tile[0]) + groups - 1) * math.ceil(n / tile[1])
+def _tiles(op: Op, rates: Rates) -> int:
+    """`rates.tile` output tiles of a rule-picked GEMM, as the rule's model counts them (a grouped
+    one's with a row tile more per group boundary)."""
+    from pallas_kernels import tuning
+
+    groups, (m, n, k) = (op.gemm[0], op.gemm[1:]) if len(op.gemm) == 4 else (1, op.gemm)
+    return tuning.modelled(tuning.Layout(*rates.tile), m, n, k, rates.sms, groups=groups).tiles
 
 
 def with_rule_picks(ops: list[Op], rates: Rates = H100_RATES, *, few_tiles_only: bool = False) -> float:
@@ -763,7 +765,7 @@ def priced(ops: list[Op], rates: Rates = H100_RATES, *, update: bool = False, ru
         elif update and op.category == "xla cast":
             seconds = op.bytes / 3 / copy
         elif (rule and op.category in RULE_CATEGORIES and op.gemm
-              and (rule == "all" or _tiles(op, rates.tile) < rates.sms)):
+              and (rule == "all" or _tiles(op, rates) < rates.sms)):
             compute = _gemm_compute(op, rates) / rule_factor(op, rates)
             seconds = max(compute, op.bytes / copy) + rates.launch.value
         else:

@@ -183,13 +183,14 @@ def _few_tiles(config: GemmConfig, m: int, n: int, kp: int, out_dtype, num_sms: 
     while the grid does not cover the SMs), if the model gives it fewer cycles than `config` by
     more than `MODEL_RESOLUTION`. Not measured: the model sees tile shapes, not that one
     warpgroup both loads and computes (with `MAX_STAGES` of loads in flight)."""
-    def cycles(c):
-        return modelled(c, m, n, kp, num_sms, out_dtype=out_dtype, scalar_b=scalar_b).cycles
+    def model(c):
+        return modelled(c, m, n, kp, num_sms, out_dtype=out_dtype, scalar_b=scalar_b)
 
-    if modelled(config, m, n, kp, num_sms).tiles >= num_sms:
+    current = model(config)
+    if current.tiles >= num_sms:
         return config
     narrow = _narrowed(GemmConfig.simple(), -(-m // WGMMA_M), n, kp, out_dtype, num_sms, deepen=True)
-    return narrow if cycles(narrow) < cycles(config) * (1 - MODEL_RESOLUTION) else config
+    return narrow if model(narrow).cycles < current.cycles * (1 - MODEL_RESOLUTION) else config
 
 
 def grouped_rule_config(rows: int, n: int, kp: int, out_dtype, num_sms: int, *, groups: int = 1):
