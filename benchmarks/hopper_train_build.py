@@ -61,9 +61,10 @@ def _topology_device(target: str):
     return topologies.get_topology_desc("", "cuda", target_config=text, topology="1x1x1").devices[0]
 
 
-def _abstract_model(preset: str, precision: str, batch: int | None, overrides: tuple = ()):
+def _abstract_model(preset: str, precision: str, batch: int | None, overrides: tuple = (), recipe: tuple = ()):
     """(the preset's TrainConfig, as experiments/train_moe.py makes it, with `overrides` of its
-    ModelConfig, graphdef, params, rest): the model as ShapeDtypeStructs, nothing initialized."""
+    ModelConfig and `recipe` overrides of its FP8 recipe, graphdef, params, rest): the model as
+    ShapeDtypeStructs, nothing initialized."""
     from flax import nnx
 
     from jfp8.nn import Transformer
@@ -74,20 +75,21 @@ def _abstract_model(preset: str, precision: str, batch: int | None, overrides: t
     d = PRESET_TRAINING[preset]
     config = TrainConfig(preset=preset, precision=precision, steps=d["steps"], batch_size=batch or d["batch_size"],
                          seq_len=d["seq_len"], optimizer=OptimizerConfig(peak_lr=d["peak_lr"], warmup_steps=d["warmup"]),
-                         model_overrides=tuple(overrides))
+                         model_overrides=tuple(overrides), recipe_overrides=tuple(recipe))
     model_cfg = config.model_config()
     return (config, *_split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))))
 
 
-def abstract_step(preset: str, precision: str, step: str, batch: int | None, device, overrides: tuple = ()):
+def abstract_step(preset: str, precision: str, step: str, batch: int | None, device, overrides: tuple = (),
+                  recipe: tuple = ()):
     """(jitted step, its abstract arguments on `device`) for a preset (its ModelConfig with
-    `overrides`), nothing initialized."""
+    `overrides`, its FP8 recipe with `recipe`), nothing initialized."""
     import jax
     import jax.numpy as jnp
 
     from jfp8.train.step import _step_functions
 
-    config, graphdef, params, rest = _abstract_model(preset, precision, batch, overrides)
+    config, graphdef, params, rest = _abstract_model(preset, precision, batch, overrides, recipe)
     tx, _, train_step, eval_step = _step_functions(graphdef, config.model_config(), config.optimizer, config.steps,
                                                    config.loss_scale)
     sharding = jax.sharding.SingleDeviceSharding(device)

@@ -865,9 +865,10 @@ def _child(spec: str, target: str, out: str) -> int:
     from jfp8 import attention
 
     preset, precision, batch, overrides = spec.split(":", 3)
+    model, recipe = json.loads(overrides)
     device = _topology_device(target)
-    fn, args = abstract_step(preset, precision, "train", int(batch) or None, device,
-                             tuple(json.loads(overrides).items()))
+    fn, args = abstract_step(preset, precision, "train", int(batch) or None, device, tuple(model.items()),
+                             tuple(recipe.items()))
     with for_target(target):
         lowered = fn.trace(*args).lower()
     compiled = lowered.compile()
@@ -885,9 +886,10 @@ def _child(spec: str, target: str, out: str) -> int:
 
 
 def compile_hlo(preset: str, precision: str, target: str, batch: int = 0, timeout: float = 3600,
-                overrides: dict | None = None) -> tuple[str, dict]:
+                overrides: dict | None = None, recipe: dict | None = None) -> tuple[str, dict]:
     """(stripped optimized HLO text, {batch_size, seq_len, memory, attention}) of a train step (the
-    preset's model with `overrides` of its ModelConfig), compiled in a fresh process with the Hopper
+    preset's model with `overrides` of its ModelConfig; an FP8 step's recipe with `recipe` overrides
+    of its `Fp8Recipe`), compiled in a fresh process with the Hopper
     toolchain and cuDNN beside it (installed on first use), so that the attention is what a Hopper
     runs by default: cuDNN's fused kernel (`jfp8.attention`; `attention=xla` in `overrides` models
     XLA's)."""
@@ -896,7 +898,7 @@ def compile_hlo(preset: str, precision: str, target: str, batch: int = 0, timeou
 
     cudnn = (overrides or {}).get("attention", "auto") != "xla"
     with tempfile.TemporaryDirectory(prefix="step-model-") as tmp:
-        spec = f"{preset}:{precision}:{batch}:{json.dumps(overrides or {})}"
+        spec = f"{preset}:{precision}:{batch}:{json.dumps([overrides or {}, recipe or {}])}"
         p = subprocess.run([sys.executable, __file__, "--child", spec, "--target", target,
                             "--result", tmp], env=build_env(toolchain(cudnn), cudnn=cudnn), capture_output=True, text=True,
                            timeout=timeout, cwd=REPO)
@@ -1095,9 +1097,22 @@ def _model_overrides(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e))
 
 
-def variant(batch: int, overrides: dict) -> str:
-    """The file-name suffix of a model that is not the preset's: '-b<batch>', '-<field><value>'..."""
-    return (f"-b{batch}" if batch else "") + "".join(f"-{k}{v}" for k, v in overrides.items())
+def _recipe_overrides(text: str) -> dict:
+    """'quantize_impl=xla' -> Fp8Recipe overrides, checked against its fields."""
+    from _bench import parse_overrides
+    from jfp8 import Fp8Recipe
+
+    try:
+        return parse_overrides(text, Fp8Recipe)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def variant(batch: int, overrides: dict, recipe: dict | None = None) -> str:
+    """The file-name suffix of a model that is not the preset's: '-b<batch>', '-<field><value>'...,
+    then '-recipe-<field><value>'... for FP8 recipe overrides."""
+    return ((f"-b{batch}" if batch else "") + "".join(f"-{k}{v}" for k, v in overrides.items())
+            + ("-recipe" + "".join(f"-{k}{v}" for k, v in recipe.items()) if recipe else ""))
 
 
 def main(argv=None) -> int:
@@ -1111,6 +1126,10 @@ def main(argv=None) -> int:
     p.add_argument("--model", type=_model_overrides, default={}, metavar="FIELD=VALUE,...",
                    help="ModelConfig overrides of the preset (a what-if model: its own file, "
                         "<preset>-<FIELD><VALUE>...-<target>.json, and kept HLO stems)")
+    p.add_argument("--recipe", type=_recipe_overrides, default={}, metavar="FIELD=VALUE,...",
+                   help="Fp8Recipe overrides of the FP8 step (e.g. quantize_impl=xla: XLA's quantizers beside "
+                        "the kernels' GEMMs); the BF16 step is the preset's. Its own file, "
+                        "<preset>...-recipe-<FIELD><VALUE>...-<target>.json, and kept FP8 HLO stem")
     p.add_argument("--out", type=pathlib.Path, default=OUT)
     p.add_argument("--keep-hlo", type=pathlib.Path, help="also write each compiled step's stripped HLO here (gz)")
     p.add_argument("--from-hlo", type=pathlib.Path,
@@ -1157,16 +1176,18 @@ def main(argv=None) -> int:
     for preset in args.presets:
         # the command that compiles and prices this preset (--from-hlo re-prices the same HLO)
         command = (f"python benchmarks/step_model.py --presets {preset}" + (f" --batch {args.batch}" if args.batch else "")
-                   + (" --model " + ",".join(f"{k}={v}" for k, v in args.model.items()) if args.model else ""))
+                   + (" --model " + ",".join(f"{k}={v}" for k, v in args.model.items()) if args.model else "")
+                   + (" --recipe " + ",".join(f"{k}={v}" for k, v in args.recipe.items()) if args.recipe else ""))
         steps = {}
         for precision in PRECISIONS:
-            stem = (f"{preset}-{precision}-train" + variant(args.batch, args.model)
+            recipe = args.recipe if precision == "fp8" else {}  # BF16 has no FP8 recipe
+            stem = (f"{preset}-{precision}-train" + variant(args.batch, args.model, recipe)
                     + ("" if args.target == "h100_sxm" else f"-{args.target}"))
             if args.from_hlo and precision not in (args.compile or ()):
                 text = gzip.decompress((args.from_hlo / f"{stem}.hlo.gz").read_bytes()).decode()
                 meta = json.loads((args.from_hlo / f"{stem}.json").read_text())
             else:
-                text, meta = compile_hlo(preset, precision, args.target, args.batch, overrides=args.model)
+                text, meta = compile_hlo(preset, precision, args.target, args.batch, overrides=args.model, recipe=recipe)
                 if args.keep_hlo:
                     args.keep_hlo.mkdir(parents=True, exist_ok=True)
                     (args.keep_hlo / f"{stem}.hlo.gz").write_bytes(gzip.compress(text.encode()))
@@ -1183,8 +1204,10 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         if args.model:
             doc["model_overrides"] = args.model
-        # another batch or model than the preset's (sizing, what-ifs) gets its own file
-        path = args.out / f"{preset}{variant(args.batch, args.model)}-{args.target}.json"
+        if args.recipe:
+            doc["recipe_overrides"] = args.recipe
+        # another batch, model or recipe than the preset's (sizing, what-ifs) gets its own file
+        path = args.out / f"{preset}{variant(args.batch, args.model, args.recipe)}-{args.target}.json"
         if path.exists():  # a re-pricing keeps what a GPU measured (each measurement names its commit)
             kept = keep_measured(json.loads(path.read_text()), doc)
             if kept:

@@ -81,7 +81,7 @@ def _vary_like(a: jax.Array, *others: jax.Array) -> jax.Array:
 
 def _q(x: jax.Array, block, recipe: Fp8Recipe, amax_floor: float) -> Fp8Tensor:
     """x quantized in `block` with the recipe's scale rule and the floor of x's role."""
-    return quantize(x, block, pow2_scale=recipe.pow2_scale, amax_floor=amax_floor, impl=recipe.impl,
+    return quantize(x, block, pow2_scale=recipe.pow2_scale, amax_floor=amax_floor, impl=recipe.quantizer_impl,
                     interpret=recipe.interpret)
 
 
@@ -93,7 +93,7 @@ def _q_weight(w: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Ten
     if recipe.fprop and recipe.dgrad and recipe.fuse_quantizers:
         return quantize_weight(
             w, recipe.weight_block, pow2_scale=recipe.pow2_scale, amax_floor=recipe.weight_amax_floor,
-            impl=recipe.impl, interpret=recipe.interpret,
+            impl=recipe.quantizer_impl, interpret=recipe.interpret,
         )
     qw = _q(w, recipe.weight_block, recipe, recipe.weight_amax_floor)
     return (qw if recipe.dgrad else None), (qw.mT if recipe.fprop else None)
@@ -122,7 +122,7 @@ def _q_x(x: jax.Array, recipe: Fp8Recipe, backward: bool = True) -> tuple[Fp8Ten
         return (_q(x, recipe.activation_block, recipe, recipe.activation_amax_floor) if recipe.fprop else None), None
     if recipe.fprop and recipe.wgrad and recipe.fuse_quantizers and recipe.activation_block == (1, TILE):
         qx, qx_t = quantize_activation(
-            x, pow2_scale=recipe.pow2_scale, amax_floor=recipe.activation_amax_floor, impl=recipe.impl,
+            x, pow2_scale=recipe.pow2_scale, amax_floor=recipe.activation_amax_floor, impl=recipe.quantizer_impl,
             interpret=recipe.interpret,
         )
         return qx, _Retiled(qx_t)
@@ -139,7 +139,7 @@ def _wgrad_x(saved: Fp8Tensor | _Retiled, recipe: Fp8Recipe) -> Fp8Tensor:
             return saved.mT
         return _q(saved.dequantize(), None, recipe, recipe.activation_amax_floor).mT
     return retile_wgrad_operand(
-        saved, pow2_scale=recipe.pow2_scale, amax_floor=recipe.activation_amax_floor, impl=recipe.impl,
+        saved, pow2_scale=recipe.pow2_scale, amax_floor=recipe.activation_amax_floor, impl=recipe.quantizer_impl,
         interpret=recipe.interpret,
     )
 
@@ -149,7 +149,7 @@ def _wgrad_dy(dy: jax.Array, recipe: Fp8Recipe) -> Fp8Tensor:
     if recipe.wgrad_block is None:
         return _q(dy, None, recipe, recipe.grad_amax_floor).mT
     return quantize_wgrad_operand(
-        dy, pow2_scale=recipe.pow2_scale, amax_floor=recipe.grad_amax_floor, impl=recipe.impl,
+        dy, pow2_scale=recipe.pow2_scale, amax_floor=recipe.grad_amax_floor, impl=recipe.quantizer_impl,
         interpret=recipe.interpret,
     )
 
@@ -161,7 +161,7 @@ def _q_grad(dy: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Tens
         recipe.grad_block, recipe.wgrad_block
     ) == ((1, TILE), (TILE, 1)):
         return quantize_grad(
-            dy, pow2_scale=recipe.pow2_scale, amax_floor=recipe.grad_amax_floor, impl=recipe.impl,
+            dy, pow2_scale=recipe.pow2_scale, amax_floor=recipe.grad_amax_floor, impl=recipe.quantizer_impl,
             interpret=recipe.interpret,
         )
     return (

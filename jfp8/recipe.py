@@ -27,6 +27,12 @@ class Fp8Recipe:
         Dgrad and Wgrad) get `GRAD_AMAX_FLOOR` (448 * 2^-126), which binds only where a scale would
         not be a normal f32, so dy's scales follow it at any magnitude and no loss scale is needed.
       impl: "auto" (Mosaic GPU kernels on Hopper, XLA reference elsewhere), "xla" or "mosaic".
+      quantize_impl: the quantizers' own `impl`, or None (default) for `impl`'s. With
+        `quantize_impl="xla"` and the kernels for the GEMMs, every quantization is XLA's (the
+        reference, so the same bits), which XLA may fuse with the op that produced its input (an
+        RMSNorm, SwiGLU) where a kernel must read that input from memory: a switch for timing the
+        two kinds of quantizer inside a training step (`benchmarks/bench_quantize.py` times them
+        alone).
       interpret: run the kernels in the Mosaic GPU interpreter (tests).
       fuse_quantizers: on the kernels' path, quantize W into both orientations (Fprop, Dgrad) in
         one pass and dy into both forms (Dgrad, Wgrad) in one pass (`quantize_weight`,
@@ -46,6 +52,7 @@ class Fp8Recipe:
     weight_amax_floor: float = AMAX_FLOOR
     grad_amax_floor: float = GRAD_AMAX_FLOOR
     impl: Impl = "auto"
+    quantize_impl: Impl | None = None
     interpret: bool = False
     fuse_quantizers: bool = True
 
@@ -71,6 +78,13 @@ class Fp8Recipe:
                 raise ValueError(f"{name}: {e}") from None
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.quantize_impl is not None and self.quantize_impl not in IMPLS:
+            raise ValueError(f"quantize_impl must be one of {IMPLS} or None (impl's), got {self.quantize_impl!r}")
+
+    @property
+    def quantizer_impl(self) -> Impl:
+        """The quantizers' `impl`: `quantize_impl`, or `impl` when that is None."""
+        return self.impl if self.quantize_impl is None else self.quantize_impl
 
     @property
     def enabled(self) -> bool:

@@ -39,6 +39,28 @@ def test_auto_is_decided_by_the_platform_lowered_for():
     assert text.count("custom_call @mosaic_gpu") == 3
 
 
+def test_quantize_impl_sends_only_the_quantizers_through_xla():
+    """`Fp8Recipe(quantize_impl="xla")`: lowered for CUDA, a layer's forward and backward keep their
+    three GEMM kernels (Fprop, Dgrad, Wgrad) and lose their three quantizer kernels (x's two forms,
+    W's two orientations, dy's two forms), which become XLA ops; on the CPU, the same bits."""
+    def calls(recipe):
+        def f(x, w):
+            y, vjp = jax.vjp(lambda x, w: jfp8.fp8_linear(x, w, recipe), x, w)
+            return y, *vjp(jnp.ones_like(y))
+        return jax.jit(f).trace(*_x_w()).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu")
+
+    assert calls(jfp8.Fp8Recipe()) == 6
+    assert calls(jfp8.Fp8Recipe(quantize_impl="xla")) == 3
+    assert calls(jfp8.Fp8Recipe(impl="xla", quantize_impl="auto")) == 3  # the other way round
+    assert jfp8.Fp8Recipe(quantize_impl="xla").quantizer_impl == "xla"
+    assert jfp8.Fp8Recipe(impl="xla").quantizer_impl == "xla"
+    x, w = _x_w()
+    mixed = jax.jit(lambda x, w: jfp8.fp8_linear(x, w, jfp8.Fp8Recipe(quantize_impl="xla")))
+    np.testing.assert_array_equal(np.asarray(mixed(x, w)), np.asarray(_layer("xla")(x, w)))
+    with pytest.raises(ValueError, match="quantize_impl must be one of"):
+        jfp8.Fp8Recipe(quantize_impl="triton")
+
+
 @pytest.mark.skipif(ON_HOPPER, reason="checks the reference path without a Hopper GPU")
 def test_auto_runs_the_reference_here():
     x, w = _x_w()
