@@ -23,6 +23,11 @@ Rows:
     grad-2    the same as quantize(x, (1, 128)) and quantize_wgrad_operand(x): two reads of x
     retile    jfp8.retile_wgrad_operand(tile-quantized x) dequantize, transpose, requantize (§3.5.2)
   (impl "mosaic", the fused kernels, on Hopper; the XLA reference path elsewhere)
+  jfp8-xla-<kernel>   on a Hopper, after every kernel row: XLA's own run of the same quantization
+                      (the reference, as `Fp8Recipe(quantize_impl="xla")` runs it inside a step) for
+                      the kinds a training step runs (XLA_ROW_KERNELS), at the first --xla-rows
+                      shapes; checked against the reference computed on the host's CPU, so a row
+                      also says whether XLA:GPU reproduces the reference's bits
   jfp8-mosaic-<kernel>[<config>]  the same kernel from pallas_kernels.quantize with
                       QuantizeConfig(<config>), one row per --config (Hopper only)
 
@@ -273,6 +278,50 @@ def _quantize_cases(shape: QShape, impl: str, seed: int, configs: list[str] = ()
     return cases, skips
 
 
+# The kinds of quantization a training step runs (`jfp8.ops`): x's 1x128 tiles alone (the primal
+# outside autodiff), W in both orientations, the Wgrad form of dy alone, dy's two forms, x's two
+# forms, and a re-tiling. The two-pass variants ("block+mT", "grad-2") and plain "block" are the
+# same XLA programs as their fused kinds' references, so they get no rows of their own.
+XLA_ROW_KERNELS = ("tile", "block-t", "column-t", "grad", "activation", "retile")
+
+
+def _on_cpu(tree):
+    cpu = jax.devices("cpu")[0]
+    return jax.tree.map(lambda a: jax.device_put(a, cpu), tree)
+
+
+def _xla_cases(shape: QShape, seed: int) -> list[QCase]:
+    """XLA's run of each XLA_ROW_KERNELS quantization on this device (`impl="xla"`), checked against
+    the reference computed on the host's CPU (the numerics' definition): bit for bit, or the row
+    fails and says how many elements differ."""
+    m, k, dtype = shape
+    x = _input(shape, seed)
+    cases = []
+    for kernel in XLA_ROW_KERNELS:
+        arg = _retile_input(x) if kernel == "retile" else x
+        fn = jax.jit(functools.partial(MEASURED[kernel], impl="xla"))
+
+        def ref(kernel=kernel, arg=arg):
+            with jax.default_device(jax.devices("cpu")[0]):
+                return REFERENCE[kernel](_on_cpu(arg))
+
+        ref = functools.cache(ref)
+        in_bytes = _nbytes(_fp8_outputs(arg)) if kernel == "retile" else _nbytes([arg])
+        out_bytes = _nbytes(_fp8_outputs(jax.eval_shape(fn, arg)))
+        case = Case(f"jfp8-xla-{kernel}", lambda fn=fn, arg=arg: fn(arg),
+                    lambda out, ref=ref: _mismatches(out, ref()), 0, "")
+        cases.append(QCase(case, in_bytes + out_bytes, m, k, dtype, kernel))
+    return cases
+
+
+def xla_row_shapes(shapes, impl: str, n: int | None) -> list:
+    """The shapes that get jfp8-xla-* rows beside the kernels' (the first `n`, all with None): none
+    where the measured rows are XLA's already (no Hopper)."""
+    if impl != "mosaic":
+        return []
+    return list(shapes if n is None else shapes[:n])
+
+
 def _device_time(case: Case, calls: int) -> dict:
     """`step_profile.kernel_time` of one case (errors recorded, never raised: the row stands)."""
     try:
@@ -291,8 +340,13 @@ def main(argv=None) -> int:
     p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE,...",
                    help="a QuantizeConfig for the kernels, benched as its own rows (repeatable), "
                         "e.g. swizzle=false for the unswizzled form")
+    p.add_argument("--xla-rows", type=int, default=None, metavar="N",
+                   help="on a Hopper, XLA's own quantizers (jfp8-xla-* rows) at the first N shapes, after "
+                        "every kernel row (default: all shapes; 0: none). Elsewhere every row is XLA's already")
     add_common_args(p)
     args = p.parse_args(argv)
+    if args.xla_rows is not None and args.xla_rows < 0:
+        p.error(f"--xla-rows must be 0 or more, got {args.xla_rows}")
     if args.config:
         from pallas_kernels.quantize import QuantizeConfig
 
@@ -356,6 +410,18 @@ def main(argv=None) -> int:
             failed.append(error_entry("(operands)", label, e))
             continue
         skipped += [dict(impl=s.impl, problem=label, reason=s.reason) for s in skips]
+        run(qcases, label)
+        save()
+    # XLA's quantizers beside the kernels: last, so that they never crowd the kernel rows out of
+    # the budget.
+    xla_shapes = xla_row_shapes(shapes, impl, args.xla_rows)
+    xla_label = lambda s: f"{label_of(s)} (jfp8-xla rows)"  # noqa: E731
+    for shape, label in within_budget(xla_shapes, xla_label, args.budget_s, start, skipped):
+        try:
+            qcases = _xla_cases(shape, args.seed)
+        except Exception as e:  # noqa: BLE001
+            failed.append(error_entry("jfp8-xla (operands)", label, e))
+            continue
         run(qcases, label)
         save()
     for r in rows:  # device time against the copy's device time, measured the same way

@@ -189,7 +189,11 @@ WGRAD_BISECT_CONFIGS = ("cluster_n=2", "early_scale_loads=true", "cluster_n=2,ea
 # f32 master since its transpose goes through SMEM in quarters); at the wide step's most frequent
 # tensor and an f32 master weight, last in the bisect call.
 QUANTIZE_BISECT_SHAPES = ("16384x2048:bfloat16", "7168x2048:float32")
-QUANTIZE_BISECT_ONLY = "copy,jfp8-mosaic-tile,jfp8-mosaic-block-t,jfp8-mosaic-grad,jfp8-mosaic-activation"
+QUANTIZE_BISECT_ONLY = ("copy,jfp8-mosaic-tile,jfp8-mosaic-block-t,jfp8-mosaic-grad,jfp8-mosaic-activation,"
+                        "jfp8-xla-tile,jfp8-xla-block-t,jfp8-xla-grad,jfp8-xla-activation")
+# XLA's own quantizers (jfp8-xla-* rows, `Fp8Recipe(quantize_impl="xla")`) in the bench call: at
+# the first quantize shape only (the wide step's most frequent tensor), after every kernel row.
+QUANTIZE_XLA_ROWS = 1
 QUANTIZE_BISECT_CONFIGS = ("column_chunks=4,stages=1", "column_chunks=1")
 PROFILE_SHAPE = "8192x8192x8192"
 # What compute-sanitizer runs (one process per tool, the forms in order): the default dense,
@@ -437,7 +441,7 @@ def plan(command: str, args, gpu: Gpu, work: pathlib.Path) -> list[Stage]:
             stages.append(bench(name, "bench_grouped.py", args.grouped_shapes, ["--op", "wgrad"]))
         elif name == "bench_quantize":
             stages.append(bench(name, "bench_quantize.py", args.quantize_shapes,
-                                configs("--config", args.quantize_config)))
+                                [*configs("--config", args.quantize_config), "--xla-rows", str(QUANTIZE_XLA_ROWS)]))
         elif name == "bench_linear":
             stages.append(bench(name, "bench_linear.py", args.linear_shapes))
         elif name in E2E_ARGS:

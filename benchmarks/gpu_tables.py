@@ -166,13 +166,17 @@ def quantize_table(record: dict) -> list[str]:
     call launches)."""
     lines = [f"quantize, GB/s (copy {fmt(record.get('copy_gbps'), '.4g')} GB/s)   {'GB/s':>7} {'of copy':>7} "
              f"{'dev GB/s':>8} {'of copy':>7} {'kernels':>7}"]
-    for r in record.get("rows", []):
+    rows = record.get("rows", [])
+    # XLA's rows beside the kernels' (a Hopper's record) are marked; a record of XLA's alone is not.
+    beside = any(r["impl"].startswith("jfp8-mosaic-") for r in rows)
+    for r in rows:
         if r["kernel"] == "copy":
             continue
         frac = r.get("frac_of_copy")
         d = r.get("device") or {}
         dfrac = d.get("frac_of_copy")
         config = r["impl"][r["impl"].index("["):] if "[" in r["impl"] else ""
+        config += " (xla)" if beside and r["impl"].startswith("jfp8-xla-") else ""
         lines.append(f"{r['kernel'] + config:24s} {'%dx%d:%s' % (r['m'], r['k'], r['dtype']):25s} {fmt(r['gbps'], '.4g'):>7} "
                      f"{fmt(frac and 100 * frac, '.1f'):>6}% {fmt(d.get('gbps'), '.4g'):>8} "
                      f"{fmt(dfrac and 100 * dfrac, '.1f'):>6}% {fmt(d.get('kernels_per_call'), '.3g'):>7}")

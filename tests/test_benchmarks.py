@@ -329,3 +329,27 @@ def test_a_spent_budget_skips_the_remaining_shapes(tmp_path, benches):
     assert record["rows"] == []
     assert record["skipped"] == [dict(problem=p, reason="time budget 0 s spent")
                                  for p in ("128x128x256", "128x128x384")]
+
+
+def test_xla_quantizer_rows_check_against_the_cpu_reference(monkeypatch, benches):
+    """On a Hopper, bench_quantize also times XLA's own quantizers (jfp8-xla-* rows, the kinds a step
+    runs) at the first --xla-rows shapes, each checked against the reference computed on the CPU.
+    Here (no GPU) the rows' checks pass bit for bit, and a wrong quantizer fails its row."""
+    bench = benches["bench_quantize"]
+    shapes = [bench.QShape(128, 256, "bfloat16"), bench.QShape(256, 384, "float32")]
+    assert bench.xla_row_shapes(shapes, "mosaic", None) == shapes
+    assert bench.xla_row_shapes(shapes, "mosaic", 1) == shapes[:1]
+    assert bench.xla_row_shapes(shapes, "mosaic", 0) == []
+    assert bench.xla_row_shapes(shapes, "xla", None) == []  # every row is XLA's already
+    cases = bench._xla_cases(bench.QShape(136, 320, "bfloat16"), seed=5)
+    assert [c.case.name for c in cases] == [f"jfp8-xla-{k}" for k in bench.XLA_ROW_KERNELS]
+    for c in cases:
+        assert c.case.check(c.case.fn()) == 0, c.case.name
+        assert c.bytes > 0
+    right = bench.MEASURED["tile"]
+    monkeypatch.setitem(bench.MEASURED, "tile", lambda x, impl: dataclasses.replace(
+        right(x, impl), scale=right(x, impl).scale * 2))
+    (tile,) = [c for c in bench._xla_cases(bench.QShape(136, 320, "bfloat16"), seed=5) if c.kernel == "tile"]
+    assert tile.case.check(tile.case.fn()) > 0
+    with pytest.raises(SystemExit):
+        bench.main(["--xla-rows", "-1"])
