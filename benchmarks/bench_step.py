@@ -5,6 +5,7 @@
     python benchmarks/bench_step.py --presets wide --steps 100     # H100: speedup, memory, loss gap
     python benchmarks/bench_step.py --presets wide --profile 3     # + where each step's time goes
     python benchmarks/bench_step.py --presets tiny --model n_layers=1,n_dense_layers=0,mtp=false
+    python benchmarks/bench_step.py --presets wide4k --recipe quantize_impl=xla   # XLA's quantizers, kernels' GEMMs
 
 Per preset and precision, the jitted `jfp8.train.step.build(...).train_step` (AdamW, the router-bias
 update, everything a training step does) runs steps 1..--steps on the preset's batch shape, one
@@ -135,13 +136,27 @@ def parse_model_overrides(text: str) -> tuple[tuple[str, object], ...]:
         raise argparse.ArgumentTypeError(str(e))
 
 
+def parse_recipe_overrides(text: str) -> tuple[tuple[str, object], ...]:
+    """'quantize_impl=xla' -> FP8 recipe overrides (`TrainConfig.recipe_overrides`), for argparse."""
+    from jfp8 import Fp8Recipe
+
+    try:
+        overrides = tuple(parse_overrides(text, Fp8Recipe).items())
+        Fp8Recipe(**dict(overrides))
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return overrides
+
+
 def _config(preset: str, precision: str, batch: int, seq_len: int, steps: int, seed: int,
-            model_overrides=()) -> TrainConfig:
-    """The preset's training run at this batch shape, in `precision`."""
+            model_overrides=(), recipe_overrides=()) -> TrainConfig:
+    """The preset's training run at this batch shape, in `precision` (FP8 with `recipe_overrides`)."""
     t = PRESET_TRAINING[preset]
     return TrainConfig(preset=preset, precision=precision, steps=steps, batch_size=batch, seq_len=seq_len,
                        seed=seed, optimizer=OptimizerConfig(peak_lr=t["peak_lr"], warmup_steps=t["warmup"]),
-                       model_overrides=tuple(model_overrides), progress=False, out=os.devnull)
+                       model_overrides=tuple(model_overrides),
+                       recipe_overrides=tuple(recipe_overrides) if precision == "fp8" else (),
+                       progress=False, out=os.devnull)
 
 
 def _memory(device) -> dict:
@@ -320,6 +335,9 @@ def main(argv=None) -> int:
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--model", type=parse_model_overrides, default=(), metavar="FIELD=VALUE,...",
                    help="ModelConfig overrides, e.g. n_layers=1,mtp=false")
+    p.add_argument("--recipe", type=parse_recipe_overrides, default=(), metavar="FIELD=VALUE,...",
+                   help="the FP8 step's recipe overrides, e.g. quantize_impl=xla (XLA's quantizers beside the "
+                        "kernels' GEMMs); its row is named after them")
     p.add_argument("--max-seconds", type=float, default=120.0,
                    help="cap on one precision's steps after its first (a slow step ends it early)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -396,7 +414,7 @@ def main(argv=None) -> int:
         batches = [data.train_batch(split.train, batch, seq_len, args.seed, s) for s in range(steps)]
         bf16 = None
         for precision in precisions:
-            name = "bf16" if precision == "bf16" else f"fp8-{fp8_impl}"
+            name = "bf16" if precision == "bf16" else f"fp8-{fp8_impl}" + "".join(f"+{k}={v}" for k, v in args.recipe)
             if why := budget_spent(args.budget_s, start):
                 skipped.append(dict(problem=preset, impl=name, reason=why))
                 continue
@@ -404,10 +422,11 @@ def main(argv=None) -> int:
             row_check = {}
 
             def attempt(model, fallback=None):
-                config = _config(preset, precision, batch, seq_len, steps, args.seed, model)
+                config = _config(preset, precision, batch, seq_len, steps, args.seed, model, args.recipe)
                 model_cfg = config.model_config()
                 flops = model_flops(model_cfg, seq_len)
                 configs[preset] = dict(batch=batch, seq_len=seq_len, model_overrides=dict(model),
+                                       fp8_recipe_overrides=dict(args.recipe),
                                        model={k: v for k, v in dataclasses.asdict(model_cfg).items()
                                               if k != "recipe"}, **flops)
                 print(f"{preset} {name}: batch {batch} x {seq_len}, {steps} steps ...", flush=True)

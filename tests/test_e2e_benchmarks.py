@@ -6,6 +6,7 @@ wrong FP8 side is reported as failed (and not timed), with exit status 1. The st
 its FLOP count, checked here against a count by hand.
 """
 
+import argparse
 import json
 import pathlib
 import re
@@ -226,3 +227,18 @@ def test_a_cudnn_failure_in_the_step_retries_with_xla_attention(tmp_path, monkey
     assert step_bench.main([*STEP, "--precisions", "bf16", "--out", str(out)]) == 1
     record = _record(out, "bench_step")
     assert tried[2:] == ["auto"] and not record["rows"] and "out of memory" in record["failed"][0]["error"]
+
+
+def test_step_recipe_overrides_reach_the_fp8_step_only(step_bench):
+    """`--recipe quantize_impl=xla`: parsed against Fp8Recipe (a bad value is an argparse error), in
+    the FP8 run's recipe, and not in BF16's (which has none)."""
+    overrides = step_bench.parse_recipe_overrides("quantize_impl=xla")
+    assert overrides == (("quantize_impl", "xla"),)
+    fp8 = step_bench._config("tiny", "fp8", 2, 32, 4, 0, (), overrides)
+    assert fp8.model_config().recipe.quantizer_impl == "xla"
+    assert fp8.model_config().recipe.impl == "auto"
+    assert step_bench._config("tiny", "bf16", 2, 32, 4, 0, (), overrides).recipe_overrides == ()
+    with pytest.raises(argparse.ArgumentTypeError, match="quantize_impl must be one of"):
+        step_bench.parse_recipe_overrides("quantize_impl=cuda")
+    with pytest.raises(argparse.ArgumentTypeError, match="no field"):
+        step_bench.parse_recipe_overrides("quantise_impl=xla")
