@@ -527,3 +527,17 @@ def parse_overrides(text: str, cls: type) -> dict:
         default = fields[name].default
         out[name] = _parse_value(value, None if default is dataclasses.MISSING else default, name)
     return out
+
+
+def recipe_overrides_arg(text: str) -> dict:
+    """'quantize_impl=xla' -> overrides of `Fp8Recipe` (`TrainConfig.recipe_overrides`), for
+    argparse: an unknown field, a malformed item or a recipe that refuses the values (a bad
+    `quantize_impl`, say) is an argparse error that says which, before anything compiles."""
+    from jfp8 import Fp8Recipe
+
+    try:
+        overrides = parse_overrides(text, Fp8Recipe)
+        Fp8Recipe(**overrides)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return overrides

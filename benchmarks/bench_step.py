@@ -77,6 +77,7 @@ from _bench import (
     error_entry,
     parse_overrides,
     peak_tflops,
+    recipe_overrides_arg,
     report_end,
     within_budget,
     write_record,
@@ -138,14 +139,7 @@ def parse_model_overrides(text: str) -> tuple[tuple[str, object], ...]:
 
 def parse_recipe_overrides(text: str) -> tuple[tuple[str, object], ...]:
     """'quantize_impl=xla' -> FP8 recipe overrides (`TrainConfig.recipe_overrides`), for argparse."""
-    from jfp8 import Fp8Recipe
-
-    try:
-        overrides = tuple(parse_overrides(text, Fp8Recipe).items())
-        Fp8Recipe(**dict(overrides))
-    except (ValueError, TypeError, NotImplementedError) as e:
-        raise argparse.ArgumentTypeError(str(e))
-    return overrides
+    return tuple(recipe_overrides_arg(text).items())
 
 
 def _config(preset: str, precision: str, batch: int, seq_len: int, steps: int, seed: int,

@@ -1097,15 +1097,10 @@ def _model_overrides(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e))
 
 
-def _recipe_overrides(text: str) -> dict:
-    """'quantize_impl=xla' -> Fp8Recipe overrides, checked against its fields."""
-    from _bench import parse_overrides
-    from jfp8 import Fp8Recipe
+def _recipe_overrides_arg(text: str) -> dict:
+    from _bench import recipe_overrides_arg
 
-    try:
-        return parse_overrides(text, Fp8Recipe)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e))
+    return recipe_overrides_arg(text)
 
 
 def variant(batch: int, overrides: dict, recipe: dict | None = None) -> str:
@@ -1126,7 +1121,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", type=_model_overrides, default={}, metavar="FIELD=VALUE,...",
                    help="ModelConfig overrides of the preset (a what-if model: its own file, "
                         "<preset>-<FIELD><VALUE>...-<target>.json, and kept HLO stems)")
-    p.add_argument("--recipe", type=_recipe_overrides, default={}, metavar="FIELD=VALUE,...",
+    p.add_argument("--recipe", type=_recipe_overrides_arg, default={}, metavar="FIELD=VALUE,...",
                    help="Fp8Recipe overrides of the FP8 step (e.g. quantize_impl=xla: XLA's quantizers beside "
                         "the kernels' GEMMs); the BF16 step is the preset's. Its own file, "
                         "<preset>...-recipe-<FIELD><VALUE>...-<target>.json, and kept FP8 HLO stem")

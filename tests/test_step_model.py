@@ -398,13 +398,15 @@ def test_measured_rows_match_the_gpu_model_not_its_exact_name():
     assert not sm.same_gpu(None, "NVIDIA H200")
 
 
-def test_recipe_overrides_name_their_own_files_and_reach_only_the_fp8_step():
+def test_recipe_overrides_are_checked_and_name_their_own_files():
     """`--recipe quantize_impl=xla` (a what-if of the FP8 recipe): parsed against Fp8Recipe's fields,
-    named in the record's and the kept FP8 HLO's file names; the BF16 step has no recipe."""
-    recipe = sm._recipe_overrides("quantize_impl=xla")
+    refused at once when the recipe refuses them, and named in the record's and the kept FP8 HLO's file names."""
+    recipe = sm._recipe_overrides_arg("quantize_impl=xla")
     assert recipe == {"quantize_impl": "xla"}
     assert sm.variant(0, {}, recipe) == "-recipe-quantize_implxla"
     assert sm.variant(16, {"d_model": 4096}, recipe) == "-b16-d_model4096-recipe-quantize_implxla"
     assert sm.variant(16, {}) == "-b16"
     with pytest.raises(Exception, match="no field 'quantise_impl'"):
-        sm._recipe_overrides("quantise_impl=xla")
+        sm._recipe_overrides_arg("quantise_impl=xla")
+    with pytest.raises(Exception, match="quantize_impl must be one of"):  # refused before anything compiles
+        sm._recipe_overrides_arg("quantize_impl=cuda")
