@@ -28,7 +28,7 @@ from jfp8.reference import (
     scaled_matmul_oracle,
     scaled_matmul_reference,
 )
-from jfp8.ops import fp8_linear, grouped_fp8_linear
+from jfp8.ops import Fp8Weight, fp8_linear, fp8_weight, grouped_fp8_linear
 from jfp8.dot_general import fp8_dot_general, make_fp8_dot_general
 from jfp8.autocast import DotRecord, autocast, einsum, format_report
 from jfp8.recipe import Fp8Recipe
@@ -42,6 +42,8 @@ __all__ = [
     "format_report",
     "fp8_dot_general",
     "fp8_linear",
+    "fp8_weight",
+    "Fp8Weight",
     "grouped_fp8_linear",
     "make_fp8_dot_general",
     "Impl",

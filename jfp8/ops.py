@@ -1,7 +1,9 @@
 """FP8 training ops: `fp8_linear`, `grouped_fp8_linear` and `gathered_grouped_fp8_linear` (an MoE's
 dispatch fused into its first expert GEMM; `take_rows`, the dispatch's gather, whose gradient is a
 gather too); `fp8_dot_general`, the drop-in for `lax.dot_general` and Flax, is built on `fp8_linear`
-in `jfp8.dot_general`.
+in `jfp8.dot_general`. Each takes its weight's FP8 copies ready-made where given (`fp8_weight`): a
+weight quantized once and used by many calls (frozen weights, an eval loop over many batches, the
+micro-batches of one update) is not quantized again by each.
 
 Each is a `jax.custom_vjp` whose three GEMMs follow DeepSeek-V3 §3.3 (Figure 6):
   Fprop  y  = x · W      x in 1x128 tiles, W in 128x128 blocks
@@ -15,6 +17,7 @@ The residuals are FP8 data + scales (about half the bytes of bf16 inputs), not t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -99,6 +102,84 @@ def _q_weight(w: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Ten
     return (qw if recipe.dgrad else None), (qw.mT if recipe.fprop else None)
 
 
+def _weight_key(recipe: Fp8Recipe) -> tuple:
+    """The recipe's fields that a weight's FP8 copies depend on (not `impl`: the kernels and the
+    reference quantize to the same bits)."""
+    return (recipe.fprop, recipe.dgrad, recipe.weight_block, recipe.pow2_scale, recipe.weight_amax_floor)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("dgrad", "fprop"), meta_fields=("shape", "key"))
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """A weight's FP8 copies, quantized once for a recipe (`fp8_weight`), for the ops' `w_fp8`.
+
+    Attributes:
+      dgrad: W [..., K, N] in the recipe's weight blocks (Dgrad's operand), or None where Dgrad is
+        not FP8.
+      fprop: Wᵀ [..., N, K], the same blocks transposed (Fprop's operand), or None where Fprop is
+        not FP8.
+      shape: static: the master weight's shape.
+      key: static: the recipe's fields the copies depend on (its FP8 GEMMs, weight block, scale
+        rule and weight amax floor); an op run with another recipe refuses the copies.
+    """
+
+    dgrad: Fp8Tensor | None
+    fprop: Fp8Tensor | None
+    shape: tuple[int, ...]
+    key: tuple
+
+
+def fp8_weight(w: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE) -> Fp8Weight:
+    """W's FP8 copies under `recipe`, for `fp8_linear(x, w, recipe, w_fp8=...)` (and the grouped
+    ops): the same bits the op would quantize itself, so passing them changes no result, only how
+    often W is read and quantized. No gradient flows through them: the op's dW goes to `w`.
+
+    Args:
+      w: (K, N) or (G, K, N) master weight, float32 or bfloat16.
+      recipe: the recipe of the ops that will use the copies.
+    """
+    w = jnp.asarray(w)
+    _check_float("w", w)
+    if w.ndim not in (2, 3):
+        raise ValueError(f"w must be a (K, N) matrix or (G, K, N) experts' weights, got shape {w.shape}")
+    qw, qw_t = _q_weight(jax.lax.stop_gradient(w.astype(jnp.float32)), recipe) if recipe.enabled else (None, None)
+    return Fp8Weight(qw, qw_t, tuple(w.shape), _weight_key(recipe))
+
+
+def _checked_fp8_weight(w_fp8, w: jax.Array, recipe: Fp8Recipe) -> Fp8Weight | None:
+    """`w_fp8` if it holds `w`'s copies under `recipe` (None for None), else a clear error."""
+    if w_fp8 is None:
+        return None
+    if not isinstance(w_fp8, Fp8Weight):
+        raise TypeError(f"w_fp8 must be an Fp8Weight made by jfp8.fp8_weight(w, recipe), got {type(w_fp8).__name__}")
+    if tuple(w_fp8.shape) != tuple(w.shape):
+        raise ValueError(f"w_fp8 holds the copies of a {w_fp8.shape} weight, but w is {w.shape}: make it with "
+                         "jfp8.fp8_weight(w, recipe) from this w")
+    if w_fp8.key != _weight_key(recipe):
+        fields = ("fprop", "dgrad", "weight_block", "pow2_scale", "weight_amax_floor")
+        diff = ", ".join(f"{f}={a!r} (op's {b!r})" for f, a, b in zip(fields, w_fp8.key, _weight_key(recipe)) if a != b)
+        raise ValueError(f"w_fp8 was quantized under another recipe ({diff}): make it with jfp8.fp8_weight(w, recipe) "
+                         "and the recipe the op runs with")
+    return w_fp8
+
+
+def _weights(w: jax.Array, w_fp8: Fp8Weight | None, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Tensor | None]:
+    """(W's Dgrad copy, its Fprop copy): the given ones, or quantized here (`_q_weight`)."""
+    return _q_weight(w, recipe) if w_fp8 is None else (w_fp8.dgrad, w_fp8.fprop)
+
+
+def _no_cotangent(tree):
+    """Zero cotangents for a tree of non-differentiated inputs, typed as they are (inside
+    `shard_map`, varying where they vary; float0 for integers)."""
+    return jax.tree.map(
+        lambda a: jnp.zeros_like(a) if jnp.issubdtype(a.dtype, jnp.inexact) else np.zeros(a.shape, jax.dtypes.float0),
+        tree)
+
+
+def _vary_tree(tree, *others):
+    return jax.tree.map(lambda a: _vary_like(a, *others), tree)
+
+
 def _mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype, recipe: Fp8Recipe) -> jax.Array:
     return scaled_matmul(a, b, out_dtype=out_dtype, impl=recipe.impl, interpret=recipe.interpret)
 
@@ -173,21 +254,22 @@ def _q_grad(dy: jax.Array, recipe: Fp8Recipe) -> tuple[Fp8Tensor | None, Fp8Tens
 # ------------------------------------------------------------------------------ dense linear
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _linear(x: jax.Array, w: jax.Array, recipe: Fp8Recipe) -> jax.Array:
-    return _linear_fwd(x, w, recipe, backward=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _linear(x: jax.Array, w: jax.Array, w_fp8: Fp8Weight | None, recipe: Fp8Recipe) -> jax.Array:
+    return _linear_fwd(x, w, w_fp8, recipe, backward=False)[0]
 
 
-def _linear_fwd(x, w, recipe: Fp8Recipe, backward: bool = True):
-    """x [M, K], w [K, N] -> y [M, N]; residuals are FP8 where the backward GEMM is FP8."""
+def _linear_fwd(x, w, w_fp8, recipe: Fp8Recipe, backward: bool = True):
+    """x [M, K], w [K, N] -> y [M, N]; residuals are FP8 where the backward GEMM is FP8. With
+    `w_fp8`, W's copies are taken from it (W itself is then read only by a GEMM that is not FP8)."""
     qx, x_res = _q_x(x, recipe, backward)
-    qw, qw_t = _q_weight(w, recipe)  # [K, N], [N, K]
+    qw, qw_t = _weights(w, w_fp8, recipe)  # [K, N], [N, K]
     y = _mm(qx, qw_t, x.dtype, recipe) if recipe.fprop else _plain_dot(x, w)
-    return y, (x_res, qw if recipe.dgrad else w)
+    return y, (x_res, qw if recipe.dgrad else w, _no_cotangent(w_fp8))
 
 
 def _linear_bwd(recipe: Fp8Recipe, residuals, dy):
-    x_res, w_res = residuals
+    x_res, w_res, no_dw_fp8 = residuals
     x_dtype = dy.dtype  # y, hence dy, has x's dtype
     q_dy, q_dy_t = _q_grad(dy, recipe)
     if recipe.dgrad:  # dx [M, K] = dy [M, N] · Wᵀ: b is W [K, N] itself (contracted on N)
@@ -198,19 +280,24 @@ def _linear_bwd(recipe: Fp8Recipe, residuals, dy):
         dw = _mm(_wgrad_x(x_res, recipe), q_dy_t, jnp.float32, recipe)
     else:
         dw = jnp.dot(x_res.T, dy, preferred_element_type=jnp.float32)
-    return dx.astype(x_dtype), dw
+    return dx.astype(x_dtype), dw, no_dw_fp8
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
-def fp8_linear(x: jax.Array, w: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE) -> jax.Array:
+def fp8_linear(
+    x: jax.Array, w: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE, *, w_fp8: Fp8Weight | None = None
+) -> jax.Array:
     """`x @ w` with DeepSeek-V3's FP8 Fprop, Dgrad and Wgrad.
 
     Args:
       x: (..., K) bfloat16 or float32; leading axes are batch axes (any number, size 0 too).
       w: (K, N) master weight (float32 or bfloat16).
       recipe: an `Fp8Recipe`; `Fp8Recipe.off()` is a plain matmul in x's dtype.
+      w_fp8: optional, `fp8_weight(w, recipe)`: w's FP8 copies, quantized once for many calls
+        (the same results; the op then does not read or quantize w for its FP8 GEMMs). They must
+        be w's own: a stale copy (of w before an update) gives the stale weight's results.
 
     Returns:
       (..., N) in x's dtype. Gradients: dx in x's dtype, dW computed in FP32 (cast to w's dtype).
@@ -222,12 +309,13 @@ def fp8_linear(x: jax.Array, w: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE) -
         raise ValueError(f"w must be a (K, N) matrix, got shape {w.shape}")
     if x.ndim < 1 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"contraction sizes differ: x is {x.shape}, w is {w.shape} (x[..., K] @ w[K, N])")
+    w_fp8 = _checked_fp8_weight(w_fp8, w, recipe)
     if not recipe.enabled:
         return _plain_dot(x, w)
     # The op sees an FP32 weight so that its FP32 dW is the cotangent as computed; autodiff of the
     # cast hands a bf16 master weight its gradient in bf16.
     x2, w32 = x.reshape(-1, x.shape[-1]), w.astype(jnp.float32)
-    y = _linear(_vary_like(x2, w32), _vary_like(w32, x2), recipe)
+    y = _linear(_vary_like(x2, w32), _vary_like(w32, x2), _vary_tree(w_fp8, x2), recipe)
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
@@ -255,9 +343,9 @@ def _plain_grouped_bwd(recipe: Fp8Recipe, residuals, dy):
 _plain_grouped.defvjp(_plain_grouped_fwd, _plain_grouped_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped(x, w, group_sizes, recipe: Fp8Recipe):
-    return _grouped_fwd(x, w, group_sizes, recipe, backward=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _grouped(x, w, w_fp8, group_sizes, recipe: Fp8Recipe):
+    return _grouped_fwd(x, w, w_fp8, group_sizes, recipe, backward=False)[0]
 
 
 def _gmm(a, b, group_sizes, out_dtype, recipe):
@@ -266,12 +354,12 @@ def _gmm(a, b, group_sizes, out_dtype, recipe):
     )
 
 
-def _grouped_fwd(x, w, group_sizes, recipe: Fp8Recipe, backward: bool = True):
-    """x [T, K] sorted by group, w [G, K, N] -> y [T, N]."""
+def _grouped_fwd(x, w, w_fp8, group_sizes, recipe: Fp8Recipe, backward: bool = True):
+    """x [T, K] sorted by group, w [G, K, N] -> y [T, N]; W's copies from `w_fp8` where given."""
     qx, x_res = _q_x(x, recipe, backward)
-    qw, qw_t = _q_weight(w, recipe)  # [G, K, N], [G, N, K]
+    qw, qw_t = _weights(w, w_fp8, recipe)  # [G, K, N], [G, N, K]
     y = _gmm(qx, qw_t, group_sizes, x.dtype, recipe) if recipe.fprop else _ragged(x, w, group_sizes)
-    return y, (x_res, qw if recipe.dgrad else w, group_sizes)
+    return y, (x_res, qw if recipe.dgrad else w, group_sizes, _no_cotangent(w_fp8))
 
 
 def _grouped_bwd(recipe: Fp8Recipe, residuals, dy):
@@ -295,11 +383,18 @@ def _grouped_bwd(recipe: Fp8Recipe, residuals, dy):
     return dx.astype(x_dtype), dw, zero_sizes
 
 
-_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+def _grouped_vjp_bwd(recipe: Fp8Recipe, residuals, dy):
+    *residuals, no_dw_fp8 = residuals
+    dx, dw, zero_sizes = _grouped_bwd(recipe, tuple(residuals), dy)
+    return dx, dw, no_dw_fp8, zero_sizes
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_vjp_bwd)
 
 
 def grouped_fp8_linear(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE, *,
+    w_fp8: Fp8Weight | None = None,
 ) -> jax.Array:
     """MoE experts in FP8, mirroring `jax.lax.ragged_dot(x, w, group_sizes)`.
 
@@ -309,6 +404,7 @@ def grouped_fp8_linear(
       group_sizes: (G,) int32 tokens per expert; sum <= T, rows past the sum give zeros.
       recipe: the FP8 recipe (Fprop grouped GEMM; Dgrad grouped GEMM with transposed blocks;
         Wgrad grouped along the token axis, FP32).
+      w_fp8: optional, `fp8_weight(w, recipe)` (as in `fp8_linear`).
 
     Returns:
       (T, N) in x's dtype.
@@ -322,12 +418,13 @@ def grouped_fp8_linear(
         raise ValueError(f"contraction sizes differ: x is {x.shape}, w is {w.shape} (x[T, K], w[G, K, N])")
     check_group_sizes(group_sizes, w.shape[0], x.shape[0])
     group_sizes = group_sizes.astype(jnp.int32)
+    w_fp8 = _checked_fp8_weight(w_fp8, w, recipe)
     if not recipe.enabled:
         x, w = _vary_like(x, w, group_sizes), _vary_like(w, x, group_sizes)
         return _plain_grouped(x, w, _vary_like(group_sizes, x, w), recipe)
     w32 = w.astype(jnp.float32)
     x, w32 = _vary_like(x, w32, group_sizes), _vary_like(w32, x, group_sizes)
-    return _grouped(x, w32, _vary_like(group_sizes, x, w32), recipe)
+    return _grouped(x, w32, _vary_tree(w_fp8, x), _vary_like(group_sizes, x, w32), recipe)
 
 
 # ------------------------------------------------------------------------------ gathered rows, summed back in order
@@ -418,30 +515,30 @@ def _checked_token_rows(token_rows, n: int, r: int) -> jax.Array:
 # ------------------------------------------------------------------------------ grouped, gathered rows
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _gathered(tokens, w, rows, token_rows, group_sizes, recipe: Fp8Recipe):
-    return _gathered_fwd(tokens, w, rows, token_rows, group_sizes, recipe, backward=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _gathered(tokens, w, w_fp8, rows, token_rows, group_sizes, recipe: Fp8Recipe):
+    return _gathered_fwd(tokens, w, w_fp8, rows, token_rows, group_sizes, recipe, backward=False)[0]
 
 
-def _gathered_fwd(tokens, w, rows, token_rows, group_sizes, recipe: Fp8Recipe, backward: bool = True):
+def _gathered_fwd(tokens, w, w_fp8, rows, token_rows, group_sizes, recipe: Fp8Recipe, backward: bool = True):
     """tokens [N, K], rows [R] (token of each grouped row) -> y [R, N']: the tokens quantized once,
     their FP8 rows (1x128 tiles are row-local: the same bits as quantizing the gathered rows)
     gathered into the grouped GEMM."""
     q, _ = _q_x(tokens, recipe, backward)  # the call the token's other GEMMs (the shared expert) make: one kernel
     qx = Fp8Tensor(move_bytes(lambda d: jnp.take(d, rows, axis=0), q.data), jnp.take(q.scale, rows, axis=0), q.block,
                    (rows.shape[0], q.logical[1]))
-    qw, qw_t = _q_weight(w, recipe)  # [G, K, N'], [G, N', K]
+    qw, qw_t = _weights(w, w_fp8, recipe)  # [G, K, N'], [G, N', K]
     y = _gmm(qx, qw_t, group_sizes, tokens.dtype, recipe)
     probe = jnp.zeros((tokens.shape[0], 0), tokens.dtype)  # carries N and the dtype of d tokens
-    return y, (qx, qw if recipe.dgrad else w, rows, token_rows, group_sizes, probe)
+    return y, (qx, qw if recipe.dgrad else w, rows, token_rows, group_sizes, probe, _no_cotangent(w_fp8))
 
 
 def _gathered_bwd(recipe: Fp8Recipe, residuals, dy):
-    qx, w_res, rows, token_rows, group_sizes, probe = residuals
+    qx, w_res, rows, token_rows, group_sizes, probe, no_dw_fp8 = residuals
     dx_rows, dw, _ = _grouped_bwd(recipe, (qx, w_res, group_sizes), dy)  # Wgrad re-tiles the gathered rows
     dtokens = _take_rows_transpose(dx_rows.astype(probe.dtype), rows, token_rows, probe.shape[0])
     zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-    return dtokens, dw, zero(rows), None if token_rows is None else zero(token_rows), zero(group_sizes)
+    return dtokens, dw, no_dw_fp8, zero(rows), None if token_rows is None else zero(token_rows), zero(group_sizes)
 
 
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
@@ -449,7 +546,7 @@ _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 def gathered_grouped_fp8_linear(
     tokens: jax.Array, rows: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Fp8Recipe = DEFAULT_RECIPE,
-    *, token_rows: jax.Array | None = None,
+    *, token_rows: jax.Array | None = None, w_fp8: Fp8Weight | None = None,
 ) -> jax.Array:
     """`grouped_fp8_linear(jnp.take(tokens, rows, axis=0), w, group_sizes, recipe)` (an MoE's
     dispatch fused into its first expert GEMM), with each token quantized once instead of once per
@@ -470,7 +567,7 @@ def gathered_grouped_fp8_linear(
     if token_rows is not None:
         token_rows = _checked_token_rows(token_rows, tokens.shape[0], rows.shape[0])
     if not (recipe.fprop and recipe.wgrad and recipe.activation_block == (1, TILE)):
-        return grouped_fp8_linear(take_rows(tokens, rows, token_rows), w, group_sizes, recipe)
+        return grouped_fp8_linear(take_rows(tokens, rows, token_rows), w, group_sizes, recipe, w_fp8=w_fp8)
     _check_float("tokens", tokens)
     _check_float("w", w)
     w, group_sizes = jnp.asarray(w), jnp.asarray(group_sizes)
@@ -478,6 +575,8 @@ def gathered_grouped_fp8_linear(
         raise ValueError(f"w must be (G, K, N) with K = tokens' {tokens.shape[1]}; got w {w.shape}")
     check_group_sizes(group_sizes, w.shape[0], rows.shape[0])
     group_sizes, rows = group_sizes.astype(jnp.int32), rows.astype(jnp.int32)
+    w_fp8 = _checked_fp8_weight(w_fp8, w, recipe)
     w32 = w.astype(jnp.float32)
     tokens, w32 = _vary_like(tokens, w32, group_sizes), _vary_like(w32, tokens, group_sizes)
-    return _gathered(tokens, w32, rows, token_rows, _vary_like(group_sizes, tokens, w32), recipe)
+    return _gathered(tokens, w32, _vary_tree(w_fp8, tokens), rows, token_rows, _vary_like(group_sizes, tokens, w32),
+                     recipe)
