@@ -14,6 +14,9 @@ every quantization (x, W in both orientations, dy in both forms, the §3.5.2 re-
                 the XLA reference elsewhere (on CPU its time says nothing about the kernels)
   fp8-mosaic-unfused  the same with Fp8Recipe(fuse_quantizers=False): W and dy quantized by
                 separate kernels (and W's transpose by XLA), as before the fused quantizers
+  fp8-<impl>-prequantized  with `--prequantized`: the layer given W's FP8 copies made before the
+                timer (`jfp8.fp8_weight`, the ops' `w_fp8`): a weight quantized once for many calls
+                or by the optimizer's update; its time below the fp8 row's is W's quantizer
 Checks before timing, on y, dx and dw (the largest relative Frobenius error of the three): bf16
 against f32 (`precision="highest"`) autodiff, <= 2e-2; the FP8 row against f32 autodiff (<= 0.1,
 recorded as `err_vs_f32`; E4M3 puts it at a few percent) and against the same op on the XLA
@@ -101,6 +104,18 @@ def _fp8_linear(impl, fuse_quantizers=True):
     return lambda x, w: jfp8.fp8_linear(x, w, recipe)
 
 
+def _fp8_linear_prequantized(impl):
+    """(make the copies of w, jit of `_fwd_bwd`'s step given them): the layer with W's FP8 copies
+    passed in (`jfp8.fp8_weight`), so that its timed call does not quantize W."""
+    recipe = jfp8.Fp8Recipe(impl=impl)
+
+    def step(x, w, w_fp8, g):
+        y, vjp = jax.vjp(lambda x, w: jfp8.fp8_linear(x, w, recipe, w_fp8=w_fp8), x, w)
+        return (y, *vjp(g.astype(y.dtype)))
+
+    return jax.jit(lambda w: jfp8.fp8_weight(w, recipe)), jax.jit(step)
+
+
 def _reference_fp8_linear(x, w):
     """What the FP8 row is checked against: the same op on the XLA reference path."""
     return jfp8.fp8_linear(x, w, jfp8.Fp8Recipe(impl="xla"))
@@ -157,7 +172,7 @@ def _operands(seed: int, shape):
     return x, w, g
 
 
-def _cases(shape, impl: str, seed: int) -> tuple[list[Case], dict]:
+def _cases(shape, impl: str, seed: int, prequantized: bool = False) -> tuple[list[Case], dict]:
     x, w, g = _operands(seed, tuple(shape))
     f32 = functools.cache(lambda: _fwd_bwd(_f32_linear)(x.astype(jnp.float32), w, g))
     reference = functools.cache(lambda: reference_slices(x, w, g))
@@ -198,15 +213,21 @@ def _cases(shape, impl: str, seed: int) -> tuple[list[Case], dict]:
         name = f"fp8-{impl}" + ("" if fused else "-unfused")
         fn = _fwd_bwd(_fp8_linear(impl, fused))
         cases.append(Case(name, lambda fn=fn: fn(x, w, g), fp8_check(name), TOL_SAME_NUMERICS, "fp8"))
+    if prequantized:  # W's copies made once, before the timer; checked as the fp8 row is
+        name = f"fp8-{impl}-prequantized"
+        make, fn = _fp8_linear_prequantized(impl)
+        w_fp8 = make(w)
+        cases.append(Case(name, lambda: fn(x, w, w_fp8, g), fp8_check(name), TOL_SAME_NUMERICS, "fp8"))
     return cases, extra
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"\n{'impl':14s} {'MxNxK':>18s} {'ms':>9} {'TFLOP/s':>8} {'x bf16':>7} {'err vs f32':>10}")
+    width = max([14] + [len(r["impl"]) for r in rows])
+    print(f"\n{'impl':{width}s} {'MxNxK':>18s} {'ms':>9} {'TFLOP/s':>8} {'x bf16':>7} {'err vs f32':>10}")
     for r in rows:
         ratio = "" if r.get("ratio_vs_bf16") is None else f"{r['ratio_vs_bf16']:7.2f}"
         err = r.get("err_vs_f32", r["rel_error"])
-        print(f"{r['impl']:14s} {'%dx%dx%d' % (r['m'], r['n'], r['k']):>18s} {r['ms']:9.3f} "
+        print(f"{r['impl']:{width}s} {'%dx%dx%d' % (r['m'], r['n'], r['k']):>18s} {r['ms']:9.3f} "
               f"{r['tflops']:8.4g} {ratio:>7} {err:10.2e}")
 
 
@@ -214,6 +235,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=parse_shapes, nargs="+", default=None, metavar="MxNxK",
                    help=f"shapes, or a named set: {', '.join(SHAPE_SETS)}")
+    p.add_argument("--prequantized", action="store_true",
+                   help="also time the layer given W's FP8 copies made before the timer (jfp8.fp8_weight): "
+                        "the fp8 row's time less W's quantizer")
     add_common_args(p)
     args = p.parse_args(argv)
 
@@ -238,7 +262,7 @@ def main(argv=None) -> int:
     for shape, label in within_budget(shapes, shape_label, args.budget_s, start, skipped):
         m, n, k = shape
         try:
-            cases, extra = _cases(shape, impl, args.seed)
+            cases, extra = _cases(shape, impl, args.seed, args.prequantized)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory preparing operands
             failed.append(error_entry("(operands)", label, e))
             continue

@@ -59,7 +59,7 @@ def records(tmp_path_factory, benches):
         ["--shapes", "128x256:bfloat16", "--config", "swizzle=false", "--device-time", "2", "--out", str(out), *FAST]
     )
     assert rc == 0
-    assert benches["bench_linear"].main(["--shapes", "128x256x256", "--out", str(out), *FAST]) == 0
+    assert benches["bench_linear"].main(["--shapes", "128x256x256", "--prequantized", "--out", str(out), *FAST]) == 0
     return out
 
 
@@ -120,13 +120,27 @@ def test_quantize_record(records):
 def test_linear_record(records):
     record = _record(records, "bench_linear")
     rows = {r["impl"]: r for r in record["rows"]}
-    assert set(rows) == {"bf16", "fp8-xla"} and not record["failed"]
+    assert set(rows) == {"bf16", "fp8-xla", "fp8-xla-prequantized"} and not record["failed"]
     for r in rows.values():
         assert GEMM_KEYS <= set(r) and r["tflops"] > 0 and (r["m"], r["n"], r["k"]) == (128, 256, 256)
     assert rows["bf16"]["ratio_vs_bf16"] == 1.0 and rows["bf16"]["rel_error"] < 2e-2
     # The FP8 row is checked against the XLA reference (itself here: 0) and its E4M3 error
     # against f32 autodiff recorded: a few percent, not zero.
     assert rows["fp8-xla"]["rel_error"] == 0 and 1e-3 < rows["fp8-xla"]["err_vs_f32"] < 0.1
+    # W's copies made before the timer (`jfp8.fp8_weight`): the same bits as the op quantizing W.
+    assert rows["fp8-xla-prequantized"]["rel_error"] == 0
+    assert rows["fp8-xla-prequantized"]["err_vs_f32"] == rows["fp8-xla"]["err_vs_f32"]
+
+
+def test_a_wrong_prequantized_linear_fails_its_check(tmp_path, monkeypatch, benches):
+    """The prequantized row is checked as the fp8 row is: copies of another weight fail it."""
+    bench = benches["bench_linear"]
+    make, step = bench._fp8_linear_prequantized("xla")
+    monkeypatch.setattr(bench, "_fp8_linear_prequantized", lambda impl: (lambda w: make(w * 1.1), step))
+    argv = ["--shapes", "128x256x256", "--only", "fp8", "--prequantized", "--out", str(tmp_path), *FAST]
+    assert bench.main(argv) == 1
+    (failure,) = _record(tmp_path, "bench_linear")["failed"]
+    assert failure["impl"] == "fp8-xla-prequantized" and "check failed" in failure["error"]
 
 
 def _wrong_forward_only(linear):
