@@ -6,8 +6,12 @@ same functions: their results are bit-identical by construction, not by coincide
 They are also DeepGEMM's reference quantizers bit for bit: each step is one correctly rounded f32
 operation (the scale a product, its reciprocal an IEEE division, the encode a product) followed by
 a round-to-nearest-even cast, with no sum that a compiler could contract into an FMA, so XLA, the
-kernels (Mosaic GPU lowers `/` to `arith.divf` without fast-math flags) and PyTorch on CUDA round
-identically. tests/test_deepgemm_parity.py checks it against a numpy port of DeepGEMM's code.
+kernels and PyTorch on CUDA round identically. The kernels take the reciprocal through
+`pallas_kernels._mgpu.ieee_reciprocal` (`rcp.rn.f32`): Mosaic GPU compiles a plain `/` to PTX's
+approximate `div.full.f32`, `jnp.sqrt` to `sqrt.approx.f32`, and contracts `a * b + c` into one
+`fma.rn.f32`, as XLA:CPU does (`benchmarks/hopper/float_rounding.py`; its record in
+`benchmarks/results/hopper-build/float-rounding-h100_sxm.json`). tests/test_deepgemm_parity.py
+checks the rules against a numpy port of DeepGEMM's code.
 """
 
 import jax

@@ -199,3 +199,35 @@ def test_the_session_finds_the_committed_rows_for_its_gpu():
     h100, h200 = gpu_session.deviceless_rows("NVIDIA H100 80GB HBM3"), gpu_session.deviceless_rows("NVIDIA H200")
     assert set(h100) == set(h200) == set(hb.forms())
     assert h100["gemm_default"]["target"] == "h100_sxm" and h200["gemm_default"]["target"] == "h200"
+
+
+def _float_rounding():
+    sys.path.insert(0, str(REPO / "benchmarks" / "hopper"))
+    import float_rounding
+
+    return float_rounding
+
+
+def test_the_references_rounding_is_identified_for_each_expression():
+    """XLA:CPU's results (the reference's) for each expression an optimizer kernel would need match
+    exactly one candidate rounding bit for bit (`benchmarks/hopper/float_rounding.py`): a change in
+    how XLA rounds them (a contraction, a division rewritten) fails here."""
+    rows = _float_rounding().cpu_rows()
+    committed = json.loads((hb.OUT / "float-rounding-h100_sxm.json").read_text())["xla_cpu_mismatches"]
+    assert set(rows) == set(committed)
+    for name, row in rows.items():
+        exact = [cand for cand, n in row.items() if cand != "inputs" and n == 0]
+        assert len(exact) == 1, (name, row)
+        assert committed[name][exact[0]] == 0, (name, row, committed[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mul_add", "divide", "sqrt"])
+def test_mosaic_gpu_rounds_as_recorded(toolchain, name):
+    """Mosaic GPU's PTX for a*b+c (one fma), a/b (div.full, approximate) and sqrt (sqrt.approx), as
+    the committed record says: the IEEE operations a kernel must ask for by hand (as
+    `ieee_reciprocal` does) where it must match the reference."""
+    row = _float_rounding().mosaic_row(name, toolchain)
+    assert row["ok"], row.get("error")
+    committed = json.loads((hb.OUT / "float-rounding-h100_sxm.json").read_text())["mosaic_h100_sxm"][name]
+    assert row["ptx"] == committed["ptx"] and row["sass"] == committed["sass"], (row, committed)
