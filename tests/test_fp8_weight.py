@@ -191,3 +191,63 @@ def test_shard_map_with_replicated_copies():
         return jax.jit(jax.grad(sharded, argnums=1))(x, w, w_fp8)
 
     assert_bitwise_equal(grad(True), grad(False), seed)
+
+
+# ---------------------------------------------------------------------------- a model's copies
+
+
+def _tiny_model(seed=0, **overrides):
+    from flax import nnx
+
+    from jfp8.nn import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig.tiny(**overrides), rngs=nnx.Rngs(seed))
+    return (model, *nnx.split(model, nnx.Param, ...))
+
+
+def test_a_model_with_its_fp8_weights_gives_the_same_loss_and_gradients():
+    """`jfp8.nn.fp8_weights` then `using_fp8_weights` inside jit: the loss and every gradient of
+    the tiny model (MLA, dense and MoE blocks, MTP) bit for bit those of the model quantizing its
+    weights; and the copies are what the layers use: another model's copies of the experts' weights,
+    or of one projection's, change the loss."""
+    from flax import nnx
+
+    from jfp8.nn import fp8_weights, model_loss, using_fp8_weights
+
+    model, graphdef, params, rest = _tiny_model()
+    rng, seed = fresh_rng()
+    tokens = jnp.asarray(rng.integers(0, 256, (4, 64)), jnp.int32)
+
+    def loss(params, rest, tokens, weights):
+        m = nnx.merge(graphdef, params, rest)
+        if weights is None:
+            return model_loss(m, tokens)[0]
+        with using_fp8_weights(m, weights):
+            return model_loss(m, tokens)[0]
+
+    weights = jax.jit(lambda p, r: fp8_weights(nnx.merge(graphdef, p, r)))(params, rest)
+    assert any(k.endswith(".w13") for k in weights) and "blocks.0.attn.wq_a.weight" in weights
+    step = jax.jit(jax.value_and_grad(loss))
+    got, want = step(params, rest, tokens, weights), step(params, rest, tokens, None)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_bitwise_equal(g, w, seed)
+    other = fp8_weights(_tiny_model(seed=1)[0])
+    for swapped in ([k for k in weights if k.endswith((".w13", ".w2")) and ".ffn." in k and ".shared." not in k],
+                    ["blocks.0.attn.wq_a.weight"]):
+        assert swapped
+        mixed = {k: other[k] if k in swapped else v for k, v in weights.items()}
+        assert float(step(params, rest, tokens, mixed)[0]) != float(want[0]), swapped
+
+
+def test_fp8_weights_of_a_bf16_model_and_bad_copies():
+    from jfp8.nn import fp8_weights, using_fp8_weights
+
+    assert fp8_weights(_tiny_model(recipe=Fp8Recipe.off())[0]) == {}
+    model = _tiny_model()[0]
+    weights = fp8_weights(model)
+    with pytest.raises(ValueError, match="missing \\['blocks.0.attn.wkv_a.weight'"):
+        with using_fp8_weights(model, {k: v for k, v in weights.items() if k != "blocks.0.attn.wkv_a.weight"}):
+            pass
+    with pytest.raises(ValueError, match="not in the model \\['extra'\\]"):
+        with using_fp8_weights(model, {**weights, "extra": weights["blocks.0.attn.wq_a.weight"]}):
+            pass

@@ -13,6 +13,7 @@
 
 from jfp8.nn.config import ModelConfig
 from jfp8.nn.counts import ParamCounts, param_counts, state_size
+from jfp8.nn.fp8_weights import fp8_weights, using_fp8_weights
 from jfp8.nn.layers import MLA, Fp8Linear, RMSNorm, SwiGLU, apply_rope, causal_attention, rope_angles
 from jfp8.nn.model import (
     MTP,
@@ -45,6 +46,8 @@ from jfp8.nn.moe import (
 )
 
 __all__ = [
+    "fp8_weights",
+    "using_fp8_weights",
     "ModelConfig",
     "Transformer",
     "ModelAux",

@@ -7,6 +7,8 @@ BF16/FP32.
 
 from __future__ import annotations
 
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -15,6 +17,16 @@ from jfp8.attention import causal_attention
 from jfp8.nn.config import ModelConfig
 from jfp8.ops import fp8_linear
 from jfp8.recipe import Fp8Recipe
+
+
+# While `jfp8.nn.using_fp8_weights` is active: {(id(module), weight's attribute): its FP8 copies}.
+GIVEN_FP8_WEIGHTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jfp8_given_fp8_weights", default=None)
+
+
+def given_fp8_weight(module: nnx.Module, name: str):
+    """The FP8 copies of `module.<name>` given by `jfp8.nn.using_fp8_weights`, or None."""
+    given = GIVEN_FP8_WEIGHTS.get()
+    return None if given is None else given.get((id(module), name))
 
 
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -52,7 +64,7 @@ class Fp8Linear(nnx.Module):
             raise ValueError(f"Fp8Linear expects x[..., {self.in_features}], got shape {x.shape}")
         if self.tap is not None:
             x = self.tap.input(x)
-        y = fp8_linear(x, self.weight[...], self.recipe)
+        y = fp8_linear(x, self.weight[...], self.recipe, w_fp8=given_fp8_weight(self, "weight"))
         if self.tap is not None:
             y = self.tap.output(y)  # records the output gradient dy (the Dgrad/Wgrad operand)
         if self.bias is not None:

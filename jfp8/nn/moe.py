@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jfp8.nn.config import BIAS_RULES, BiasRule, ModelConfig, check_expert_groups
-from jfp8.nn.layers import SwiGLU, normal_init, swiglu
+from jfp8.nn.layers import SwiGLU, given_fp8_weight, normal_init, swiglu
 from jfp8.ops import gathered_grouped_fp8_linear, grouped_fp8_linear, take_rows
 
 # ------------------------------------------------------------------------------ pure routing
@@ -363,6 +363,8 @@ class MoE(nnx.Module):
         k = experts.shape[-1]
         rows = order // k  # [N*K]: the token of each sorted row
         gate_up = gathered_grouped_fp8_linear(tokens, rows, self.w13[...], group_sizes, cfg.recipe,
-                                              token_rows=token_rows(order, k))  # [N*K, 2h]
-        y_sorted = grouped_fp8_linear(swiglu(gate_up), self.w2[...], group_sizes, cfg.recipe)  # [N*K, d]
+                                              token_rows=token_rows(order, k),
+                                              w_fp8=given_fp8_weight(self, "w13"))  # [N*K, 2h]
+        y_sorted = grouped_fp8_linear(swiglu(gate_up), self.w2[...], group_sizes, cfg.recipe,
+                                      w_fp8=given_fp8_weight(self, "w2"))  # [N*K, d]
         return combine(y_sorted, order, weights), group_sizes
