@@ -168,14 +168,6 @@ def _weights(w: jax.Array, w_fp8: Fp8Weight | None, recipe: Fp8Recipe) -> tuple[
     return _q_weight(w, recipe) if w_fp8 is None else (w_fp8.dgrad, w_fp8.fprop)
 
 
-def _no_cotangent(tree):
-    """Zero cotangents for a tree of non-differentiated inputs, typed as they are (inside
-    `shard_map`, varying where they vary; float0 for integers)."""
-    return jax.tree.map(
-        lambda a: jnp.zeros_like(a) if jnp.issubdtype(a.dtype, jnp.inexact) else np.zeros(a.shape, jax.dtypes.float0),
-        tree)
-
-
 def _vary_tree(tree, *others):
     return jax.tree.map(lambda a: _vary_like(a, *others), tree)
 
@@ -265,11 +257,11 @@ def _linear_fwd(x, w, w_fp8, recipe: Fp8Recipe, backward: bool = True):
     qx, x_res = _q_x(x, recipe, backward)
     qw, qw_t = _weights(w, w_fp8, recipe)  # [K, N], [N, K]
     y = _mm(qx, qw_t, x.dtype, recipe) if recipe.fprop else _plain_dot(x, w)
-    return y, (x_res, qw if recipe.dgrad else w, _no_cotangent(w_fp8))
+    return y, (x_res, qw if recipe.dgrad else w)
 
 
 def _linear_bwd(recipe: Fp8Recipe, residuals, dy):
-    x_res, w_res, no_dw_fp8 = residuals
+    x_res, w_res = residuals
     x_dtype = dy.dtype  # y, hence dy, has x's dtype
     q_dy, q_dy_t = _q_grad(dy, recipe)
     if recipe.dgrad:  # dx [M, K] = dy [M, N] · Wᵀ: b is W [K, N] itself (contracted on N)
@@ -280,7 +272,7 @@ def _linear_bwd(recipe: Fp8Recipe, residuals, dy):
         dw = _mm(_wgrad_x(x_res, recipe), q_dy_t, jnp.float32, recipe)
     else:
         dw = jnp.dot(x_res.T, dy, preferred_element_type=jnp.float32)
-    return dx.astype(x_dtype), dw, no_dw_fp8
+    return dx.astype(x_dtype), dw, None  # w_fp8: no cotangent (zeros)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
@@ -359,7 +351,7 @@ def _grouped_fwd(x, w, w_fp8, group_sizes, recipe: Fp8Recipe, backward: bool = T
     qx, x_res = _q_x(x, recipe, backward)
     qw, qw_t = _weights(w, w_fp8, recipe)  # [G, K, N], [G, N, K]
     y = _gmm(qx, qw_t, group_sizes, x.dtype, recipe) if recipe.fprop else _ragged(x, w, group_sizes)
-    return y, (x_res, qw if recipe.dgrad else w, group_sizes, _no_cotangent(w_fp8))
+    return y, (x_res, qw if recipe.dgrad else w, group_sizes)
 
 
 def _grouped_bwd(recipe: Fp8Recipe, residuals, dy):
@@ -384,9 +376,8 @@ def _grouped_bwd(recipe: Fp8Recipe, residuals, dy):
 
 
 def _grouped_vjp_bwd(recipe: Fp8Recipe, residuals, dy):
-    *residuals, no_dw_fp8 = residuals
-    dx, dw, zero_sizes = _grouped_bwd(recipe, tuple(residuals), dy)
-    return dx, dw, no_dw_fp8, zero_sizes
+    dx, dw, zero_sizes = _grouped_bwd(recipe, residuals, dy)
+    return dx, dw, None, zero_sizes  # w_fp8: no cotangent (zeros)
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_vjp_bwd)
@@ -530,15 +521,15 @@ def _gathered_fwd(tokens, w, w_fp8, rows, token_rows, group_sizes, recipe: Fp8Re
     qw, qw_t = _weights(w, w_fp8, recipe)  # [G, K, N'], [G, N', K]
     y = _gmm(qx, qw_t, group_sizes, tokens.dtype, recipe)
     probe = jnp.zeros((tokens.shape[0], 0), tokens.dtype)  # carries N and the dtype of d tokens
-    return y, (qx, qw if recipe.dgrad else w, rows, token_rows, group_sizes, probe, _no_cotangent(w_fp8))
+    return y, (qx, qw if recipe.dgrad else w, rows, token_rows, group_sizes, probe)
 
 
 def _gathered_bwd(recipe: Fp8Recipe, residuals, dy):
-    qx, w_res, rows, token_rows, group_sizes, probe, no_dw_fp8 = residuals
+    qx, w_res, rows, token_rows, group_sizes, probe = residuals
     dx_rows, dw, _ = _grouped_bwd(recipe, (qx, w_res, group_sizes), dy)  # Wgrad re-tiles the gathered rows
     dtokens = _take_rows_transpose(dx_rows.astype(probe.dtype), rows, token_rows, probe.shape[0])
     zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-    return dtokens, dw, no_dw_fp8, zero(rows), None if token_rows is None else zero(token_rows), zero(group_sizes)
+    return dtokens, dw, None, zero(rows), None if token_rows is None else zero(token_rows), zero(group_sizes)
 
 
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
