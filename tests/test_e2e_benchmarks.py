@@ -153,8 +153,8 @@ def test_wrong_step_fails_its_check(tmp_path, monkeypatch, step_bench, fresh_ste
     a few percent (the loss at initialisation barely moves), and FP8 is not timed."""
     right, right_gathered = jfp8.nn.moe.grouped_fp8_linear, jfp8.nn.moe.gathered_grouped_fp8_linear
 
-    def wrong(x, w, sizes, recipe):
-        return right(x, w, sizes, recipe) * (2.0 if recipe.enabled else 1.0)
+    def wrong(x, w, sizes, recipe, **kw):  # the second (down); kw: w_fp8
+        return right(x, w, sizes, recipe, **kw) * (2.0 if recipe.enabled else 1.0)
 
     def wrong_gathered(tokens, rows, w, sizes, recipe, **kw):  # the first expert GEMM (gate/up)
         return right_gathered(tokens, rows, w, sizes, recipe, **kw) * (2.0 if recipe.enabled else 1.0)
