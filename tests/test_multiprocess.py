@@ -34,6 +34,7 @@ TRAIN = ["experiments/train_moe.py", "--preset", "tiny", "--steps", str(STEPS), 
          "--seq-len", "32", "--log-every", "1", "--eval-every", "3", "--ckpt-every", str(CKPT_EVERY),
          "--keep-checkpoints", "3", "--no-progress", "--mesh", "data=2,expert=4",
          "--model", "n_layers=1,n_dense_layers=0,mtp=false,n_routed=8"]
+HELD_IN_SAVE = "tests/fixtures/train_held_in_save.py"  # TRAIN, one process held inside one save
 
 
 def _load_launcher():
@@ -205,28 +206,37 @@ def test_two_processes_train_like_one(single, two):
     assert "final_loss" not in (other.split("[Gloo]")[-1]), "only process 0 prints the summary"
 
 
-def test_killed_process_stops_the_job_and_the_run_resumes(two, tmp_path):
-    """Kill process 1 while the job saves step 4: process 0 ends by itself within the heartbeat
+def test_killed_process_stops_the_job_and_the_run_resumes(two, tmp_path, monkeypatch):
+    """Kill process 1 inside its step-4 save: process 0 ends by itself within the heartbeat
     timeout with jax's error, the half-written step is not taken for a checkpoint, and
     `--resume` with two processes continues from the last complete one to the uninterrupted
-    job's losses, bit for bit."""
+    job's losses, bit for bit.
+
+    Process 1 runs `tests/fixtures/train_held_in_save.py`, which starts the save, writes a marker
+    and sleeps there; the kill waits for the marker. (Watching for orbax's temporary folder instead
+    raced the save: the tiny model's can start and commit between two 10 ms polls, and once did.)"""
     out = tmp_path / "killed"
-    job = launch.start([*TRAIN, "--out", str(out)], 2, out / "logs", devices_per_process=4,
+    marker = out / "held-in-save"
+    for k, v in dict(JFP8_HOLD_PROCESS="1", JFP8_HOLD_SAVE_AT=str(2 * CKPT_EVERY), JFP8_HOLD_MARKER=str(marker)).items():
+        monkeypatch.setenv(k, v)
+    job = launch.start([HELD_IN_SAVE, *TRAIN[1:], "--out", str(out)], 2, out / "logs", devices_per_process=4,
                        heartbeat_timeout_s=HEARTBEAT_S, main_to_terminal=False, cwd=str(ROOT))
-    ckpts, killed_at, partial = out / "checkpoints", None, []
+    ckpts, killed_at = out / "checkpoints", None
     try:
         while job.procs[1].poll() is None and time.monotonic() - job.started < DEADLINE_S:
-            partial = sorted(ckpts.glob(f"{2 * CKPT_EVERY}.orbax-checkpoint-tmp*")) if ckpts.exists() else []
-            if partial:
+            if marker.exists():
                 job.procs[1].send_signal(signal.SIGKILL)
                 killed_at = time.monotonic() - job.started
                 break
-            time.sleep(0.01)
+            time.sleep(0.05)
         outcomes = launch.wait(job, grace_s=HEARTBEAT_S + 60, timeout_s=DEADLINE_S)
     finally:
         launch.stop(job)
     log0 = (out / "logs" / "process-0.log").read_text(errors="replace")
-    assert killed_at is not None, "the job ended before its step-4 save started:\n" + log0[-3000:]
+    logs = "\n".join(f"--- process {i}:\n{launch.tail(p, 30)}" for i, p in enumerate(job.logs))
+    assert killed_at is not None, "process 1 never reached its step-4 save:\n" + logs
+    for k in ("JFP8_HOLD_PROCESS", "JFP8_HOLD_SAVE_AT", "JFP8_HOLD_MARKER"):
+        monkeypatch.delenv(k)
     survivor = outcomes[0]
     assert not survivor.killed and survivor.returncode != 0, launch.describe(survivor)
     # Detected by the missed heartbeats: HEARTBEAT_S, plus slack for a loaded machine.
