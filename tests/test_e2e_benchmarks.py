@@ -242,3 +242,51 @@ def test_step_recipe_overrides_reach_the_fp8_step_only(step_bench):
         step_bench.parse_recipe_overrides("quantize_impl=cuda")
     with pytest.raises(argparse.ArgumentTypeError, match="no field"):
         step_bench.parse_recipe_overrides("quantise_impl=xla")
+
+
+def test_cpu_compile_split_stand_ins_and_summary():
+    """benchmarks/cpu_compile_split.py: its XLA-cast stand-in gives `cast_e4m3`'s bytes (so the
+    variant keeps the bits, as its record says), its one-dot stand-in is the chunked GEMM where K
+    is one chunk (and only there), and the summary is the median over rounds with the loss bits
+    compared to the FP8 step's."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jfp8.reference as reference
+    import pallas_kernels.fp8_math as fp8_math
+
+    split = load_benchmark("cpu_compile_split")
+    swaps = dict(((m.__name__, n), f) for m, n, f in split.stand_ins("fp8-both"))
+    assert set(swaps) == {("pallas_kernels.fp8_math", "cast_e4m3"), ("jfp8.reference", "chunked_matmul")}
+    assert split.stand_ins("fp8") == [] and split.stand_ins("bf16") == []
+    with pytest.raises(ValueError, match="unknown variant 'fp16'"):
+        split.stand_ins("fp16")
+
+    rng = np.random.default_rng()
+    q = rng.standard_normal(4096).astype(np.float32) * rng.choice([1e-4, 1e-2, 1.0, 100.0], 4096).astype(np.float32)
+    q = np.clip(np.concatenate([q, [0.0, -0.0, 448.0, -448.0, 2.0**-9, 2.0**-10]]).astype(np.float32), -448, 448)
+    got = np.asarray(swaps["pallas_kernels.fp8_math", "cast_e4m3"](jnp.asarray(q))).view(np.uint8)
+    want = np.asarray(fp8_math.cast_e4m3(jnp.asarray(q))).view(np.uint8)
+    np.testing.assert_array_equal(got, want)
+
+    one_dot = swaps["jfp8.reference", "chunked_matmul"]
+    for kp in (128, 384):
+        a = jnp.asarray(rng.standard_normal((16, kp)) * 30, jnp.float32).astype(jnp.float8_e4m3fn)
+        b = jnp.asarray(rng.standard_normal((24, kp)) * 30, jnp.float32).astype(jnp.float8_e4m3fn)
+        sa = jnp.asarray(rng.uniform(0.5, 2, (16, kp // 128)), jnp.float32)
+        sb = jnp.asarray(rng.uniform(0.5, 2, (24, kp // 128)), jnp.float32)
+        same = np.array_equal(np.asarray(one_dot(a, sa, b, sb)), np.asarray(reference.chunked_matmul(a, sa, b, sb)))
+        assert same == (kp == 128), kp
+
+    def row(variant, compile_s, bits, preset="small"):
+        return {"preset": preset, "variant": variant, "step": "eval", "trace_s": 1.0, "lower_s": 0.5,
+                "compile_s": compile_s, "instructions": 10, "fusions": 2, "loss_bits": bits}
+
+    rows = [row("fp8", 6.0, "a"), row("fp8", 8.0, "a"), row("fp8", 7.0, "a"), row("bf16", 3.0, "b"),
+            row("bf16", 4.0, "b"), row("fp8-one-dot", 5.0, "c"), row("fp8-xla-cast", 5.5, "a"),
+            row("fp8", 100.0, "z", preset="tiny")]
+    got = split.summarize(rows)["small"]["eval"]
+    assert got["fp8"]["compile_s"] == 7.0 and got["bf16"]["compile_s"] == 3.5
+    assert got["fp8"]["compile_over_bf16"] == 2.0
+    assert got["fp8-xla-cast"]["same_loss_bits_as_fp8"] and not got["fp8-one-dot"]["same_loss_bits_as_fp8"]
+    assert "same_loss_bits_as_fp8" not in got["bf16"]
