@@ -290,3 +290,43 @@ def test_cpu_compile_split_stand_ins_and_summary():
     assert got["fp8"]["compile_over_bf16"] == 2.0
     assert got["fp8-xla-cast"]["same_loss_bits_as_fp8"] and not got["fp8-one-dot"]["same_loss_bits_as_fp8"]
     assert "same_loss_bits_as_fp8" not in got["bf16"]
+
+
+def test_bits_snapshot_compares_bytes(tmp_path):
+    """benchmarks/bits_snapshot.py's comparison: arrays kept as their bytes whatever the dtype
+    (bf16 and E4M3 included, which np.savez cannot store as such), saved and loaded back equal,
+    and every kind of difference named: one element's bits (also -0 against +0, which == hides),
+    a dtype, a shape, an array missing on either side."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    snap = load_benchmark("bits_snapshot")
+    rng = np.random.default_rng()
+    arrays = {
+        "y": np.asarray(jnp.asarray(rng.standard_normal((5, 7)), jnp.bfloat16)),
+        "q": np.asarray(jnp.asarray(rng.standard_normal(9) * 50, jnp.float32).astype(jnp.float8_e4m3fn)),
+        "loss": np.float32(rng.standard_normal()),
+        "finite": np.array([True, False]),
+        "zero": np.array([0.0, 1.0], np.float32),
+    }
+    bits = snap._as_bits(arrays)
+    assert set(bits) == {"y|bfloat16", "q|float8_e4m3fn", "loss|float32", "finite|bool", "zero|float32"}
+    with open(tmp_path / "s.npz", "wb") as f:
+        np.savez(f, **bits)
+    with np.load(tmp_path / "s.npz") as saved:
+        loaded = {k: saved[k] for k in saved.files}
+    assert snap.compare(bits, loaded) == []
+
+    changed = dict(arrays, zero=np.array([-0.0, 1.0], np.float32), finite=np.array([True, True]))
+    changed["y"] = arrays["y"].copy()
+    changed["y"].view(np.uint16)[2, 3] ^= 1  # one ulp
+    changed["loss"] = np.float64(arrays["loss"])
+    del changed["q"]
+    changed["extra"] = np.zeros(3, np.float32)
+    diff = "\n".join(snap.compare(snap._as_bits(changed), loaded))
+    assert "zero|float32: 1 of 2 elements differ" in diff and "finite|bool: 1 of 2 elements differ" in diff
+    assert "y|bfloat16: 1 of 35 elements differ" in diff
+    assert "loss|float32: only in the saved snapshot" in diff and "loss|float64: not in the saved snapshot" in diff
+    assert "q|float8_e4m3fn: only in the saved snapshot" in diff and "extra|float32: not in" in diff
+    reshaped = dict(bits, **{"y|bfloat16": bits["y|bfloat16"].reshape(7, 5)})
+    assert snap.compare(reshaped, loaded) == ["y|bfloat16: (7, 5) uint16 against the saved (5, 7) uint16"]
