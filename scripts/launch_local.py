@@ -9,6 +9,8 @@ into that many jax devices per process (XLA_FLAGS). Process 0 writes to this ter
 to LOGS/process-<i>.log. When a process fails, the others end by themselves once jax's
 coordination service misses its heartbeats (`--heartbeat-timeout`); whoever is still running
 `--grace` seconds later is killed, with its process group. Exits 0 when every process did.
+Processes run with PYTHONFAULTHANDLER=1 unless it is set: one that jax aborts (a missed heartbeat,
+a failed shutdown barrier) writes where each of its Python threads was, after jax's own message.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def process_env(base: dict, process_id: int, processes: int, port: int, devices_
     """`base` plus what process `process_id` of the job needs."""
     env = dict(base, JFP8_COORDINATOR=f"127.0.0.1:{port}", JFP8_NUM_PROCESSES=str(processes),
                JFP8_PROCESS_ID=str(process_id), PYTHONUNBUFFERED="1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     if heartbeat_timeout_s is not None:
         env["JFP8_HEARTBEAT_TIMEOUT_S"] = str(heartbeat_timeout_s)
     if devices_per_process is not None:
@@ -144,10 +147,27 @@ def describe(outcome: Outcome) -> str:
         " (killed by the launcher)" if outcome.killed else "")
 
 
+# The frames of a native stack trace (absl's, printed when jax aborts a process): addresses that
+# would fill a log's tail and push out what the process was doing.
+_NATIVE_FRAME = re.compile(r"^\s*(@\s+0x[0-9a-f]+|PC: @ )")
+
+
 def tail(path: pathlib.Path | None, lines: int = 15) -> str:
+    """The last `lines` lines of a process's log, native stack frames left out (counted instead)."""
     if path is None or not path.exists():
         return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    kept, frames = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if _NATIVE_FRAME.match(line):
+            frames += 1
+            continue
+        if frames:
+            kept.append(f"[{frames} native stack frames left out]")
+            frames = 0
+        kept.append(line)
+    if frames:
+        kept.append(f"[{frames} native stack frames left out]")
+    return "\n".join(kept[-lines:])
 
 
 def parser() -> argparse.ArgumentParser:

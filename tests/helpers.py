@@ -69,6 +69,11 @@ def on_cpu(fn, *args):
         return jax.tree.map(np.asarray, fn(*args))
 
 
+# `--model` for a script's plumbing test: the tiny preset cut to one MoE block without MTP, the
+# same code paths (MLA, routing, FP8 GEMMs forward and backward) for a fraction of the whole
+# preset's compile and step time. Tests of the model itself keep the whole preset.
+ONE_MOE_LAYER = "n_layers=1,n_dense_layers=0,mtp=false"
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "experiments"  # the science
 BENCHMARKS = REPO / "benchmarks"  # the speed and hardware tooling

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -25,16 +26,20 @@ import time
 import numpy as np
 import pytest
 
+from helpers import ONE_MOE_LAYER
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RTOL = 1e-5
+TAIL_LINES = 60  # of each process's log in a failure's message
 HEARTBEAT_S = 10  # jax declares a silent process dead after this long
 DEADLINE_S = 600  # any one job, compile included, on a busy 2-core machine
 STEPS, CKPT_EVERY = 6, 2
 TRAIN = ["experiments/train_moe.py", "--preset", "tiny", "--steps", str(STEPS), "--batch-size", "8",
          "--seq-len", "32", "--log-every", "1", "--eval-every", "3", "--ckpt-every", str(CKPT_EVERY),
          "--keep-checkpoints", "3", "--no-progress", "--mesh", "data=2,expert=4",
-         "--model", "n_layers=1,n_dense_layers=0,mtp=false,n_routed=8"]
+         "--model", ONE_MOE_LAYER + ",n_routed=8"]
 HELD_IN_SAVE = "tests/fixtures/train_held_in_save.py"  # TRAIN, one process held inside one save
+SLOW_COMPILE_S = 35  # past gloo's 30 s for a process to join a collective's first use
 
 
 def _load_launcher():
@@ -70,16 +75,21 @@ def _losses(run: pathlib.Path) -> dict[int, tuple[float, float | None]]:
     return {r["step"]: (r["loss"], r.get("val_loss")) for r in rows}
 
 
-def _run_job(out: pathlib.Path, *extra: str) -> list:
+def _story(job) -> str:
+    """What each process of `job` wrote last (native stack frames left out; with the launcher's
+    PYTHONFAULTHANDLER, a process jax aborts shows where each of its threads was)."""
+    return "\n".join(f"--- process {i}:\n{launch.tail(p, TAIL_LINES)}" for i, p in enumerate(job.logs))
+
+
+def _run_job(out: pathlib.Path, *extra: str, logs: str = "logs", script: str = TRAIN[0]) -> list:
     """The 2-process job; returns its outcomes (asserting every process exited 0)."""
-    job = launch.start([*TRAIN, "--out", str(out), *extra], 2, out / "logs", devices_per_process=4,
+    job = launch.start([script, *TRAIN[1:], "--out", str(out), *extra], 2, out / logs, devices_per_process=4,
                        heartbeat_timeout_s=HEARTBEAT_S, main_to_terminal=False, cwd=str(ROOT))
     try:
         outcomes = launch.wait(job, grace_s=HEARTBEAT_S + 30, timeout_s=DEADLINE_S)
     finally:
         launch.stop(job)
-    logs = "\n".join(f"--- process {i}:\n{launch.tail(p, 30)}" for i, p in enumerate(job.logs))
-    assert all(o.returncode == 0 for o in outcomes), "\n".join(map(launch.describe, outcomes)) + "\n" + logs
+    assert all(o.returncode == 0 for o in outcomes), "\n".join(map(launch.describe, outcomes)) + "\n" + _story(job)
     return job
 
 
@@ -166,6 +176,32 @@ def test_process_env_sets_the_job_and_replaces_the_device_count():
     assert env["JFP8_COORDINATOR"] == "127.0.0.1:1234" and env["JFP8_NUM_PROCESSES"] == "2"
     assert env["JFP8_PROCESS_ID"] == "1" and env["JFP8_HEARTBEAT_TIMEOUT_S"] == "10"
     assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
+    assert env["PYTHONFAULTHANDLER"] == "1"
+    assert launch.process_env({"PYTHONFAULTHANDLER": ""}, 0, 2, 1234, None, None)["PYTHONFAULTHANDLER"] == ""
+
+
+def test_a_process_jax_aborts_shows_its_python_threads(tmp_path, monkeypatch):
+    """Process 1 holds its exit in a thread, so process 0 waits alone at jax's shutdown barrier
+    until both are aborted (the failure CI saw once in the resumed job): the log's tail names the
+    thread's line, not only jax's native stack, which the tail leaves out."""
+    code = ("import os, threading, time, jax\n"
+            "from jfp8 import mesh\n"
+            "mesh.initialize_distributed()\n"
+            "if jax.process_index() == 1:\n"
+            "    def holds_the_exit(): time.sleep(120)\n"
+            "    threading.Thread(target=holds_the_exit).start()\n")
+    monkeypatch.setenv("JFP8_SHUTDOWN_TIMEOUT_S", "3")
+    monkeypatch.delenv("PYTHONFAULTHANDLER", raising=False)
+    job = launch.start([sys.executable, "-c", code], 2, tmp_path / "logs", devices_per_process=1,
+                       heartbeat_timeout_s=HEARTBEAT_S, main_to_terminal=False, cwd=str(ROOT))
+    try:
+        outcomes = launch.wait(job, grace_s=60, timeout_s=120)
+    finally:
+        launch.stop(job)
+    assert all(o.returncode == -signal.SIGABRT for o in outcomes), [launch.describe(o) for o in outcomes]
+    text = launch.tail(job.logs[1], TAIL_LINES)
+    assert "in holds_the_exit" in text and "Shutdown barrier" in text, text
+    assert "native stack frames left out" in text and not re.search(r"^\s*@\s+0x", text, re.M), text
 
 
 def test_launcher_kills_the_survivors_after_the_grace(tmp_path):
@@ -210,7 +246,7 @@ def test_killed_process_stops_the_job_and_the_run_resumes(two, tmp_path, monkeyp
     """Kill process 1 inside its step-4 save: process 0 ends by itself within the heartbeat
     timeout with jax's error, the half-written step is not taken for a checkpoint, and
     `--resume` with two processes continues from the last complete one to the uninterrupted
-    job's losses, bit for bit.
+    job's losses, bit for bit, although its process 1 compiles its train step 35 s longer.
 
     Process 1 runs `tests/fixtures/train_held_in_save.py`, which starts the save, writes a marker
     and sleeps there; the kill waits for the marker. (Watching for orbax's temporary folder instead
@@ -233,7 +269,7 @@ def test_killed_process_stops_the_job_and_the_run_resumes(two, tmp_path, monkeyp
     finally:
         launch.stop(job)
     log0 = (out / "logs" / "process-0.log").read_text(errors="replace")
-    logs = "\n".join(f"--- process {i}:\n{launch.tail(p, 30)}" for i, p in enumerate(job.logs))
+    logs = _story(job)
     assert killed_at is not None, "process 1 never reached its step-4 save:\n" + logs
     for k in ("JFP8_HOLD_PROCESS", "JFP8_HOLD_SAVE_AT", "JFP8_HOLD_MARKER"):
         monkeypatch.delenv(k)
@@ -258,7 +294,13 @@ def test_killed_process_stops_the_job_and_the_run_resumes(two, tmp_path, monkeyp
     print(f"killed process 1 {killed_at:.1f} s into the job; process 0 ended {survivor.ended_s - killed_at:.1f} s "
           f"later ({launch.describe(survivor)}); complete checkpoints {complete}, partial {[p.name for p in left]}")
 
-    _run_job(out, "--resume")
+    # The resumed job's process 1 compiles its train step 35 s longer than process 0 takes to load
+    # it from the cache (as its compile did in CI once, on a loaded machine): more than gloo's 30 s
+    # for a collective's first use, which the loop's compile barrier absorbs.
+    monkeypatch.setenv("JFP8_SLOW_COMPILE_PROCESS", "1")
+    monkeypatch.setenv("JFP8_SLOW_COMPILE_S", str(SLOW_COMPILE_S))
+    _run_job(out, "--resume", logs="logs-resumed", script=HELD_IN_SAVE)  # the killed job's logs kept
+    assert f"held the first compile of jit_step for {SLOW_COMPILE_S} s" in (out / "logs-resumed" / "process-1.log").read_text()
     assert not sorted(ckpts.glob("*.orbax-checkpoint-tmp*")), "the resumed run removes the partial save"
     resumed, ref = _losses(out), _losses(two)
     assert resumed == ref

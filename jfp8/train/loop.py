@@ -32,8 +32,34 @@ from jfp8.train.step import TrainSetup, build, scaled_value_and_grad  # noqa: F4
 class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/Inf loss; the last good checkpoint is kept."""
 
+@jax.jit
+def _finite(tree) -> jax.Array:
+    """Whether every floating-point leaf of `tree` is finite: one program for the whole state."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
 def _all_finite(tree) -> bool:
-    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating))
+    return bool(_finite(tree))
+
+# How long the processes of a job wait for each other's compiles (`_compile_together`).
+COMPILE_BARRIER_S = 1800
+
+def _compile_together(train_step, eval_step, state: dict, tokens) -> None:
+    """A multi-process job's loop programs compiled before any of them runs, then a barrier.
+
+    On the CPU, processes other than 0 never read jax's persistent cache back: their cache keys
+    differ from process 0's (XLA's CPU topology fingerprint is per process) and only process 0
+    writes entries. So on a second start (a resume) process 0 loads its steps at once while the
+    others compile theirs, and gloo gives a process 30 s to join a collective's first use: a
+    longer compile failed the job ("Gloo context initialization failed: ... GetKeyValue() timed
+    out"; CI saw it once, in a resumed 2-process job on a loaded machine). Compiled here, the steps
+    are what the jitted calls then run (jax reuses the executables)."""
+    train_step.lower(state["params"], state["rest"], state["opt_state"], tokens).compile()
+    eval_step.lower(state["params"], state["rest"], tokens).compile()
+    _finite.lower(state).compile()
+    from jfp8 import mesh as meshes
+
+    meshes.barrier("jfp8-train-compiled", timeout_s=COMPILE_BARRIER_S)
 
 def _trim_metrics(path: pathlib.Path, last_step: int) -> None:
     """Drops lines logged after `last_step` (a killed run may have logged past its checkpoint)."""
@@ -101,6 +127,8 @@ def train(
     shape = (config.batch_size, config.seq_len)
     val = [place(functools.partial(data.eval_batch, split.val, *shape, config.eval_batches, i), shape)
            for i in range(config.eval_batches)]
+    if mesh is not None and jax.process_count() > 1:
+        _compile_together(train_step, eval_step, {"params": params, "rest": rest, "opt_state": opt_state}, val[0])
     tokens_per_step = config.batch_size * config.seq_len
     end = config.steps if stop_after is None else min(config.steps, stop_after)
     make = lambda step: place(  # noqa: E731
