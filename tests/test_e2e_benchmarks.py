@@ -16,7 +16,7 @@ import pytest
 
 import jfp8.nn.moe
 import jfp8.train.step
-from helpers import BENCHMARKS, load_benchmark
+from helpers import BENCHMARKS, ONE_MOE_LAYER, load_benchmark
 
 sys.path.insert(0, str(BENCHMARKS))
 
@@ -25,7 +25,7 @@ BLOCK = "64x128x128x2"  # 64 tokens, d_model 128, expert width 128, 2 experts (t
 PARTS = {"y", "dx", "d_gate", "d_w13", "d_w2"}
 # The tiny preset cut to one MoE block without MTP: the step's plumbing at a third of the compile.
 STEP = ["--presets", "tiny", "--batch", "2", "--seq-len", "32", "--steps", "4", "--timed-from", "2",
-        "--model", "n_layers=1,n_dense_layers=0,mtp=false"]
+        "--model", ONE_MOE_LAYER]
 
 
 def _record(out: pathlib.Path, name: str) -> dict:

@@ -22,6 +22,7 @@ from jfp8.recipe import Fp8Recipe
 from jfp8.train.loop import TrainConfig, scaled_value_and_grad, train
 from jfp8.train.optim import OptimizerConfig
 from jfp8.train.probes import gradient_errors, load_run
+from helpers import ONE_MOE_LAYER
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
 import capture_tensors  # noqa: E402
@@ -223,8 +224,8 @@ def test_capture_tensors_script_writes_the_selected_layers(tiny_run, tmp_path, m
 
 
 def test_recipe_ablation_runs_arms_and_probes(tmp_path, monkeypatch):
-    args = ["--preset", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2",
-            "--log-every", "1", "--probe-every", "2", "--probe-batches", "1", "--no-progress",
+    args = ["--preset", "tiny", "--model", ONE_MOE_LAYER, "--steps", "4", "--batch-size", "2", "--seq-len", "32",
+            "--eval-every", "2", "--log-every", "1", "--probe-every", "2", "--probe-batches", "1", "--no-progress",
             "--arms", "deepseek,dgrad-128x128", "--out", str(tmp_path)]
     stale = {arm: {"step": 4, "val_ce": -1.0} for arm in ("deepseek", "dgrad-128x128")}
     (tmp_path / "whole_split.json").write_text(json.dumps(stale))  # an earlier experiment's, not reused

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from helpers import load_experiment as _load
+from helpers import ONE_MOE_LAYER, load_experiment as _load
 
 
 @pytest.fixture(scope="module")
@@ -168,15 +168,15 @@ def test_committed_summary_is_complete_and_consistent(ps):
 
 @pytest.mark.slow
 def test_compare_precision_end_to_end_on_a_small_corpus(tmp_path, capsys):
-    """The demo's script, at the training-loop tests' size (their compiled steps are reused): the
-    gap is the whole-split one, over the kept checkpoints, and is read against the band."""
+    """The demo's script on the tiny model cut to one MoE block: the gap is the whole-split one,
+    over the kept checkpoints, and is read against the band."""
     from jfp8.train import data
 
     cp = _load("compare_precision")
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(data.load_bytes(None)[:3600].tobytes())
     out = tmp_path / "cmp"
-    s = cp.main(["--preset", "tiny", "--steps", "30", "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3",
+    s = cp.main(["--preset", "tiny", "--model", ONE_MOE_LAYER, "--steps", "30", "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3",
                  "--warmup", "2", "--eval-every", "5", "--log-every", "1", "--ckpt-every", "10",
                  "--corpus", str(corpus), "--no-progress", "--out", str(out)])
     assert s["evaluated_steps"] == [10, 20, 30]
