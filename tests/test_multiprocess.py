@@ -182,8 +182,9 @@ def test_process_env_sets_the_job_and_replaces_the_device_count():
 
 def test_a_process_jax_aborts_shows_its_python_threads(tmp_path, monkeypatch):
     """Process 1 holds its exit in a thread, so process 0 waits alone at jax's shutdown barrier
-    until both are aborted (the failure CI saw once in the resumed job): the log's tail names the
-    thread's line, not only jax's native stack, which the tail leaves out."""
+    until both are aborted (the signature of CI's one failure of the resumed job, whose cause its
+    30-line tails of native frames hid): the log's tail names the thread's function, and leaves
+    out jax's native stack frames."""
     code = ("import os, threading, time, jax\n"
             "from jfp8 import mesh\n"
             "mesh.initialize_distributed()\n"
@@ -300,7 +301,8 @@ def test_killed_process_stops_the_job_and_the_run_resumes(two, tmp_path, monkeyp
     monkeypatch.setenv("JFP8_SLOW_COMPILE_PROCESS", "1")
     monkeypatch.setenv("JFP8_SLOW_COMPILE_S", str(SLOW_COMPILE_S))
     _run_job(out, "--resume", logs="logs-resumed", script=HELD_IN_SAVE)  # the killed job's logs kept
-    assert f"held the first compile of jit_step for {SLOW_COMPILE_S} s" in (out / "logs-resumed" / "process-1.log").read_text()
+    held = (out / "logs-resumed" / "process-1.log").read_text()
+    assert f"held the first compile of jit_step for {SLOW_COMPILE_S} s" in held
     assert not sorted(ckpts.glob("*.orbax-checkpoint-tmp*")), "the resumed run removes the partial save"
     resumed, ref = _losses(out), _losses(two)
     assert resumed == ref

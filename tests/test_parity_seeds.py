@@ -176,8 +176,8 @@ def test_compare_precision_end_to_end_on_a_small_corpus(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(data.load_bytes(None)[:3600].tobytes())
     out = tmp_path / "cmp"
-    s = cp.main(["--preset", "tiny", "--model", ONE_MOE_LAYER, "--steps", "30", "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3",
-                 "--warmup", "2", "--eval-every", "5", "--log-every", "1", "--ckpt-every", "10",
+    s = cp.main(["--preset", "tiny", "--model", ONE_MOE_LAYER, "--steps", "30", "--batch-size", "4", "--seq-len", "64",
+                 "--lr", "3e-3", "--warmup", "2", "--eval-every", "5", "--log-every", "1", "--ckpt-every", "10",
                  "--corpus", str(corpus), "--no-progress", "--out", str(out)])
     assert s["evaluated_steps"] == [10, 20, 30]
     assert s["relative_gap"] == pytest.approx(
