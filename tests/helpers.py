@@ -71,8 +71,10 @@ def on_cpu(fn, *args):
 
 # `--model` for a script's plumbing test: the tiny preset cut to one MoE block without MTP, the
 # same code paths (MLA, routing, FP8 GEMMs forward and backward) for a fraction of the whole
-# preset's compile and step time. Tests of the model itself keep the whole preset.
-ONE_MOE_LAYER = "n_layers=1,n_dense_layers=0,mtp=false"
+# preset's compile and step time. Tests of the model itself keep the whole preset. The same cut as
+# `model_overrides` (a config's tuple) and as `--model` (a script's string).
+ONE_MOE_LAYER_OVERRIDES = (("n_layers", 1), ("n_dense_layers", 0), ("mtp", False))
+ONE_MOE_LAYER = ",".join(f"{k}={str(v).lower()}" for k, v in ONE_MOE_LAYER_OVERRIDES)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "experiments"  # the science

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import interpret_detecting_races, load_benchmark as _load
+from helpers import ONE_MOE_LAYER_OVERRIDES, interpret_detecting_races, load_benchmark as _load
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "gpu"
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -725,8 +725,7 @@ def test_a_failing_repeat_does_not_fail_the_training_check(monkeypatch):
     config = check._config
 
     def one_layer(preset, batch, steps, impl, interpret, model_overrides=()):
-        cut = (("n_layers", 1), ("n_dense_layers", 0), ("mtp", False))
-        return config(preset, batch, steps, impl, interpret, cut + tuple(model_overrides))
+        return config(preset, batch, steps, impl, interpret, ONE_MOE_LAYER_OVERRIDES + tuple(model_overrides))
 
     monkeypatch.setattr(check, "_config", one_layer)
     row = check.check("tiny", 1, 1, interpret=False)

@@ -26,10 +26,11 @@ from jfp8.train import sharded
 from jfp8.nn import model_loss
 from jfp8.train.loop import TrainConfig, build
 from jfp8.train.optim import OptimizerConfig
-from helpers import assert_bitwise_equal, float_scatter_adds, fresh_rng, hard_row_gradients, nan_as_quiet
+from helpers import (ONE_MOE_LAYER_OVERRIDES, assert_bitwise_equal, float_scatter_adds, fresh_rng, hard_row_gradients,
+                     nan_as_quiet)
 
 # One MoE layer, 8 experts (so a 1x8 mesh holds one expert per device), no MTP: small compiles.
-OVERRIDES = (("n_layers", 1), ("n_dense_layers", 0), ("mtp", False), ("n_routed", 8))
+OVERRIDES = ONE_MOE_LAYER_OVERRIDES + (("n_routed", 8),)
 BATCH, SEQ = 8, 32
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from jfp8.train.loop import NonFiniteLossError, TrainConfig, read_metrics, train
 from jfp8.train.optim import OptimizerConfig
+from helpers import ONE_MOE_LAYER_OVERRIDES
 
 # Every test below but the non-finite one runs this model, optimizer and schedule (steps=30), so
 # they share one compiled train step and one eval step (`_step_functions` is cached on them);
@@ -85,7 +86,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     cfg = dataclasses.replace(
         TINY, steps=20, ckpt_every=1, eval_every=100, out=str(tmp_path / "nan"),
         optimizer=OptimizerConfig(peak_lr=1e9, warmup_steps=0, clip_norm=1e9),
-        model_overrides=(("n_layers", 1), ("n_dense_layers", 0), ("mtp", False)),
+        model_overrides=ONE_MOE_LAYER_OVERRIDES,
     )
     with pytest.raises(NonFiniteLossError, match="last good checkpoint"):
         train(cfg)

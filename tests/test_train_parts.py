@@ -14,6 +14,7 @@ from jfp8.train.optim import (
     make_optimizer,
     scale_by_adam_low_precision,
 )
+from helpers import ONE_MOE_LAYER_OVERRIDES
 
 
 def _params(rng):
@@ -155,7 +156,7 @@ def test_train_step_donates_the_state_it_is_given():
     from jfp8.train.step import build
 
     cfg = TrainConfig(preset="tiny", precision="fp8", batch_size=2, seq_len=32, steps=4, progress=False,
-                      model_overrides=(("n_layers", 1), ("n_dense_layers", 0), ("mtp", False)))
+                      model_overrides=ONE_MOE_LAYER_OVERRIDES)
     tokens = np.random.default_rng().integers(0, 256, (2, 32)).astype(np.int32)
     results = {}
     for donate in (True, False):
