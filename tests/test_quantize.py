@@ -153,12 +153,15 @@ def test_batch_axes_are_independent():
     rng, seed = _rng()
     x = jnp.asarray(rng.standard_normal((3, 2, 40, 200)), jnp.float32)
     for block in BLOCKS:
-        q = quantize(x, block)
+        # the batch and each of its matrices quantized in one program per block (eagerly, every
+        # op of every quantization compiled apart: 19 s of this test's 20)
+        q, parts = jax.jit(lambda x: (quantize(x, block), [[quantize(x[i, j], block) for j in range(2)]
+                                                           for i in range(3)]))(x)
         for i in range(3):
             for j in range(2):
-                qi = quantize(x[i, j], block)
+                qi = parts[i][j]
                 np.testing.assert_array_equal(
-                    np.asarray(q.data[i, j]).view(np.uint8), np.asarray(qi.data).view(np.uint8)
+                    np.asarray(q.data[i, j]).view(np.uint8), np.asarray(qi.data).view(np.uint8), err_msg=f"seed {seed}"
                 )
                 np.testing.assert_array_equal(np.asarray(q.scale[i, j]), np.asarray(qi.scale))
 
@@ -171,10 +174,10 @@ def test_row_tiles_with_a_k_tail_equal_the_padded_quantization(bk):
     tails, power-of-two scales, every dtype and batch axes included."""
     rng, seed = _rng()
     # Jitted, as a training step runs it (one program per shape instead of every op compiled
-    # eagerly: 4x quicker); the first trial also eagerly.
-    tail = jax.jit(lambda x, pow2: quantize(x, (1, bk), pow2_scale=pow2), static_argnums=1)
-    padded = jax.jit(lambda x, kp, pow2: quantize(jnp.pad(x, ((0, 0), (0, 0), (0, kp - x.shape[-1]))), (1, bk),
-                                                  pow2_scale=pow2), static_argnums=(1, 2))
+    # eagerly: 4x quicker), both scale rules in one program; the first trial also eagerly.
+    tail = jax.jit(lambda x: [quantize(x, (1, bk), pow2_scale=pow2) for pow2 in (False, True)])
+    padded = jax.jit(lambda x, kp: [quantize(jnp.pad(x, ((0, 0), (0, 0), (0, kp - x.shape[-1]))), (1, bk),
+                                             pow2_scale=pow2) for pow2 in (False, True)], static_argnums=1)
     for trial in range(12):
         m, k = int(rng.integers(1, 40)), int(rng.integers(1, bk))
         dtype = [jnp.bfloat16, jnp.float32, jnp.float16][trial % 3]
@@ -185,16 +188,17 @@ def test_row_tiles_with_a_k_tail_equal_the_padded_quantization(bk):
             x[..., -min(k, 3):] = 0
         x = jnp.asarray(x, dtype)
         kp = -(-k // bk) * bk
-        runs = [(tail, padded)] + ([(
-            lambda x, pow2: quantize(x, (1, bk), pow2_scale=pow2),
-            lambda x, kp, pow2: quantize(jnp.pad(x, ((0, 0), (0, 0), (0, kp - k))), (1, bk), pow2_scale=pow2),
+        runs = [(tail(x), padded(x, kp))] + ([(
+            [quantize(x, (1, bk), pow2_scale=pow2) for pow2 in (False, True)],
+            [quantize(jnp.pad(x, ((0, 0), (0, 0), (0, kp - k))), (1, bk), pow2_scale=pow2) for pow2 in (False, True)],
         )] if trial == 0 else [])
-        for (run_tail, run_padded), pow2 in ((r, p) for r in runs for p in (False, True)):
-            got, want = run_tail(x, pow2), run_padded(x, kp, pow2)
-            assert got.logical == (m, k) and got.data.shape == want.data.shape, (seed, trial)
-            np.testing.assert_array_equal(np.asarray(got.data).view(np.uint8), np.asarray(want.data).view(np.uint8),
-                                          err_msg=f"seed {seed} trial {trial} {m}x{k} {dtype.__name__} pow2={pow2}")
-            np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+        for tails, paddeds in runs:
+            for got, want, pow2 in zip(tails, paddeds, (False, True)):
+                assert got.logical == (m, k) and got.data.shape == want.data.shape, (seed, trial)
+                np.testing.assert_array_equal(
+                    np.asarray(got.data).view(np.uint8), np.asarray(want.data).view(np.uint8),
+                    err_msg=f"seed {seed} trial {trial} {m}x{k} {dtype.__name__} pow2={pow2}")
+                np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
 
 
 def test_a_fused_producer_keeps_its_rounding_before_the_quantizer():
