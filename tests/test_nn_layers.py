@@ -127,24 +127,31 @@ def test_mla_depends_on_position_through_rope(mla_setup):
     assert without_rope < 0.02, f"seed {seed}: position leaks in without RoPE ({without_rope})"
 
 
-def test_normal_init_is_jax_normal_bit_for_bit_from_a_few_generators():
+def test_normal_init_is_jax_normal_bit_for_bit_from_a_few_generators(monkeypatch):
     """A weight's initial values are `std * jax.random.normal(key, shape)` to the bit, drawn as the
     first elements of a power-of-two draw (threefry's element i depends on the key and i alone),
     so weights of several shapes share one compiled generator: fresh shapes on both sides of a
-    draw's length, one element, and an empty weight."""
+    draw's length, one element, an empty weight and one longer than the longest draw."""
     from jfp8.nn import layers
 
     rng, seed = _rng()
     edge = layers._MIN_DRAW
     shapes = [(1,), (0, 5), (edge,), (edge + 1,), (2, edge // 2, 3), (4, 64, 128)]
     shapes += [tuple(int(v) for v in rng.integers(1, 80, int(rng.integers(1, 4)))) for _ in range(8)]
-    for shape in shapes:
+
+    def check(shape):
         key_seed, std = int(rng.integers(1 << 30)), float(rng.uniform(0.001, 1.0))
         got = layers.normal_init(nnx.Rngs(key_seed), shape, std)
         want = std * jax.random.normal(nnx.Rngs(key_seed).params(), shape, jnp.float32)
         assert got.shape == shape and got.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32),
                                       err_msg=f"seed {seed} shape {shape}")
+
+    for shape in shapes:
+        check(shape)
+    with monkeypatch.context() as m:  # the longest draw made short: a weight past it
+        m.setattr(layers, "_MAX_DRAW", 2 * edge)
+        check((3, 2 * edge + 5))
     before = layers._flat_normal._cache_size()
     for shape in [(3, 7), (100, 100), (16, 1024)]:  # every one within the shortest draw
         layers.normal_init(nnx.Rngs(0), shape, 0.02)

@@ -38,15 +38,17 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array
     jax's threefry draws element i from the key and i alone (`jax_threefry_partitionable`, on by
     default), so a draw of n values is the first n of any longer one. Drawing at power-of-two
     lengths lets a model's weights share a few compiled generators instead of compiling one per
-    weight shape (XLA:CPU: about 0.4 s each, 12 shapes in `tiny`)."""
+    weight shape (XLA:CPU: about 0.4 s each, 12 shapes in `tiny`). A weight of more than
+    `_MAX_DRAW` elements is drawn at its own length (a longer draw would cost memory, not time)."""
     size = math.prod(shape)
     if not jax.config.jax_threefry_partitionable or size == 0:
         return std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    flat = _flat_normal(rngs.params(), max(1 << (size - 1).bit_length(), _MIN_DRAW))
-    return std * flat[:size].reshape(shape)
+    n = size if size > _MAX_DRAW else max(1 << (size - 1).bit_length(), _MIN_DRAW)
+    return std * _flat_normal(rngs.params(), n)[:size].reshape(shape)
 
 
 _MIN_DRAW = 1 << 14  # the shortest draw: weights smaller than this share one generator
+_MAX_DRAW = 1 << 24  # 64 MiB of f32: longer weights are drawn at their own length
 
 
 @functools.partial(jax.jit, static_argnums=1)
